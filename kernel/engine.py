@@ -1,0 +1,245 @@
+"""The library front door: `async with Engine.from_pipeline(...) as engine`."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import anyio
+import msgspec
+from anyio.streams.memory import MemoryObjectSendStream
+
+from . import messages as m
+from .errors import RequestError, StageError, UnikernError
+from .router import INBOX_SIZE, Router
+from .spec import PipelineSpec, load_pipeline
+
+LogitsProcessor = Callable[[list[int], Any], Any]
+
+
+class Completion(msgspec.Struct, frozen=True):
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    usage: m.Usage
+
+
+_NO_ROUTE = object()
+
+
+class Engine:
+    """Runs one pipeline. Many `generate` calls may run at once, from asyncio or trio."""
+
+    def __init__(self, spec: PipelineSpec) -> None:
+        self.spec = spec
+        self._router: Router | None = None
+        self._requests: dict[str, MemoryObjectSendStream[Any] | object] = {}
+        self._processors: dict[str, Sequence[LogitsProcessor]] = {}
+        self._ids = itertools.count()
+        self._id_prefix = f"req-{os.getpid()}-{id(self) & 0xFFFF:x}"
+        self._tg: anyio.abc.TaskGroup | None = None
+        self.fault: StageError | None = None
+
+    @classmethod
+    def from_pipeline(
+        cls,
+        pipeline: str = "generate",
+        *,
+        model: str | None = None,
+        overrides: dict[str, dict[str, Any]] | None = None,
+    ) -> Engine:
+        """`pipeline` is a built-in name or a YAML path; `model` overrides every stage's
+        model; `overrides` maps stage name -> {param: value}."""
+        return cls(load_pipeline(pipeline, model=model, overrides=overrides))
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        egress_send, egress_receive = anyio.create_memory_object_stream[Any](INBOX_SIZE)
+        self._router = Router(self.spec, egress_send, self._on_fault)
+        self._router.resources["logits_processors"] = self._processors
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        try:
+            self._tg.start_soon(self._dispatch, egress_receive)
+            await self._tg.start(self._router.run)
+        except BaseException as exc:
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        result = await self._tg.__aexit__(*exc_info)
+        if self.fault is not None and exc_info[0] is None:
+            raise self.fault
+        return result
+
+    @property
+    def model(self) -> str:
+        return str(self._router.resources.get("model_name", "")) if self._router else ""
+
+    def stats(self) -> dict[str, Any]:
+        """Merged `stats()` of every stage, by section (platform, memory, kv, ...)."""
+        merged: dict[str, Any] = {}
+        if self._router is None:
+            return merged
+        for stage in self._router.stages.values():
+            for section, values in stage.stats().items():
+                if isinstance(values, dict):
+                    merged.setdefault(section, {}).update(values)
+                else:
+                    merged[section] = values
+        return merged
+
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    # ---- requests --------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_tokens: Sequence[int] | None = None,
+        messages: Sequence[dict[str, Any]] | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        logits_processors: Sequence[LogitsProcessor] | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[m.TokenEvent | m.DoneEvent | m.ErrorEvent]:
+        """Yield token events, then one done (or error) event."""
+        request = self._make_request(
+            prompt, prompt_tokens, messages, max_tokens, temperature, top_p, seed, stop,
+            logits_processors, request_id,
+        )
+        rid = request.request_id
+        send, receive = anyio.create_memory_object_stream[Any](max_tokens + 8)
+        self._requests[rid] = send
+        if logits_processors:
+            self._processors[rid] = tuple(logits_processors)
+        finished = False
+        try:
+            await self._router.send(request)
+            async with receive:
+                async for event in receive:
+                    if isinstance(event, (m.DoneEvent, m.ErrorEvent)):
+                        finished = True
+                    yield event
+                    if finished:
+                        return
+        finally:
+            if not finished:
+                self.cancel(rid)
+
+    async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        """Run one request to the end and return its tokens, text and usage."""
+        token_ids: list[int] = []
+        pieces: list[str] = []
+        async for event in self.generate(prompt, **kwargs):
+            if isinstance(event, m.TokenEvent):
+                token_ids.append(event.token_id)
+                pieces.append(event.text)
+            elif isinstance(event, m.DoneEvent):
+                return Completion(token_ids, "".join(pieces), event.finish_reason, event.usage)
+            else:
+                raise RequestError(event.message, event.code)
+        raise UnikernError("request ended without a done event")
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request in flight; its done event says `cancelled`. False if unknown."""
+        stream = self._requests.get(request_id)
+        if stream is None:
+            return False
+        if stream is not _NO_ROUTE:
+            self._requests[request_id] = _NO_ROUTE  # drop its remaining events
+            stream.close()
+        if self._router is not None and self.fault is None:
+            try:
+                self._router.send_nowait(m.Cancel(request_id))
+            except anyio.WouldBlock:
+                self._tg.start_soon(self._router.send, m.Cancel(request_id))
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass
+        return True
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def _make_request(
+        self, prompt, prompt_tokens, messages, max_tokens, temperature, top_p, seed, stop,
+        logits_processors, request_id,
+    ) -> m.Submit:
+        if self._router is None:
+            raise UnikernError("the engine is not running: use `async with Engine.from_pipeline(...)`")
+        if self.fault is not None:
+            raise self.fault
+        given = [n for n, v in (("prompt", prompt), ("prompt_tokens", prompt_tokens), ("messages", messages)) if v is not None]
+        if len(given) != 1:
+            raise RequestError(
+                f"give exactly one of prompt, prompt_tokens or messages (got {', '.join(given) or 'none'})"
+            )
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        if not (isinstance(temperature, (int, float)) and 0.0 <= temperature <= 100.0 and math.isfinite(temperature)):
+            raise RequestError(f"temperature must be a number in [0, 100], got {temperature!r}")
+        if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")
+        if seed is not None and (not isinstance(seed, int) or seed < 0 or seed >= 2**63):
+            raise RequestError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        if isinstance(stop, str):
+            stop = (stop,)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise RequestError(f"stop must be a list of non-empty strings, got {stop!r}")
+        rid = request_id if request_id is not None else f"{self._id_prefix}-{next(self._ids)}"
+        if rid in self._requests:
+            raise RequestError(f"request id {rid!r} is already in flight", code="duplicate_id")
+        params = m.SamplingParams(
+            temperature=float(temperature), top_p=float(top_p), seed=seed,
+            max_tokens=max_tokens, stop=tuple(stop),
+        )
+        return m.Submit(
+            request_id=rid,
+            params=params,
+            prompt=prompt,
+            prompt_tokens=tuple(prompt_tokens) if prompt_tokens is not None else None,
+            messages=tuple(dict(x) for x in messages) if messages is not None else None,
+            has_processors=bool(logits_processors),
+        )
+
+    # ---- egress ----------------------------------------------------------------------
+
+    async def _dispatch(self, egress) -> None:
+        async with egress:
+            async for event in egress:
+                self._deliver(event)
+
+    def _deliver(self, event: Any) -> None:
+        rid = event.id
+        stream = self._requests.get(rid)
+        last = isinstance(event, (m.DoneEvent, m.ErrorEvent))
+        if last:
+            self._requests.pop(rid, None)
+            self._processors.pop(rid, None)
+        if stream is None or stream is _NO_ROUTE:
+            return
+        try:
+            stream.send_nowait(event)
+        except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+        if last:
+            stream.close()
+
+    def _on_fault(self, error: StageError) -> None:
+        """A stage failed: every request in flight gets an error event naming it."""
+        self.fault = error
+        for rid in list(self._requests):
+            self._deliver(m.ErrorEvent(id=rid, code="stage_failed", message=str(error)))

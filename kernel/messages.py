@@ -1,0 +1,145 @@
+"""Messages that flow between stages.
+
+Every message is a frozen msgspec Struct tagged by its class name. The kernel routes a
+message to the one stage that consumes its type; KV bytes never travel in messages,
+only request ids, token ids, block ids and tables do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+FinishReason = Literal["length", "stop", "cancelled", "error"]
+
+
+class Message(msgspec.Struct, frozen=True, tag=True):
+    """Base of every routed message."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+# ---- ingress: what the engine facade injects ---------------------------------------
+
+
+class Submit(Message, frozen=True):
+    request_id: str
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_tokens: tuple[int, ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    # per-request logits processors live outside the message (see Engine); this flag
+    # tells the execute stage to look them up
+    has_processors: bool = False
+
+
+class Cancel(Message, frozen=True):
+    request_id: str
+
+
+# ---- tokenize -> schedule -----------------------------------------------------------
+
+
+class Tokenized(Message, frozen=True):
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    params: SamplingParams
+    has_processors: bool = False
+
+
+class Abort(Message, frozen=True):
+    """End a request early: cancelled by the caller, or a stop string matched."""
+
+    request_id: str
+    reason: FinishReason
+
+
+# ---- schedule <-> execute: the step loop --------------------------------------------
+
+
+class SeqWork(msgspec.Struct, frozen=True):
+    """One sequence's share of a step: feed `token_ids` at positions start.., then
+    sample one token if `sample` (the last chunk of a prefill, or a decode)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    sample: bool
+    params: SamplingParams
+    # generated so far (needed by seeded sampling and logits processors)
+    num_generated: int = 0
+    has_processors: bool = False
+
+
+class Step(Message, frozen=True):
+    step_id: int
+    work: tuple[SeqWork, ...]
+    # blocks whose slots must be dropped from any per-step caches (freed since last step)
+    freed_blocks: tuple[int, ...] = ()
+
+
+class StepDone(Message, frozen=True):
+    step_id: int
+    # request_id -> sampled token id, for every SeqWork with sample=True
+    sampled: dict[str, int]
+    error: str | None = None
+
+
+# ---- schedule -> output -------------------------------------------------------------
+
+
+class TokenOut(Message, frozen=True):
+    request_id: str
+    token_id: int
+    # the request's final token (EOS, max_tokens, context end): flush held-back text
+    last: bool = False
+    # the request's stop strings, sent with its first token only
+    stop: tuple[str, ...] = ()
+
+
+class Finished(Message, frozen=True):
+    request_id: str
+    reason: FinishReason
+    usage: Usage
+
+
+# ---- egress: what the engine facade hands to callers --------------------------------
+
+
+class EventBase(msgspec.Struct, frozen=True, tag_field="event"):
+    """Base of the events callers see; `event` is the tag, as in the worker protocol."""
+
+
+class TokenEvent(EventBase, frozen=True, tag="token"):
+    id: str
+    token_id: int
+    text: str
+
+
+class DoneEvent(EventBase, frozen=True, tag="done"):
+    id: str
+    finish_reason: FinishReason
+    usage: Usage
+
+
+class ErrorEvent(EventBase, frozen=True, tag="error"):
+    id: str | None
+    code: str
+    message: str
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent

@@ -1,0 +1,42 @@
+"""The closed registry of stage types, by short name.
+
+Pipeline files name a `type` from this list; they can never import arbitrary code.
+Third-party stages join through the `unikern.stages` entry-point group, which a user
+installs on purpose.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+
+from .errors import ConfigError
+
+BUILTIN_STAGES: dict[str, str] = {
+    "tokenize": "unikern.stages.tokenize:TokenizeStage",
+    "schedule": "unikern.stages.schedule:ScheduleStage",
+    "kv_manager": "unikern.stages.kv_manager:KVManagerStage",
+    "mlx_execute": "unikern.stages.mlx_execute:MLXExecuteStage",
+    "output": "unikern.stages.output:OutputStage",
+}
+
+ENTRY_POINT_GROUP = "unikern.stages"
+
+
+def stage_types() -> dict[str, str]:
+    """Every known stage type name -> 'module:Class'."""
+    types = dict(BUILTIN_STAGES)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        types.setdefault(ep.name, ep.value)
+    return types
+
+
+def resolve(type_name: str) -> Any:
+    types = stage_types()
+    if type_name not in types:
+        raise ConfigError(
+            f"unknown stage type {type_name!r}; valid types: {', '.join(sorted(types))}"
+        )
+    module_name, _, attr = types[type_name].partition(":")
+    return getattr(importlib.import_module(module_name), attr)

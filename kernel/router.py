@@ -1,0 +1,113 @@
+"""The microkernel: wires stages by message type over bounded streams and runs them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectSendStream
+
+from .errors import ConfigError, StageError
+from .spec import EGRESS_TYPES, PipelineSpec, start_order
+from .stage import StageContext
+
+log = structlog.get_logger("unikern")
+
+# Per-stage inbox bound. Large enough that the schedule <-> output loop can never fill
+# both directions at once under the engine's admission limit, small enough to bound memory.
+INBOX_SIZE = 4096
+
+
+class Router:
+    """Owns the stages, their inboxes and the shared resources of one pipeline."""
+
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        egress: MemoryObjectSendStream[Any],
+        on_fault: Callable[[StageError], None],
+    ) -> None:
+        self.spec = spec
+        classes = spec.stage_classes()
+        self.stages: dict[str, Any] = {}
+        for name, stage_spec in spec.stages.items():
+            cls = classes[name]
+            params = msgspec.convert(stage_spec.params, cls.Params)
+            self.stages[name] = cls(name, params)
+        self.order = start_order(classes)
+        self.resources: dict[str, Any] = {}
+        self._on_fault = on_fault
+        self._routes: dict[type, MemoryObjectSendStream[Any]] = {t: egress for t in EGRESS_TYPES}
+        self._inboxes = {}
+        for name, stage in self.stages.items():
+            send, receive = anyio.create_memory_object_stream[Any](INBOX_SIZE)
+            self._inboxes[name] = receive
+            for message_type in stage.consumes:
+                self._routes[message_type] = send
+        self._scope: anyio.CancelScope | None = None
+
+    def _route(self, message: Any) -> MemoryObjectSendStream[Any]:
+        try:
+            return self._routes[type(message)]
+        except KeyError:
+            raise ConfigError(f"no stage consumes {type(message).__name__}") from None
+
+    async def send(self, message: Any) -> None:
+        await self._route(message).send(message)
+
+    def send_nowait(self, message: Any) -> None:
+        self._route(message).send_nowait(message)
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Start stages in resource order; returns when cancelled or when a stage fails."""
+        with anyio.CancelScope() as scope:
+            self._scope = scope
+            async with anyio.create_task_group() as tg:
+                for name in self.order:
+                    await tg.start(self._run_stage, name)
+                log.debug("pipeline started", pipeline=self.spec.name, order=self.order)
+                task_status.started()
+
+    def stop(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def _fail(self, name: str, exc: BaseException) -> None:
+        error = exc if isinstance(exc, StageError) else StageError(name, exc)
+        log.error("stage failed", stage=name, error=str(error))
+        self._on_fault(error)
+        self.stop()
+
+    async def _run_stage(self, name: str, *, task_status: TaskStatus[None]) -> None:
+        stage = self.stages[name]
+        ctx = StageContext(
+            name,
+            self._inboxes[name],
+            self.send,
+            self.send_nowait,
+            self.resources,
+            self._fail,
+        )
+        started = False
+
+        def mark_started(value: Any = None) -> None:
+            nonlocal started
+            started = True
+            task_status.started(value)
+
+        class _Status:
+            def started(self, value: Any = None) -> None:
+                mark_started(value)
+
+        try:
+            await stage.run(ctx, task_status=_Status())
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:  # a stage fault: report it to every request, then stop
+            if not started:
+                raise StageError(name, exc) from exc
+            self._fail(name, exc)

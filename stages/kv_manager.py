@@ -1,0 +1,139 @@
+"""kv_manager: owns the paged KV pool and its books, lent to schedule and execute."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+import psutil
+
+from unikern.errors import ConfigError
+from unikern.stage import StageBase, StageContext, StageParams
+
+from .block_manager import BlockManager
+from .kv_pool import KVPool
+
+MiB = 1 << 20
+
+
+class KVManagerParams(StageParams, frozen=True):
+    block_size: int = 256  # tokens per logical block: prefix hashing, offload, disk files
+    kernel_block_size: int = 16  # tokens per kernel block: what attention gathers
+    memory_fraction: float = 0.5  # of the platform's total memory, minus weights and reserve
+    kv_budget_bytes: int | None = None  # overrides memory_fraction
+    activation_reserve_bytes: int = 512 * MiB
+    allocation: Literal["lazy", "eager"] = "lazy"
+    slab_bytes: int = 64 * MiB  # the lazy pool grows and shrinks in slabs of this size
+    idle_trim_seconds: float = 2.0  # give idle slabs back after this long without work
+    unwritten_fill: Literal["zeros", "nan"] = "zeros"  # nan: for tests that prove masking
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.block_size < 1 or self.kernel_block_size < 1:
+            problems.append("block_size: block sizes must be >= 1")
+        elif self.block_size % self.kernel_block_size:
+            problems.append(
+                f"block_size: {self.block_size} is not a whole multiple of kernel_block_size "
+                f"{self.kernel_block_size} (e.g. 256 and 16)"
+            )
+        if not 0.0 < self.memory_fraction <= 1.0:
+            problems.append(f"memory_fraction: must be in (0, 1], got {self.memory_fraction}")
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
+            problems.append(f"kv_budget_bytes: must be > 0, got {self.kv_budget_bytes}")
+        if self.slab_bytes <= 0:
+            problems.append(f"slab_bytes: must be > 0, got {self.slab_bytes}")
+        return problems
+
+
+@dataclass
+class KVResource:
+    """The `kv` resource: the pool (bytes) and the books (block manager)."""
+
+    pool: KVPool
+    blocks: BlockManager
+    budget_bytes: int
+
+
+def total_memory_bytes() -> int:
+    return psutil.virtual_memory().total
+
+
+class KVManagerStage(StageBase):
+    Params = KVManagerParams
+    requires = ("model",)
+    provides = ("kv",)
+
+    async def run(self, ctx: StageContext, *, task_status) -> None:
+        p = self.params
+        loaded = ctx.resource("model")
+        geometry = loaded.geometry
+        if p.kv_budget_bytes is not None:
+            budget = p.kv_budget_bytes
+        else:
+            budget = int(p.memory_fraction * total_memory_bytes()) - loaded.weights_bytes - p.activation_reserve_bytes
+        bytes_per_block = 2 * geometry.num_layers * p.block_size * geometry.num_kv_heads * geometry.head_dim * geometry.dtype.size
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                f"kv: the KV budget of {budget} bytes holds no {p.block_size}-token block "
+                f"({bytes_per_block} bytes each); raise kv.memory_fraction or kv.kv_budget_bytes"
+            )
+
+        def make_pool() -> KVPool:
+            return KVPool(
+                num_layers=geometry.num_layers,
+                num_kv_heads=geometry.num_kv_heads,
+                head_dim=geometry.head_dim,
+                dtype=geometry.dtype,
+                block_size=p.block_size,
+                kernel_block_size=p.kernel_block_size,
+                num_blocks=num_blocks,
+                slab_blocks=max(1, p.slab_bytes // bytes_per_block),
+                eager=p.allocation == "eager",
+                fill_value=float("nan") if p.unwritten_fill == "nan" else 0.0,
+            )
+
+        pool = await loaded.thread.run(make_pool)
+        namespace = loaded.identity + f"/bs{p.block_size}".encode()
+        self.kv = KVResource(pool, BlockManager(num_blocks, p.block_size, namespace), num_blocks * bytes_per_block)
+        ctx.provide("kv", self.kv)
+        task_status.started()
+        if p.allocation == "lazy":
+            await self._trim_when_idle(loaded.thread)
+        else:
+            await anyio.sleep_forever()
+
+    async def _trim_when_idle(self, thread) -> None:
+        kv = self.kv
+        while True:
+            await anyio.sleep(self.params.idle_trim_seconds)
+            keep = kv.blocks.highest_used()
+            if keep < kv.pool.capacity_blocks:
+                await thread.run(kv.pool.shrink_to, keep)
+
+    def stats(self) -> dict[str, Any]:
+        kv = getattr(self, "kv", None)
+        if kv is None:
+            return {}
+        return {
+            "memory": {"kv_budget_bytes": kv.budget_bytes, "kv_resident_bytes": kv.pool.resident_bytes},
+            "kv": {
+                "block_size": kv.blocks.block_size,
+                "kernel_block_size": kv.pool.kernel_block_size,
+                "blocks_total": kv.blocks.num_blocks,
+                "blocks_used": kv.blocks.num_used,
+                "blocks_cached": kv.blocks.num_cached,
+                "blocks_allocated": kv.pool.capacity_blocks,
+                "allocation": self.params.allocation,
+            },
+            "tiers": {
+                "device": {
+                    "blocks": kv.blocks.num_used,
+                    "bytes": kv.pool.resident_bytes,
+                    "hits": kv.blocks.hits,
+                    "misses": kv.blocks.misses,
+                    "evictions": kv.blocks.evictions,
+                }
+            },
+        }

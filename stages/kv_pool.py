@@ -1,0 +1,110 @@
+"""The paged KV pool: per layer, one MLX array of token slots [slots, kv_heads, head_dim].
+
+A logical block (prefix hashing, offload, disk files) is `block_size` consecutive slots;
+a kernel block (what attention gathers) is `kernel_block_size` slots. The kernel view is
+a reshape of the same array, never a copy, and a logical block table expands to kernel
+blocks as b * r + arange(r).
+
+Lazy allocation: MLX commits every page it creates (mx.zeros writes them), so the pool
+starts empty and grows in slabs as blocks are first used; idle tail slabs are given
+back. `eager` commits the whole budget at start, for comparison.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+
+class KVPool:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype,
+        block_size: int,
+        kernel_block_size: int,
+        num_blocks: int,
+        slab_blocks: int,
+        eager: bool = False,
+        fill_value: float = 0.0,
+    ) -> None:
+        if block_size % kernel_block_size:
+            raise ValueError(
+                f"block_size {block_size} must be a whole multiple of kernel_block_size {kernel_block_size}"
+            )
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.block_size = block_size
+        self.kernel_block_size = kernel_block_size
+        self.kernel_blocks_per_block = block_size // kernel_block_size
+        self.num_blocks = num_blocks  # the budget: a ceiling
+        self.slab_blocks = max(1, min(slab_blocks, num_blocks))
+        self.fill_value = fill_value  # tests fill unwritten slots with NaN
+        self.capacity_blocks = 0  # blocks actually allocated
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+        self.grow_events = 0
+        self.shrink_events = 0
+        if eager:
+            self.ensure_capacity(num_blocks)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.size
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.capacity_blocks * self.bytes_per_block
+
+    def _new(self, num_blocks: int) -> mx.array:
+        shape = (num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        return mx.full(shape, self.fill_value, dtype=self.dtype)
+
+    def ensure_capacity(self, num_blocks: int) -> None:
+        """Make blocks [0, num_blocks) addressable, growing in whole slabs."""
+        if num_blocks <= self.capacity_blocks:
+            return
+        if num_blocks > self.num_blocks:
+            raise ValueError(f"block {num_blocks - 1} is beyond the pool's {self.num_blocks} blocks")
+        # grow by at least a slab and at least half the current size (amortized copies)
+        target = max(num_blocks, self.capacity_blocks + self.slab_blocks, math.ceil(self.capacity_blocks * 1.5))
+        target = min(self.num_blocks, math.ceil(target / self.slab_blocks) * self.slab_blocks)
+        extra = target - self.capacity_blocks
+        if self.capacity_blocks == 0:
+            self.keys = [self._new(extra) for _ in range(self.num_layers)]
+            self.values = [self._new(extra) for _ in range(self.num_layers)]
+        else:
+            self.keys = [mx.concatenate([k, self._new(extra)]) for k in self.keys]
+            self.values = [mx.concatenate([v, self._new(extra)]) for v in self.values]
+        mx.eval(self.keys, self.values)
+        self.capacity_blocks = target
+        self.grow_events += 1
+
+    def shrink_to(self, num_blocks: int) -> None:
+        """Give back whole slabs above `num_blocks` (blocks there must be unused)."""
+        target = math.ceil(num_blocks / self.slab_blocks) * self.slab_blocks
+        if target >= self.capacity_blocks:
+            return
+        if target == 0:
+            self.keys, self.values = [], []
+        else:
+            end = target * self.block_size
+            self.keys = [mx.array(k[:end]) for k in self.keys]
+            self.values = [mx.array(v[:end]) for v in self.values]
+            mx.eval(self.keys, self.values)
+        self.capacity_blocks = target
+        self.shrink_events += 1
+        mx.clear_cache()
+
+    def kernel_table(self, blocks: tuple[int, ...], num_tokens: int) -> list[int]:
+        """Kernel block ids covering the first `num_tokens` slots of a sequence."""
+        r = self.kernel_blocks_per_block
+        needed = -(-num_tokens // self.kernel_block_size)
+        table = [b * r + j for b in blocks for j in range(r)]
+        return table[:needed]

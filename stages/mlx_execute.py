@@ -1,0 +1,114 @@
+"""mlx_execute: loads the model with mlx-lm and runs each step on its own thread."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from unikern import messages as m
+from unikern.mlx_thread import ModelThread
+from unikern.models import DEFAULT_MODEL, resolve_model_path
+from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
+
+from .model_runner import ModelGeometry, ModelRunner
+
+
+class MLXExecuteParams(StageParams, frozen=True):
+    model: str = DEFAULT_MODEL
+    # seed for requests that give none (each request still gets its own stream)
+    seed: int = 0
+
+
+@dataclass
+class LoadedModel:
+    """The `model` resource: what other stages may know about the loaded model."""
+
+    name: str
+    path: str
+    model: Any
+    config: dict
+    geometry: ModelGeometry
+    weights_bytes: int
+    identity: bytes  # model + dtype: part of every prefix-cache key
+    context_length: int
+    thread: ModelThread
+    weights: list[mx.array]
+
+
+def load_model(name: str) -> LoadedModel:
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    path = resolve_model_path(name)
+    model, config = mlx_lm_load_model(path)
+    weights = [w for _, w in tree_flatten(model.parameters())]
+    mx.eval(weights)
+    geometry = ModelGeometry(model)
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(str(geometry.dtype).encode())
+    for f in sorted(path.glob("*.safetensors")):
+        st = f.stat()
+        digest.update(f"{f.name}:{st.st_size}".encode())
+    context = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+    return LoadedModel(
+        name=name,
+        path=str(path),
+        model=model,
+        config=config,
+        geometry=geometry,
+        weights_bytes=sum(w.nbytes for w in weights),
+        identity=digest.digest(),
+        context_length=context,
+        thread=None,  # set by the stage
+        weights=weights,
+    )
+
+
+class MLXExecuteStage(StageBase):
+    Params = MLXExecuteParams
+    consumes = (m.Step,)
+    produces = (m.StepDone,)
+    provides = ("model",)
+
+    async def run(self, ctx: StageContext, *, task_status) -> None:
+        thread = ModelThread()
+        try:
+            loaded = await thread.run(load_model, self.params.model)
+            loaded.thread = thread
+            self.loaded = loaded
+            ctx.provide("model", loaded)
+            task_status.started()
+            runner: ModelRunner | None = None
+            salt = self.params.seed
+
+            async def handle(step: m.Step) -> None:
+                nonlocal runner
+                if runner is None:
+                    runner = ModelRunner(loaded.model, ctx.resource("kv").pool)
+                seeds = {
+                    w.request_id: w.params.seed if w.params.seed is not None else _seed_for(salt, w.request_id)
+                    for w in step.work
+                    if w.sample and w.params.temperature > 0
+                }
+                sampled = await thread.run(runner.run, step, seeds)
+                await ctx.send(m.StepDone(step.step_id, sampled))
+
+            await serve_inbox(ctx, handle)
+        finally:
+            thread.shutdown()
+
+    def stats(self) -> dict[str, Any]:
+        loaded = getattr(self, "loaded", None)
+        if loaded is None:
+            return {}
+        return {"model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes}}
+
+
+def _seed_for(salt: int, request_id: str) -> int:
+    digest = hashlib.blake2b(f"{salt}:{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

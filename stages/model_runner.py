@@ -1,0 +1,87 @@
+"""Runs one scheduled step as batched forwards over block tables. The only tensor code
+of the step loop; always called on the execute stage's own thread."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from unikern import messages as m
+
+from .kv_pool import KVPool
+from .paged_cache import BatchLayout, PagedLayerCache
+from .sampling import sample_rows
+
+
+class ModelGeometry:
+    """What the KV pool needs to know about a model, probed by running it once."""
+
+    def __init__(self, model: Any) -> None:
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        cache = make_prompt_cache(model)
+        kinds = {type(c).__name__ for c in cache}
+        if any(type(c) is not KVCache for c in cache):
+            raise NotImplementedError(
+                f"this model uses cache kinds {sorted(kinds)}; the paged pool serves "
+                "attention-only models (KVCache) so far"
+            )
+        model(mx.array([[0]], dtype=mx.int32), cache=cache)
+        mx.eval([c.keys for c in cache])
+        shapes = {(c.keys.shape[1], c.keys.shape[3], c.values.shape[3]) for c in cache}
+        if len(shapes) != 1:
+            raise NotImplementedError(f"layers differ in KV shape {sorted(shapes)}; not supported yet")
+        (self.num_kv_heads, self.head_dim, value_dim), = shapes
+        if value_dim != self.head_dim:
+            raise NotImplementedError("keys and values of different widths are not supported yet")
+        self.num_layers = len(cache)
+        self.dtype = cache[0].keys.dtype
+
+
+class ModelRunner:
+    def __init__(self, model: Any, pool: KVPool, processors: Callable[[list[tuple[int, str, list[int]]], mx.array], None] | None = None) -> None:
+        self.model = model
+        self.pool = pool
+        self.apply_processors = processors
+        self.num_layers = pool.num_layers
+
+    def _forward(self, rows: list[tuple[tuple[int, ...], int, int]], tokens: list[int]) -> mx.array:
+        layout = BatchLayout.build(self.pool, rows)
+        caches = [PagedLayerCache(self.pool, i, layout) for i in range(self.num_layers)]
+        inputs = mx.array(tokens, dtype=mx.int32).reshape(len(rows), -1)
+        return self.model(inputs, cache=caches)
+
+    def run(self, step: m.Step, seeds: dict[str, int], history: Callable[[str], list[int]] | None = None) -> dict[str, int]:
+        highest = max((max(w.block_table) for w in step.work if w.block_table), default=-1)
+        self.pool.ensure_capacity(highest + 1)
+        decodes = [w for w in step.work if len(w.token_ids) == 1]
+        prefills = [w for w in step.work if len(w.token_ids) > 1]
+        logits_rows: list[mx.array] = []
+        order: list[m.SeqWork] = []
+        if decodes:
+            rows = [(w.block_table, w.start_pos, 1) for w in decodes]
+            logits = self._forward(rows, [w.token_ids[0] for w in decodes])[:, -1, :]
+            for i, w in enumerate(decodes):
+                if w.sample:
+                    logits_rows.append(logits[i])
+                    order.append(w)
+        for w in prefills:
+            logits = self._forward([(w.block_table, w.start_pos, len(w.token_ids))], list(w.token_ids))
+            if w.sample:
+                logits_rows.append(logits[0, -1])
+                order.append(w)
+        if not order:
+            mx.eval(self.pool.keys, self.pool.values)
+            return {}
+        stacked = mx.stack(logits_rows)
+        if self.apply_processors is not None and any(w.has_processors for w in order):
+            mx.eval(stacked)
+            stacked = stacked.astype(mx.float32)
+            mx.eval(stacked)
+            self.apply_processors([(i, w.request_id, w.num_generated) for i, w in enumerate(order) if w.has_processors], stacked)
+        params = [(w.params, seeds.get(w.request_id, 0), w.num_generated) for w in order]
+        tokens = sample_rows(stacked, params)
+        mx.eval(tokens, self.pool.keys, self.pool.values)
+        return {w.request_id: t for w, t in zip(order, tokens.tolist(), strict=True)}

@@ -1,0 +1,87 @@
+"""schedule: the step loop. Keeps one step in flight; plans the next as soon as the
+previous one returns, so requests join and leave between any two steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unikern import messages as m
+from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
+
+from .scheduler import Scheduler
+
+
+class ScheduleParams(StageParams, frozen=True):
+    max_num_seqs: int = 64  # sequences in one step
+    max_num_batched_tokens: int = 512  # tokens in one step: the chunked-prefill budget
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.max_num_seqs < 1:
+            problems.append(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            problems.append(
+                f"max_num_batched_tokens: must be >= max_num_seqs ({self.max_num_seqs}), "
+                f"got {self.max_num_batched_tokens}"
+            )
+        return problems
+
+
+class ScheduleStage(StageBase):
+    Params = ScheduleParams
+    consumes = (m.Tokenized, m.Abort, m.StepDone)
+    produces = (m.Step, m.TokenOut, m.Finished, m.ErrorEvent)
+    requires = ("kv", "model", "tokenizer")
+
+    async def run(self, ctx: StageContext, *, task_status) -> None:
+        kv = ctx.resource("kv")
+        loaded = ctx.resource("model")
+        tokenizer = ctx.resource("tokenizer")
+        self.scheduler = sched = Scheduler(
+            kv.blocks,
+            max_num_seqs=self.params.max_num_seqs,
+            max_num_batched_tokens=self.params.max_num_batched_tokens,
+            eos_token_ids=tokenizer.eos_token_ids,
+            context_length=loaded.context_length,
+        )
+        in_flight: m.Step | None = None
+        task_status.started()
+
+        async def handle(message: Any) -> None:
+            nonlocal in_flight
+            match message:
+                case m.Tokenized():
+                    error = sched.add(message)
+                    if error is not None:
+                        await ctx.send(m.ErrorEvent(id=message.request_id, code="bad_request", message=error))
+                case m.Abort(request_id=rid, reason=reason):
+                    finished = sched.abort(rid, reason)
+                    if finished is not None:
+                        await ctx.send(finished)
+                case m.StepDone(step_id=step_id, sampled=sampled, error=error):
+                    step, in_flight = in_flight, None
+                    if step is None or step.step_id != step_id:
+                        raise RuntimeError(f"step {step_id} came back, but step {step and step.step_id} was in flight")
+                    outcome = sched.on_step_done(step, sampled)
+                    for token in outcome.tokens:
+                        await ctx.send(token)
+                    for finished in outcome.finished:
+                        await ctx.send(finished)
+            if in_flight is None and sched.has_work():
+                in_flight = sched.schedule()
+                if in_flight is not None:
+                    await ctx.send(in_flight)
+
+        await serve_inbox(ctx, handle)
+
+    def stats(self) -> dict[str, Any]:
+        sched = getattr(self, "scheduler", None)
+        if sched is None:
+            return {}
+        return {
+            "schedule": {
+                "waiting": len(sched.waiting),
+                "running": len(sched.running),
+                "preemptions": sched.num_preemptions,
+            }
+        }

@@ -1,0 +1,235 @@
+"""Continuous batching policy: FCFS admission, chunked prefill under a per-step token
+budget mixed with decodes, preemption by recompute when blocks run out. Plain
+synchronous code: the schedule stage only moves messages around it."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from unikern import messages as m
+
+from .block_manager import BlockManager, block_hash
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    tokens: list[int]  # prompt, then generated tokens
+    num_prompt_tokens: int
+    params: m.SamplingParams
+    has_processors: bool = False
+    num_computed: int = 0  # tokens whose KV is in the pool
+    blocks: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full, committed blocks
+    cached_tokens: int | None = None  # set at first admission
+    num_preemptions: int = 0
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def usage(self) -> m.Usage:
+        return m.Usage(self.num_prompt_tokens, self.num_generated, self.cached_tokens or 0)
+
+
+@dataclass
+class StepOutcome:
+    tokens: list[m.TokenOut] = field(default_factory=list)
+    finished: list[m.Finished] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: Iterable[int],
+        context_length: int,
+    ) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.context_length = context_length
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.by_id: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        self._step_ids = 0
+
+    # ---- requests in and out -----------------------------------------------------------
+
+    def add(self, request: m.Tokenized) -> str | None:
+        """Queue a request; returns an error message if it can never be served."""
+        if request.request_id in self.by_id:
+            return f"request id {request.request_id!r} is already in flight"
+        prompt_len = len(request.prompt_tokens)
+        capacity_tokens = self.blocks.num_blocks * self.blocks.block_size
+        if prompt_len + 1 > capacity_tokens:
+            return (
+                f"the prompt needs {prompt_len + 1} KV slots but the whole KV pool holds "
+                f"{capacity_tokens}; raise kv.memory_fraction or kv.kv_budget_bytes"
+            )
+        seq = Sequence(
+            request.request_id,
+            list(request.prompt_tokens),
+            prompt_len,
+            request.params,
+            request.has_processors,
+        )
+        self.by_id[seq.request_id] = seq
+        self.waiting.append(seq)
+        return None
+
+    def abort(self, request_id: str, reason: m.FinishReason) -> m.Finished | None:
+        seq = self.by_id.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, reason)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -------------------------------------------------------------------
+
+    def schedule(self) -> m.Step | None:
+        budget = self.max_num_batched_tokens
+        work: list[m.SeqWork] = []
+        scheduled: set[str] = set()
+        # running sequences first (decodes and unfinished prefills), oldest first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            chunk = min(len(seq.tokens) - seq.num_computed, budget)
+            if not self._ensure_blocks(seq, seq.num_computed + chunk, scheduled):
+                break  # seq itself was preempted; everything younger already is
+            work.append(self._work(seq, chunk))
+            scheduled.add(seq.request_id)
+            budget -= chunk
+            i += 1
+        # then admit waiting requests, first come first served
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            chunk = min(len(seq.tokens) - seq.num_computed, budget)
+            work.append(self._work(seq, chunk))
+            scheduled.add(seq.request_id)
+            budget -= chunk
+        if not work:
+            return None
+        self._step_ids += 1
+        return m.Step(self._step_ids, tuple(work))
+
+    def _work(self, seq: Sequence, chunk: int) -> m.SeqWork:
+        start = seq.num_computed
+        return m.SeqWork(
+            request_id=seq.request_id,
+            token_ids=tuple(seq.tokens[start : start + chunk]),
+            start_pos=start,
+            block_table=tuple(seq.blocks),
+            sample=start + chunk == len(seq.tokens),
+            params=seq.params,
+            num_generated=seq.num_generated,
+            has_processors=seq.has_processors,
+        )
+
+    def _admit(self, seq: Sequence) -> bool:
+        # always compute at least the last token: its logits give the next one
+        max_cached = len(seq.tokens) - 1
+        try:
+            seq.blocks, cached = self.blocks.allocate_prompt(seq.tokens, max_cached)
+        except MemoryError:
+            return False
+        seq.num_computed = cached
+        seq.block_hashes = self.blocks.prefix_hashes(seq.tokens)[: cached // self.blocks.block_size]
+        if seq.cached_tokens is None:
+            seq.cached_tokens = cached
+        return True
+
+    def _ensure_blocks(self, seq: Sequence, num_tokens: int, scheduled: set[str]) -> bool:
+        """Grow seq's blocks to hold num_tokens, preempting the youngest running
+        sequences (never one already in this step) while blocks are short. False when
+        seq itself had to be preempted."""
+        needed = self.blocks.blocks_needed(num_tokens) - len(seq.blocks)
+        while needed > self.blocks.num_free:
+            victim = self.running[-1]
+            if victim.request_id in scheduled:
+                raise RuntimeError("scheduler invariant broken: preempting a scheduled sequence")
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        for _ in range(max(needed, 0)):
+            seq.blocks.append(self.blocks.allocate_one())
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.blocks)
+        seq.blocks = []
+        seq.block_hashes = []
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- results ----------------------------------------------------------------------
+
+    def on_step_done(self, step: m.Step, sampled: dict[str, int]) -> StepOutcome:
+        outcome = StepOutcome()
+        for work in step.work:
+            seq = self.by_id.get(work.request_id)
+            if seq is None or seq.num_computed != work.start_pos or seq not in self.running:
+                continue  # aborted or preempted while the step ran
+            seq.num_computed += len(work.token_ids)
+            self._commit_full_blocks(seq)
+            if not work.sample:
+                continue
+            token = sampled[work.request_id]
+            first = seq.num_generated == 0
+            seq.tokens.append(token)
+            reason = self._finish_reason(seq, token)
+            outcome.tokens.append(
+                m.TokenOut(
+                    seq.request_id, token, last=reason is not None,
+                    stop=seq.params.stop if first else (),
+                )
+            )
+            if reason is not None:
+                outcome.finished.append(self._finish(seq, reason))
+        return outcome
+
+    def _finish_reason(self, seq: Sequence, token: int) -> m.FinishReason | None:
+        if token in self.eos_token_ids:
+            return "stop"
+        if seq.num_generated >= seq.params.max_tokens or len(seq.tokens) >= self.context_length:
+            return "length"
+        if self.blocks.blocks_needed(len(seq.tokens)) > self.blocks.num_blocks:
+            return "length"  # the next token would not fit even in an empty pool
+        return None
+
+    def _commit_full_blocks(self, seq: Sequence) -> None:
+        bs = self.blocks.block_size
+        while (len(seq.block_hashes) + 1) * bs <= seq.num_computed:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = block_hash(parent, seq.tokens[i * bs : (i + 1) * bs], self.blocks.namespace)
+            seq.block_hashes.append(h)
+            self.blocks.commit_full_block(seq.blocks[i], h)
+
+    def _finish(self, seq: Sequence, reason: m.FinishReason) -> m.Finished:
+        del self.by_id[seq.request_id]
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free(seq.blocks)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.blocks = []
+        return m.Finished(seq.request_id, reason, seq.usage)

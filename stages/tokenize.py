@@ -1,0 +1,120 @@
+"""tokenize: text, chat messages or token ids in; validated prompt tokens out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unikern import messages as m
+from unikern.errors import RequestError
+from unikern.models import DEFAULT_MODEL, resolve_model_path
+from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
+
+
+class TokenizeParams(StageParams, frozen=True):
+    model: str = DEFAULT_MODEL
+    # prompts longer than this are refused up front (default: the model's context)
+    max_prompt_tokens: int | None = None
+
+    def validate(self) -> list[str]:
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            return [f"max_prompt_tokens: must be >= 1, got {self.max_prompt_tokens}"]
+        return []
+
+
+class PromptEncoder:
+    """Plain synchronous tokenization with the model's own tokenizer (as mlx-lm loads it)."""
+
+    def __init__(self, model: str, max_prompt_tokens: int | None = None) -> None:
+        from mlx_lm.utils import load_config, load_tokenizer
+
+        path = resolve_model_path(model)
+        self.config = load_config(path)
+        self.tokenizer = load_tokenizer(path, eos_token_ids=self.config.get("eos_token_id"))
+        self.model_path = path
+        self.vocab_size = int(self.config.get("vocab_size", len(self.tokenizer)))
+        self.context_length = int(
+            self.config.get("max_position_embeddings")
+            or self.config.get("max_seq_len")
+            or getattr(self.tokenizer, "model_max_length", 0)
+            or 4096
+        )
+        self.max_prompt_tokens = max_prompt_tokens or self.context_length
+
+    def encode(self, request: m.Submit) -> tuple[int, ...]:
+        if request.prompt_tokens is not None:
+            tokens = request.prompt_tokens
+            bad = [t for t in tokens if not (0 <= t < self.vocab_size)]
+            if bad:
+                raise RequestError(
+                    f"prompt_tokens: ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+                )
+        elif request.messages is not None:
+            tokens = self._encode_chat(request.messages)
+        else:
+            tokens = self._encode_text(request.prompt or "")
+        if not tokens:
+            raise RequestError("the prompt is empty: give at least one token")
+        if len(tokens) >= self.max_prompt_tokens:
+            raise RequestError(
+                f"the prompt has {len(tokens)} tokens; this model serves at most "
+                f"{self.max_prompt_tokens - 1} prompt tokens (context {self.context_length})",
+                code="prompt_too_long",
+            )
+        return tuple(int(t) for t in tokens)
+
+    def _encode_text(self, text: str) -> list[int]:
+        # the same BOS rule mlx_lm.generate applies
+        bos = self.tokenizer.bos_token
+        add_special = bos is None or not text.startswith(bos)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special))
+
+    def _encode_chat(self, chat: tuple[dict[str, Any], ...]) -> list[int]:
+        for i, turn in enumerate(chat):
+            if not isinstance(turn.get("role"), str) or not isinstance(turn.get("content"), str):
+                raise RequestError(
+                    f"messages[{i}]: expected {{'role': str, 'content': str}}, got {turn!r}"
+                )
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise RequestError("this model has no chat template: send `prompt` instead of `messages`")
+        try:
+            tokens = self.tokenizer.apply_chat_template(
+                list(chat), add_generation_prompt=True, tokenize=True
+            )
+        except Exception as exc:
+            raise RequestError(f"messages: the chat template failed: {exc}") from exc
+        if isinstance(tokens, dict) or hasattr(tokens, "input_ids"):
+            tokens = tokens["input_ids"]
+        return list(tokens)
+
+
+class TokenizeStage(StageBase):
+    Params = TokenizeParams
+    consumes = (m.Submit, m.Cancel)
+    produces = (m.Tokenized, m.Abort, m.ErrorEvent)
+    provides = ("tokenizer",)
+
+    async def run(self, ctx: StageContext, *, task_status) -> None:
+        import anyio
+
+        self.encoder = await anyio.to_thread.run_sync(
+            PromptEncoder, self.params.model, self.params.max_prompt_tokens
+        )
+        ctx.provide("tokenizer", self.encoder.tokenizer)
+        ctx.provide("model_name", str(self.params.model))
+        task_status.started()
+
+        async def handle(message: Any) -> None:
+            match message:
+                case m.Submit():
+                    try:
+                        tokens = self.encoder.encode(message)
+                    except RequestError as exc:
+                        await ctx.send(m.ErrorEvent(id=message.request_id, code=exc.code, message=str(exc)))
+                        return
+                    await ctx.send(
+                        m.Tokenized(message.request_id, tokens, message.params, message.has_processors)
+                    )
+                case m.Cancel():
+                    await ctx.send(m.Abort(message.request_id, "cancelled"))
+
+        await serve_inbox(ctx, handle)
