@@ -208,9 +208,10 @@ def _check_graph(classes: dict[str, Any]) -> list[str]:
             )
     for t, names in producers.items():
         if t not in consumers:
+            who = "the engine" if names[0] == "<engine>" else f"stage {names[0]!r}"
             problems.append(
-                f"$.stages.{names[0]}: produces {t.__name__}, but no stage consumes it "
-                f"(add a stage that consumes it)"
+                f"$.stages: {who} produces {t.__name__}, but no stage consumes it; "
+                f"stage types that do: {', '.join(_types_consuming(t)) or 'none'}"
             )
     provided = {key: name for name, cls in classes.items() for key in cls.provides}
     for name, cls in classes.items():
@@ -226,6 +227,17 @@ def _check_graph(classes: dict[str, Any]) -> list[str]:
         except ConfigError as exc:
             problems.append(str(exc))
     return problems
+
+
+def _types_consuming(message_type: type) -> list[str]:
+    found = []
+    for name in sorted(stage_types()):
+        try:
+            if message_type in resolve(name).consumes:
+                found.append(name)
+        except Exception:  # a broken third-party stage must not hide the real problem
+            continue
+    return found
 
 
 def start_order(classes: dict[str, Any]) -> list[str]:

@@ -1,0 +1,109 @@
+"""`unikern run | worker | validate`: the command-line front door."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import anyio
+
+from . import logs
+from .errors import ConfigError, UnikernError
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("pipeline", nargs="?", default="generate", help="a pipeline YAML file or built-in name (default: generate)")
+    parser.add_argument("--model", help="override the model of every stage that has one (a directory or hub repo)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.KEY=VALUE", help="override a stage parameter, e.g. kv.memory_fraction=0.2")
+    parser.add_argument("--log-level", default="warning", help="debug, info, warning or error (logs go to stderr)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="unikern", description="LLM inference on unified memory, as an async microkernel over MLX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="generate a completion and stream it to stdout")
+    _common(run)
+    run.add_argument("--prompt", required=True)
+    run.add_argument("--max-tokens", type=int, default=128)
+    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--seed", type=int)
+    run.add_argument("--chat", action="store_true", help="send the prompt as one user message through the chat template")
+    worker = sub.add_parser("worker", help="serve the NDJSON protocol on stdin/stdout")
+    _common(worker)
+    worker.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM/SIGINT, wait this long for requests in flight")
+    validate = sub.add_parser("validate", help="check a pipeline file; print every problem")
+    validate.add_argument("pipeline")
+    return parser
+
+
+def _engine_factory(args: argparse.Namespace):
+    from .engine import Engine
+    from .spec import load_pipeline, parse_overrides
+
+    spec = load_pipeline(args.pipeline, model=args.model, overrides=parse_overrides(args.overrides))
+    return lambda: Engine(spec)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from .messages import DoneEvent, ErrorEvent, TokenEvent
+
+    factory = _engine_factory(args)
+    async with factory() as engine:
+        request: dict[str, Any] = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        if args.chat:
+            request["messages"] = [{"role": "user", "content": args.prompt}]
+            events = engine.generate(**request)
+        else:
+            events = engine.generate(args.prompt, **request)
+        out = sys.stdout
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                out.write(event.text)
+                out.flush()
+            elif isinstance(event, DoneEvent):
+                out.write("\n")
+                out.flush()
+                u = event.usage
+                print(
+                    f"[{event.finish_reason}: {u.prompt_tokens} prompt tokens, "
+                    f"{u.completion_tokens} generated, {u.cached_tokens} cached]",
+                    file=sys.stderr,
+                )
+            elif isinstance(event, ErrorEvent):
+                print(f"error: {event.message}", file=sys.stderr)
+                return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.configure(getattr(args, "log_level", "warning"))
+    try:
+        if args.command == "validate":
+            from .spec import load_pipeline
+
+            load_pipeline(args.pipeline)
+            print("ok")
+            return 0
+        if args.command == "run":
+            return anyio.run(_run, args)
+        if args.command == "worker":
+            from .worker import run_worker
+
+            factory = _engine_factory(args)
+            return anyio.run(lambda: run_worker(factory, drain_seconds=args.drain_seconds))
+    except ConfigError as exc:
+        print(f"unikern: {exc}", file=sys.stderr if args.command != "validate" else sys.stdout)
+        return 1 if args.command == "validate" else 2
+    except UnikernError as exc:
+        print(f"unikern: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
