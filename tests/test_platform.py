@@ -1,0 +1,107 @@
+"""Platform accounting: this machine (CPU), fake Metal and CUDA backends, the KV budget."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import psutil
+import pytest
+from unikern import blas
+from unikern.errors import ConfigError, UnikernError
+from unikern.platform import Platform
+
+GIB = 1 << 30
+
+
+def fake_psutil(total: int) -> SimpleNamespace:
+    return SimpleNamespace(virtual_memory=lambda: SimpleNamespace(total=total))
+
+
+def fake_mx(*, metal: bool = False, cuda: bool = False, gpu_info: dict | None = None):
+    return SimpleNamespace(
+        cpu="cpu",
+        gpu="gpu",
+        metal=SimpleNamespace(
+            is_available=lambda: metal,
+            device_info=lambda: {
+                "architecture": "applegpu_g15s",
+                "device_name": "Apple M3 Max",
+                "memory_size": 64 * GIB,
+                "max_recommended_working_set_size": 48 * GIB,
+            },
+        ),
+        cuda=SimpleNamespace(is_available=lambda: cuda),
+        device_info=lambda device: (gpu_info or {}) if device == "gpu" else {"device_name": "CPU"},
+    )
+
+
+def test_this_machine_is_a_unified_cpu() -> None:
+    found = Platform.detect()
+    assert found.backend == "cpu"
+    assert found.unified_memory is True
+    assert found.device_count == 1
+    assert found.pin_memory is False
+    assert found.total_memory == psutil.virtual_memory().total
+    assert found.blas == blas.info().library
+
+
+def test_metal_uses_system_ram_and_never_pins() -> None:
+    found = Platform.detect(fake_mx(metal=True), fake_psutil(64 * GIB))
+    assert (found.backend, found.unified_memory, found.pin_memory) == ("metal", True, False)
+    assert found.total_memory == 64 * GIB
+    assert found.device_name == "Apple M3 Max"
+
+
+def test_cuda_uses_the_device_memory_as_managed_memory() -> None:
+    info = {"device_name": "NVIDIA H200", "total_memory": 141 * GIB, "free_memory": 140 * GIB}
+    found = Platform.detect(fake_mx(cuda=True, gpu_info=info), fake_psutil(2000 * GIB))
+    assert found.backend == "cuda"
+    assert found.total_memory == 141 * GIB  # the device's, not the host's 2000 GiB
+    assert (found.unified_memory, found.pin_memory, found.device_count) == (True, False, 1)
+    assert found.device_name == "NVIDIA H200"
+
+
+def test_cuda_without_a_memory_size_is_an_error() -> None:
+    with pytest.raises(UnikernError, match="total_memory"):
+        Platform.detect(fake_mx(cuda=True, gpu_info={"device_name": "?"}), fake_psutil(GIB))
+
+
+def test_cpu_fallback_with_fakes() -> None:
+    found = Platform.detect(fake_mx(), fake_psutil(8 * GIB))
+    assert (found.backend, found.total_memory, found.device_name) == ("cpu", 8 * GIB, "CPU")
+
+
+def test_to_stats_has_exactly_the_documented_keys() -> None:
+    stats = Platform.detect(fake_mx(), fake_psutil(8 * GIB)).to_stats()
+    assert set(stats) == {
+        "backend",
+        "unified_memory",
+        "total_memory",
+        "device_count",
+        "pin_memory",
+        "blas",
+        "device_name",
+    }
+    assert stats["total_memory"] == 8 * GIB
+
+
+def test_kv_budget_is_fraction_of_total_minus_weights_and_reserve() -> None:
+    found = Platform.detect(fake_mx(), fake_psutil(16 * GIB))
+    assert found.kv_budget_bytes(0.5, 2 * GIB, GIB) == 5 * GIB
+    assert found.kv_budget_bytes(1.0, 0, 0) == 16 * GIB
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5])
+def test_kv_budget_rejects_fractions_outside_zero_one(fraction: float) -> None:
+    found = Platform.detect(fake_mx(), fake_psutil(16 * GIB))
+    with pytest.raises(ConfigError, match="memory_fraction"):
+        found.kv_budget_bytes(fraction, 0, 0)
+
+
+def test_kv_budget_that_leaves_nothing_names_the_numbers() -> None:
+    found = Platform.detect(fake_mx(), fake_psutil(16 * GIB))
+    with pytest.raises(ConfigError) as caught:
+        found.kv_budget_bytes(0.5, 7 * GIB, GIB)
+    message = str(caught.value)
+    for number in (16 * GIB, 8 * GIB, 7 * GIB, GIB):
+        assert str(number) in message
