@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -75,7 +76,13 @@ class Engine:
     async def __aexit__(self, *exc_info: Any) -> bool | None:
         assert self._tg is not None
         self._tg.cancel_scope.cancel()
-        result = await self._tg.__aexit__(*exc_info)
+        try:
+            result = await self._tg.__aexit__(*exc_info)
+        finally:
+            for stream in self._requests.values():
+                if stream is not _NO_ROUTE:
+                    stream.close()
+            self._requests.clear()
         if self.fault is not None and exc_info[0] is None:
             raise self.fault
         return result
@@ -129,29 +136,31 @@ class Engine:
         finished = False
         try:
             await self._router.send(request)
-            async with receive:
-                async for event in receive:
-                    if isinstance(event, (m.DoneEvent, m.ErrorEvent)):
-                        finished = True
-                    yield event
-                    if finished:
-                        return
+            async for event in receive:
+                if isinstance(event, (m.DoneEvent, m.ErrorEvent)):
+                    finished = True
+                yield event
+                if finished:
+                    return
         finally:
+            receive.close()
             if not finished:
                 self.cancel(rid)
+            send.close()
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """Run one request to the end and return its tokens, text and usage."""
         token_ids: list[int] = []
         pieces: list[str] = []
-        async for event in self.generate(prompt, **kwargs):
-            if isinstance(event, m.TokenEvent):
-                token_ids.append(event.token_id)
-                pieces.append(event.text)
-            elif isinstance(event, m.DoneEvent):
-                return Completion(token_ids, "".join(pieces), event.finish_reason, event.usage)
-            else:
-                raise RequestError(event.message, event.code)
+        async with contextlib.aclosing(self.generate(prompt, **kwargs)) as events:
+            async for event in events:
+                if isinstance(event, m.TokenEvent):
+                    token_ids.append(event.token_id)
+                    pieces.append(event.text)
+                elif isinstance(event, m.DoneEvent):
+                    return Completion(token_ids, "".join(pieces), event.finish_reason, event.usage)
+                else:
+                    raise RequestError(event.message, event.code)
         raise UnikernError("request ended without a done event")
 
     def cancel(self, request_id: str) -> bool:
@@ -218,7 +227,7 @@ class Engine:
     # ---- egress ----------------------------------------------------------------------
 
     async def _dispatch(self, egress) -> None:
-        async with egress:
+        async with egress, self._router.egress:
             async for event in egress:
                 self._deliver(event)
 

@@ -41,11 +41,14 @@ class Router:
         self.order = start_order(classes)
         self.resources: dict[str, Any] = {}
         self._on_fault = on_fault
+        self.egress = egress
         self._routes: dict[type, MemoryObjectSendStream[Any]] = {t: egress for t in EGRESS_TYPES}
         self._inboxes = {}
+        self._senders: list[MemoryObjectSendStream[Any]] = []
         for name, stage in self.stages.items():
             send, receive = anyio.create_memory_object_stream[Any](INBOX_SIZE)
             self._inboxes[name] = receive
+            self._senders.append(send)
             for message_type in stage.consumes:
                 self._routes[message_type] = send
         self._scope: anyio.CancelScope | None = None
@@ -64,13 +67,17 @@ class Router:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Start stages in resource order; returns when cancelled or when a stage fails."""
-        with anyio.CancelScope() as scope:
-            self._scope = scope
-            async with anyio.create_task_group() as tg:
-                for name in self.order:
-                    await tg.start(self._run_stage, name)
-                log.debug("pipeline started", pipeline=self.spec.name, order=self.order)
-                task_status.started()
+        try:
+            with anyio.CancelScope() as scope:
+                self._scope = scope
+                async with anyio.create_task_group() as tg:
+                    for name in self.order:
+                        await tg.start(self._run_stage, name)
+                    log.debug("pipeline started", pipeline=self.spec.name, order=self.order)
+                    task_status.started()
+        finally:
+            for stream in [*self._senders, *self._inboxes.values()]:
+                stream.close()
 
     def stop(self) -> None:
         if self._scope is not None:
