@@ -1,0 +1,146 @@
+"""Streaming detokenization with stop strings: whole characters only, stop strings never
+emitted even when they span tokens, held-back text released once it cannot be one."""
+
+from __future__ import annotations
+
+import pytest
+
+from unikern.stages.output import TextStream
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from mlx_lm.utils import load_tokenizer
+
+    from unikern.modelgen import cached_model
+
+    return load_tokenizer(cached_model("tiny-llama"))
+
+
+def encode(tok, text: str) -> list[int]:
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    return ids
+
+
+def feed(tok, ids: list[int], stop: tuple[str, ...] = ()) -> tuple[TextStream, list[str]]:
+    """Add tokens one by one until the stream stops; the pieces it returned, in order."""
+    stream = TextStream(tok.detokenizer, stop)
+    pieces = []
+    for token_id in ids:
+        pieces.append(stream.add(token_id))
+        if stream.stopped:
+            break
+    return stream, pieces
+
+
+@pytest.mark.parametrize("stop", [(), ("\n\n",), ("界 🙂!",)])
+def test_multibyte_characters_are_never_split(tok, stop):
+    text = "héllo 世界 🙂"
+    ids = encode(tok, text)
+    assert len(ids) > len(text)  # several tokens per character: byte-level pieces
+    stream, pieces = feed(tok, ids, stop)
+    assert not stream.stopped
+    pieces.append(stream.finish())
+    for piece in pieces:
+        assert "\ufffd" not in piece
+        assert piece.encode("utf-8").decode("utf-8") == piece
+    assert "".join(pieces) == text
+    # a character's bytes arrive over several tokens: those tokens emit nothing yet
+    assert pieces.count("") >= 5
+    # whatever is out at any moment is a prefix of the text
+    for k in range(len(pieces)):
+        assert text.startswith("".join(pieces[: k + 1]))
+
+
+def test_stop_string_spanning_tokens_stops_and_is_not_emitted(tok):
+    text = "Hello world. END here"
+    ids = encode(tok, text)
+    stream, pieces = feed(tok, ids, ("END",))
+    assert stream.stopped
+    assert len(pieces) == 11  # stopped on the "D" token: " E", "N", "D" made the stop string
+    assert "".join(pieces) == "Hello world. "
+    assert stream.finish() == ""
+    assert stream.emitted_tokens == 11
+
+
+def test_text_before_a_stop_string_is_emitted_as_it_comes(tok):
+    text = "Hello world. END here"
+    ids = encode(tok, text)
+    stream = TextStream(tok.detokenizer, ("END",))
+    emitted = ""
+    for k, token_id in enumerate(ids[:8]):  # up to "Hello world."
+        emitted += stream.add(token_id)
+        so_far = tok.decode(ids[: k + 1])
+        assert so_far.startswith(emitted)
+        # at most len("END") - 1 characters are held back
+        assert len(emitted) >= len(so_far) - 2, (k, emitted, so_far)
+    assert emitted.startswith("Hello worl")
+
+
+def test_held_back_text_that_is_not_a_stop_string_is_emitted_later(tok):
+    text = "Hello EN here and ENDING"
+    ids = encode(tok, text)
+    stream = TextStream(tok.detokenizer, ("END",))
+    emitted = "".join(stream.add(t) for t in ids[:6])  # "Hello EN"
+    assert "Hello EN".startswith(emitted) and len(emitted) <= len("Hello ")  # "EN" may become "END"
+    emitted += stream.add(ids[6])  # " he": it did not
+    assert emitted.startswith("Hello EN")
+    for token_id in ids[7:]:
+        emitted += stream.add(token_id)
+        if stream.stopped:
+            break
+    assert stream.stopped
+    assert emitted == "Hello EN here and "
+
+
+def test_first_stop_string_to_complete_stops_the_stream(tok):
+    stream, pieces = feed(tok, encode(tok, "Hello world"), ("world", "llo"))
+    assert stream.stopped and len(pieces) == 4  # stopped on "lo"
+    assert "".join(pieces) == "He"
+
+
+def test_stop_strings_completed_by_one_token_cut_at_the_earliest_start(tok):
+    stream, pieces = feed(tok, encode(tok, "Hello world. END here"), ("END", "world. END"))
+    assert stream.stopped and len(pieces) == 11  # both complete on "D"
+    assert "".join(pieces) == "Hello "
+
+
+def test_stop_string_of_multibyte_characters(tok):
+    stream, pieces = feed(tok, encode(tok, "x 世界 y"), ("世界",))
+    assert stream.stopped
+    assert "".join(pieces) == "x "
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_finish_flushes_held_back_text(tok):
+    # " E" might have become "END"; at the end of the stream it is just text
+    stream, pieces = feed(tok, encode(tok, "so E"), ("END",))
+    assert not stream.stopped
+    assert "".join(pieces) == "so"
+    assert stream.finish() == " E"
+
+
+def test_finish_flushes_the_detokenizers_pending_bytes(tok):
+    text = "say hello "  # the detokenizer waits on a lone space token for what follows
+    stream, pieces = feed(tok, encode(tok, text))
+    assert "".join(pieces) == "say hello"
+    assert stream.finish() == " "
+
+
+def test_a_stop_string_completed_by_the_final_flush_still_stops(tok):
+    stream, pieces = feed(tok, encode(tok, "say hello "), ("o ",))
+    assert not stream.stopped
+    rest = stream.finish()
+    assert stream.stopped
+    assert "".join(pieces) + rest == "say hell"
+
+
+def test_no_stop_strings_means_no_holdback(tok):
+    text = "Hello world. END here"
+    stream = TextStream(tok.detokenizer, ())
+    emitted = ""
+    for k, token_id in enumerate(encode(tok, text)):
+        emitted += stream.add(token_id)
+        assert emitted == tok.decode(encode(tok, text)[: k + 1])
+    assert stream.finish() == "" and not stream.stopped
