@@ -69,8 +69,11 @@ class Engine:
             await self._tg.start(self._router.run)
         except BaseException as exc:
             self._tg.cancel_scope.cancel()
-            await self._tg.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
+            try:
+                await self._tg.__aexit__(type(exc), exc, exc.__traceback__)
+            except BaseExceptionGroup as group:
+                raise _single_unikern_error(group) from None
+            raise _single_unikern_error(exc) from None
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
@@ -109,7 +112,7 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self,
         prompt: str | None = None,
         *,
@@ -123,12 +126,22 @@ class Engine:
         logits_processors: Sequence[LogitsProcessor] | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[m.TokenEvent | m.DoneEvent | m.ErrorEvent]:
-        """Yield token events, then one done (or error) event."""
+        """An async iterator of token events, then one done (or error) event. The request
+        is checked here, at the call; it starts when iteration starts. Close the
+        iterator (or leave the scope) to cancel it."""
         request = self._make_request(
             prompt, prompt_tokens, messages, max_tokens, temperature, top_p, seed, stop,
             logits_processors, request_id,
         )
+        return self._stream(request, logits_processors)
+
+    async def _stream(
+        self, request: m.Submit, logits_processors: Sequence[LogitsProcessor] | None
+    ) -> AsyncIterator[m.TokenEvent | m.DoneEvent | m.ErrorEvent]:
         rid = request.request_id
+        max_tokens = request.params.max_tokens
+        if rid in self._requests:
+            raise RequestError(f"request id {rid!r} is already in flight", code="duplicate_id")
         send, receive = anyio.create_memory_object_stream[Any](max_tokens + 8)
         self._requests[rid] = send
         if logits_processors:
@@ -145,7 +158,7 @@ class Engine:
         finally:
             receive.close()
             if not finished:
-                self.cancel(rid)
+                self._abandon(rid)
             send.close()
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
@@ -164,13 +177,24 @@ class Engine:
         raise UnikernError("request ended without a done event")
 
     def cancel(self, request_id: str) -> bool:
-        """Cancel a request in flight; its done event says `cancelled`. False if unknown."""
+        """Cancel a request in flight: its event stream ends with a done event whose
+        finish_reason is `cancelled`. False if no such request is in flight."""
+        if request_id not in self._requests:
+            return False
+        self._send_cancel(request_id)
+        return True
+
+    def _abandon(self, request_id: str) -> None:
+        """The caller stopped listening: cancel, and drop the request's remaining events."""
         stream = self._requests.get(request_id)
         if stream is None:
-            return False
+            return
         if stream is not _NO_ROUTE:
-            self._requests[request_id] = _NO_ROUTE  # drop its remaining events
+            self._requests[request_id] = _NO_ROUTE
             stream.close()
+        self._send_cancel(request_id)
+
+    def _send_cancel(self, request_id: str) -> None:
         if self._router is not None and self.fault is None:
             try:
                 self._router.send_nowait(m.Cancel(request_id))
@@ -178,7 +202,6 @@ class Engine:
                 self._tg.start_soon(self._router.send, m.Cancel(request_id))
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 pass
-        return True
 
     def is_active(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -252,3 +275,14 @@ class Engine:
         self.fault = error
         for rid in list(self._requests):
             self._deliver(m.ErrorEvent(id=rid, code="stage_failed", message=str(error)))
+
+
+def _single_unikern_error(exc: BaseException) -> BaseException:
+    """Start-up failures surface as the one UnikernError inside, not a group of them."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, BaseExceptionGroup):
+        errors = [e for e in exc.exceptions if isinstance(e, UnikernError)]
+        if errors:
+            return errors[0]
+    return exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -22,8 +23,12 @@ class ModelThread:
         finishes on the thread (MLX work cannot be interrupted), but nobody waits."""
         done = anyio.Event()
         token = anyio.lowlevel.current_token()
+        loop_thread = threading.get_ident()
 
         def wake(_: Future) -> None:
+            if threading.get_ident() == loop_thread:
+                done.set()  # already finished when the callback was added
+                return
             try:
                 anyio.from_thread.run_sync(done.set, token=token)
             except RuntimeError:

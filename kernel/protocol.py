@@ -57,7 +57,7 @@ def decode_op(line: bytes) -> Op:
     try:
         raw = _any_decoder.decode(text)
     except msgspec.DecodeError as exc:
-        raise ProtocolError(f"not valid JSON: {exc}") from None
+        raise ProtocolError(f"not valid JSON: {exc}", _salvage_id(text)) from None
     except RecursionError:
         raise ProtocolError("not valid JSON: nested too deeply") from None
     request_id = raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str) else None
@@ -70,6 +70,19 @@ def decode_op(line: bytes) -> Op:
         return _decoder.decode(text)
     except msgspec.ValidationError as exc:
         raise ProtocolError(_explain(exc), request_id) from None
+
+
+def _salvage_id(text: str) -> str | None:
+    """The request id of a line msgspec refused but Python's json may still read
+    (e.g. a number out of float range), so the error can name its request."""
+    import json
+
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    value = raw.get("id") if isinstance(raw, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def _explain(exc: msgspec.ValidationError) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,7 @@ def parse_pipeline(
         except ConfigError:
             problems.append(f"{path}.type: unknown stage type {type_name!r}; valid types: {valid_types}")
             continue
+        classes[stage_name] = cls  # the graph is checked even if params are wrong
         body.update(overrides.get(stage_name, {}))
         fields = {f.name: f for f in msgspec.structs.fields(cls.Params)}
         if model is not None and "model" in fields:
@@ -156,7 +158,6 @@ def parse_pipeline(
         problems += stage_problems
         if params is not None:
             stages[stage_name] = StageSpec(type=str(type_name), params=body)
-            classes[stage_name] = cls
     problems += _check_graph(classes)
     if problems:
         raise PipelineErrors(source, problems)
@@ -173,7 +174,9 @@ def _convert_params(params_cls, fields, body, path) -> tuple[Any, list[str]]:
         try:
             msgspec.convert(value, fields[key].type)
         except (msgspec.ValidationError, TypeError) as exc:
-            problems.append(f"{path}.{key}: {_plain(exc)} (got {value!r})")
+            choices = _choices(fields[key].type)
+            hint = f"; valid values: {', '.join(map(str, choices))}" if choices else ""
+            problems.append(f"{path}.{key}: {_plain(exc)} (got {value!r}){hint}")
     if problems:
         return None, problems
     try:
@@ -182,6 +185,12 @@ def _convert_params(params_cls, fields, body, path) -> tuple[Any, list[str]]:
         return None, [f"{path}: {exc}"]
     problems += [f"{path}.{p}" for p in params.validate()]
     return (params if not problems else None), problems
+
+
+def _choices(annotation: Any) -> tuple[Any, ...]:
+    if typing.get_origin(annotation) is typing.Literal:
+        return typing.get_args(annotation)
+    return ()
 
 
 def _plain(exc: Exception) -> str:

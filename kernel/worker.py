@@ -20,7 +20,7 @@ import structlog
 
 from . import messages as m
 from .engine import Engine
-from .errors import RequestError, UnikernError
+from .errors import UnikernError
 from .protocol import CancelOp, GenerateOp, ProtocolError, StatsOp, decode_op, encode_event
 
 log = structlog.get_logger("unikern.worker")
@@ -118,8 +118,8 @@ class Worker:
                     self.error(event.message, line=number, request_id=request_id, code=event.code)
                 else:
                     self.emit(event)
-        except RequestError as exc:
-            self.error(str(exc), line=number, request_id=request_id, code=exc.code)
+        except UnikernError as exc:
+            self.error(str(exc), line=number, request_id=request_id, code=getattr(exc, "code", "stage_failed"))
         finally:
             self.tasks_running -= 1
             if self.tasks_running == 0:

@@ -51,7 +51,9 @@ class PromptEncoder:
         elif request.messages is not None:
             tokens = self._encode_chat(request.messages)
         else:
-            tokens = self._encode_text(request.prompt or "")
+            if not request.prompt:
+                raise RequestError("prompt: the prompt is empty; give at least one character")
+            tokens = self._encode_text(request.prompt)
         if not tokens:
             raise RequestError("the prompt is empty: give at least one token")
         if len(tokens) >= self.max_prompt_tokens:

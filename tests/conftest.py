@@ -1,10 +1,15 @@
-"""Shared fixtures: small models built on the spot and the mlx-lm greedy reference."""
+"""Shared fixtures: small models built on the spot and the mlx-lm greedy reference.
+
+hypothesis is imported here, at collection, because its pytest plugin otherwise imports
+it at session end, where CPython 3.11.7's AST checker has failed with "AST constructor
+recursion depth mismatch"."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
+import hypothesis  # noqa: F401  (imported early: see below)
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -143,12 +143,6 @@ def test_run_without_model_uses_the_embedded_default(runs) -> None:
     assert result.stdout.strip()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a stage that fails while the engine starts (here: a model directory without "
-    "config.json) escapes as an ExceptionGroup traceback: Engine.__aenter__ re-raises the "
-    "task group's BaseExceptionGroup and cli.main only catches UnikernError",
-)
 def test_a_bad_model_directory_is_a_clear_error(runs) -> None:
     result = runs["missing_model"]
     assert result.returncode != 0

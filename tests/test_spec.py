@@ -153,11 +153,6 @@ def test_parameter_problems_in_several_stages_are_all_reported() -> None:
     assert "$.stages.kv.allocation: " in joined
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="spec._convert_params reports a bad Literal value as \"Invalid enum value 'sometimes'\" "
-    "without the valid options (lazy, eager)",
-)
 def test_a_bad_choice_names_the_valid_options() -> None:
     text = pipeline(replace={"kv": "  kv:\n    type: kv_manager\n    allocation: sometimes\n"})
     [problem] = [p for p in problems_of(text) if p.startswith("$.stages.kv.allocation:")]
@@ -174,12 +169,6 @@ def test_cross_field_checks_name_the_field() -> None:
     assert "$.stages.kv.block_size: 100 is not a whole multiple of kernel_block_size 16" in joined
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="spec.parse_pipeline drops a stage with a bad parameter from the graph check, "
-    "so one typo also reports made-up graph problems (e.g. 'requires resource kv, which "
-    "no stage provides')",
-)
 def test_one_bad_parameter_is_one_problem() -> None:
     text = pipeline(
         replace={

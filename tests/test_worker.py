@@ -425,16 +425,9 @@ def test_end_of_stdin_drains_requests_in_flight_and_exits_0(session: Transcript)
 # ---- malformed lines ----------------------------------------------------------------
 
 
-ID_LOST = pytest.mark.xfail(
-    strict=True,
-    reason="protocol.decode_op: msgspec refuses 1e400 (valid JSON, out of float range) as "
-    "'not valid JSON: Number out of range', so the error loses the line's string id",
-)
-
-
 @pytest.mark.parametrize(
     "label",
-    [pytest.param(x, marks=ID_LOST) if x == "temperature_infinite" else x for x in BAD_LINES],
+    list(BAD_LINES),
 )
 def test_a_bad_line_gets_exactly_one_error(session: Transcript, label: str) -> None:
     _, expected_id, code = BAD_LINES[label]
@@ -490,10 +483,6 @@ def test_every_error_is_accounted_for(session: Transcript) -> None:
     assert got == sorted(expected_lines)  # one each, none missing, none extra
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason='tokenize.PromptEncoder._encode_text turns "" into [BOS], so an empty prompt runs instead of being refused',
-)
 def test_an_empty_prompt_string_is_refused(session: Transcript) -> None:
     answers = session.at_line(session.lines["empty_prompt"])
     assert len(answers) == 1 and answers[0]["event"] == "error"
@@ -523,11 +512,6 @@ def test_cancel_stops_the_request_in_flight(session: Transcript) -> None:
     assert len(session.token_ids("long")) < 1500
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Engine.cancel closes the request's event stream (and marks it _NO_ROUTE), so the "
-    "worker never emits the `done` event with finish_reason `cancelled`",
-)
 def test_cancel_ends_the_request_with_done_cancelled(session: Transcript) -> None:
     events = session.of("long")
     dones = [e for e in events if e["event"] == "done"]
