@@ -11,9 +11,11 @@ from typing import Any
 
 import anyio
 import msgspec
+import psutil
 from anyio.streams.memory import MemoryObjectSendStream
 
 from . import messages as m
+from .bridge_registry import bridge_stats, current_platform
 from .errors import RequestError, StageError, UnikernError
 from .router import INBOX_SIZE, Router
 from .spec import PipelineSpec, load_pipeline
@@ -96,7 +98,11 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Merged `stats()` of every stage, by section (platform, memory, kv, ...)."""
-        merged: dict[str, Any] = {}
+        merged: dict[str, Any] = {
+            "platform": current_platform().to_stats(),
+            "memory": {"rss_bytes": psutil.Process().memory_info().rss},
+            "bridge": bridge_stats(),
+        }
         if self._router is None:
             return merged
         for stage in self._router.stages.values():

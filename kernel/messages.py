@@ -83,6 +83,8 @@ class SeqWork(msgspec.Struct, frozen=True):
     # generated so far (needed by seeded sampling and logits processors)
     num_generated: int = 0
     has_processors: bool = False
+    # prompt + generated tokens, only for requests with logits processors
+    history: tuple[int, ...] = ()
 
 
 class Step(Message, frozen=True):

@@ -8,14 +8,12 @@ drain for up to `drain_seconds`, then cancel what is left.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from typing import Any, BinaryIO
 
 import anyio
 import msgspec
-import psutil
 import structlog
 
 from . import messages as m
@@ -45,9 +43,7 @@ class Worker:
         self.emit({"event": "error", "id": request_id, "code": code, "message": message, "line": line})
 
     def stats_event(self) -> dict[str, Any]:
-        stats = self.engine.stats()
-        stats.setdefault("memory", {})["rss_bytes"] = psutil.Process(os.getpid()).memory_info().rss
-        return {"event": "stats", **stats}
+        return {"event": "stats", **self.engine.stats()}
 
     async def serve(self, lines) -> int:
         self.emit({"event": "ready", "model": self.engine.model, "pipeline": self.engine.spec.name})

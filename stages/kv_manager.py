@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
-import psutil
 
+from unikern.bridge_registry import current_platform
 from unikern.errors import ConfigError
 from unikern.stage import StageBase, StageContext, StageParams
 
@@ -55,10 +55,6 @@ class KVResource:
     budget_bytes: int
 
 
-def total_memory_bytes() -> int:
-    return psutil.virtual_memory().total
-
-
 class KVManagerStage(StageBase):
     Params = KVManagerParams
     requires = ("model",)
@@ -71,7 +67,9 @@ class KVManagerStage(StageBase):
         if p.kv_budget_bytes is not None:
             budget = p.kv_budget_bytes
         else:
-            budget = int(p.memory_fraction * total_memory_bytes()) - loaded.weights_bytes - p.activation_reserve_bytes
+            budget = current_platform().kv_budget_bytes(
+                p.memory_fraction, loaded.weights_bytes, p.activation_reserve_bytes
+            )
         bytes_per_block = 2 * geometry.num_layers * p.block_size * geometry.num_kv_heads * geometry.head_dim * geometry.dtype.size
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:

@@ -13,7 +13,9 @@ from mlx.utils import tree_flatten
 from unikern import messages as m
 from unikern.mlx_thread import ModelThread
 from unikern.models import DEFAULT_MODEL, resolve_model_path
+from unikern.bridge_registry import shared_bridge
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
+from unikern.wiring import WeightWiring
 
 from .model_runner import ModelGeometry, ModelRunner
 
@@ -22,6 +24,8 @@ class MLXExecuteParams(StageParams, frozen=True):
     model: str = DEFAULT_MODEL
     # seed for requests that give none (each request still gets its own stream)
     seed: int = 0
+    # keep the weights resident: mlock on Linux, the wired limit on Metal
+    wire_weights: bool = True
 
 
 @dataclass
@@ -77,19 +81,29 @@ class MLXExecuteStage(StageBase):
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
         thread = ModelThread()
+        wiring = WeightWiring()
         try:
             loaded = await thread.run(load_model, self.params.model)
             loaded.thread = thread
             self.loaded = loaded
+            self.wired = await thread.run(wiring.wire, loaded.weights, self.params.wire_weights)
             ctx.provide("model", loaded)
             task_status.started()
             runner: ModelRunner | None = None
             salt = self.params.seed
+            processors = ctx.resource("logits_processors") if "logits_processors" in ctx._resources else {}
+
+            def apply_processors(rows: list[tuple[int, str, list[int]]], logits: mx.array) -> None:
+                from unikern.bridge import apply_torch_logits_processors
+
+                apply_torch_logits_processors(
+                    logits, [(i, processors.get(rid, ()), history) for i, rid, history in rows], shared_bridge()
+                )
 
             async def handle(step: m.Step) -> None:
                 nonlocal runner
                 if runner is None:
-                    runner = ModelRunner(loaded.model, ctx.resource("kv").pool)
+                    runner = ModelRunner(loaded.model, ctx.resource("kv").pool, apply_processors)
                 seeds = {
                     w.request_id: w.params.seed if w.params.seed is not None else _seed_for(salt, w.request_id)
                     for w in step.work
@@ -100,13 +114,17 @@ class MLXExecuteStage(StageBase):
 
             await serve_inbox(ctx, handle)
         finally:
+            wiring.unwire()
             thread.shutdown()
 
     def stats(self) -> dict[str, Any]:
         loaded = getattr(self, "loaded", None)
         if loaded is None:
             return {}
-        return {"model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes}}
+        return {
+            "model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes},
+            "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
+        }
 
 
 def _seed_for(salt: int, request_id: str) -> int:

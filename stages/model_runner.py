@@ -40,8 +40,11 @@ class ModelGeometry:
         self.dtype = cache[0].keys.dtype
 
 
+ProcessorHook = Callable[[list[tuple[int, str, list[int]]], mx.array], None]
+
+
 class ModelRunner:
-    def __init__(self, model: Any, pool: KVPool, processors: Callable[[list[tuple[int, str, list[int]]], mx.array], None] | None = None) -> None:
+    def __init__(self, model: Any, pool: KVPool, processors: ProcessorHook | None = None) -> None:
         self.model = model
         self.pool = pool
         self.apply_processors = processors
@@ -53,7 +56,7 @@ class ModelRunner:
         inputs = mx.array(tokens, dtype=mx.int32).reshape(len(rows), -1)
         return self.model(inputs, cache=caches)
 
-    def run(self, step: m.Step, seeds: dict[str, int], history: Callable[[str], list[int]] | None = None) -> dict[str, int]:
+    def run(self, step: m.Step, seeds: dict[str, int]) -> dict[str, int]:
         highest = max((max(w.block_table) for w in step.work if w.block_table), default=-1)
         self.pool.ensure_capacity(highest + 1)
         decodes = [w for w in step.work if len(w.token_ids) == 1]
@@ -77,10 +80,11 @@ class ModelRunner:
             return {}
         stacked = mx.stack(logits_rows)
         if self.apply_processors is not None and any(w.has_processors for w in order):
-            mx.eval(stacked)
+            # one evaluated float32 buffer; processors mask it in place through a view
             stacked = stacked.astype(mx.float32)
             mx.eval(stacked)
-            self.apply_processors([(i, w.request_id, w.num_generated) for i, w in enumerate(order) if w.has_processors], stacked)
+            rows = [(i, w.request_id, list(w.history)) for i, w in enumerate(order) if w.has_processors]
+            self.apply_processors(rows, stacked)
         params = [(w.params, seeds.get(w.request_id, 0), w.num_generated) for w in order]
         tokens = sample_rows(stacked, params)
         mx.eval(tokens, self.pool.keys, self.pool.values)

@@ -139,6 +139,7 @@ class Scheduler:
             params=seq.params,
             num_generated=seq.num_generated,
             has_processors=seq.has_processors,
+            history=tuple(seq.tokens) if seq.has_processors and start + chunk == len(seq.tokens) else (),
         )
 
     def _admit(self, seq: Sequence) -> bool:

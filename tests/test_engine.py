@@ -170,3 +170,36 @@ async def test_eos_finishes_with_stop(model_dir):
         stopped = await eng.complete(prompt="a", max_tokens=8)
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free.token_ids[: free.token_ids.index(eos_after) + 1]
+
+
+async def test_torch_logits_processor_applies_to_its_request_only(tiny_llama):
+    """A PyTorch processor banning tokens is honoured for one request in a batch and not
+    the others, through a zero-copy view (no copy counted)."""
+    from unikern.bridge_registry import bridge_stats
+
+    async with engine(tiny_llama) as eng:
+        free = await eng.complete(prompt="def f(x):", max_tokens=8)
+        banned = sorted(set(free.token_ids))
+        seen_histories = []
+
+        def ban(token_ids, logits):
+            seen_histories.append(list(token_ids))
+            logits[banned] = -float("inf")
+
+        results = {}
+
+        async def one(i):
+            results[i] = await eng.complete(
+                prompt="def f(x):", max_tokens=8, logits_processors=[ban] if i == 0 else None
+            )
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(one, i)
+        stats = eng.stats()["bridge"]
+    assert not set(results[0].token_ids) & set(banned)
+    assert all(results[i].token_ids == free.token_ids for i in (1, 2, 3))
+    assert len(seen_histories) == 8
+    assert seen_histories[1][-1] == results[0].token_ids[0]  # the history grows with output
+    assert stats["copies"] == 0 and stats["zero_copy_views"] >= 8
+    assert bridge_stats() == stats
