@@ -90,14 +90,16 @@ class SeqWork(msgspec.Struct, frozen=True):
 class Step(Message, frozen=True):
     step_id: int
     work: tuple[SeqWork, ...]
-    # blocks whose slots must be dropped from any per-step caches (freed since last step)
-    freed_blocks: tuple[int, ...] = ()
+    # decode lookahead: when every row is a decode and nobody waits, run this many
+    # decode steps back to back, each feeding the token the previous one sampled
+    num_steps: int = 1
 
 
 class StepDone(Message, frozen=True):
     step_id: int
-    # request_id -> sampled token id, for every SeqWork with sample=True
-    sampled: dict[str, int]
+    # request_id -> sampled token ids (one per step of a lookahead run), for every
+    # SeqWork with sample=True
+    sampled: dict[str, list[int]]
     error: str | None = None
 
 

@@ -28,15 +28,21 @@ class BlockManager:
     """Logical blocks of `block_size` tokens. Ids are handed out lowest first, so the pool
     stays compact and its tail can be given back when idle."""
 
-    def __init__(self, num_blocks: int, block_size: int, namespace: bytes = b"") -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, namespace: bytes = b"", reserved_blocks: int = 0
+    ) -> None:
+        """`num_blocks` usable blocks get ids reserved_blocks .. reserved_blocks + num_blocks - 1;
+        the reserved ids below them are never handed out (the pool's zero block)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.namespace = namespace
-        self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[bytes | None] = [None] * num_blocks
-        self._free_uncached = list(range(num_blocks))  # a heap: lowest id first
+        self.reserved_blocks = reserved_blocks
+        total = num_blocks + reserved_blocks
+        self.ref_counts = [0] * total
+        self.block_hashes: list[bytes | None] = [None] * total
+        self._free_uncached = list(range(reserved_blocks, total))  # a heap: lowest id first
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
         self.hash_to_block: dict[bytes, int] = {}
         self.hits = 0
@@ -59,7 +65,7 @@ class BlockManager:
 
     def highest_used(self) -> int:
         """1 + the highest block id that is referenced or cached (0 when none)."""
-        for block_id in range(self.num_blocks - 1, -1, -1):
+        for block_id in range(len(self.ref_counts) - 1, self.reserved_blocks - 1, -1):
             if self.ref_counts[block_id] or self.block_hashes[block_id] is not None:
                 return block_id + 1
         return 0

@@ -15,6 +15,7 @@ from .block_manager import BlockManager
 from .kv_pool import KVPool
 
 MiB = 1 << 20
+RESERVED_BLOCKS = 1  # block 0: always zero, read by padded batch positions
 
 
 class KVManagerParams(StageParams, frozen=True):
@@ -86,7 +87,7 @@ class KVManagerStage(StageBase):
                 dtype=geometry.dtype,
                 block_size=p.block_size,
                 kernel_block_size=p.kernel_block_size,
-                num_blocks=num_blocks,
+                num_blocks=num_blocks + RESERVED_BLOCKS,
                 slab_blocks=max(1, p.slab_bytes // bytes_per_block),
                 eager=p.allocation == "eager",
                 fill_value=float("nan") if p.unwritten_fill == "nan" else 0.0,
@@ -94,7 +95,8 @@ class KVManagerStage(StageBase):
 
         pool = await loaded.thread.run(make_pool)
         namespace = loaded.identity + f"/bs{p.block_size}".encode()
-        self.kv = KVResource(pool, BlockManager(num_blocks, p.block_size, namespace), num_blocks * bytes_per_block)
+        books = BlockManager(num_blocks, p.block_size, namespace, reserved_blocks=RESERVED_BLOCKS)
+        self.kv = KVResource(pool, books, num_blocks * bytes_per_block)
         ctx.provide("kv", self.kv)
         task_status.started()
         if p.allocation == "lazy":

@@ -56,9 +56,11 @@ class ModelRunner:
         inputs = mx.array(tokens, dtype=mx.int32).reshape(len(rows), -1)
         return self.model(inputs, cache=caches)
 
-    def run(self, step: m.Step, seeds: dict[str, int]) -> dict[str, int]:
+    def run(self, step: m.Step, seeds: dict[str, int]) -> dict[str, list[int]]:
         highest = max((max(w.block_table) for w in step.work if w.block_table), default=-1)
         self.pool.ensure_capacity(highest + 1)
+        if step.num_steps > 1:
+            return self._run_lookahead(step, seeds)
         decodes = [w for w in step.work if len(w.token_ids) == 1]
         prefills = [w for w in step.work if len(w.token_ids) > 1]
         logits_rows: list[mx.array] = []
@@ -66,19 +68,22 @@ class ModelRunner:
         if decodes:
             rows = [(w.block_table, w.start_pos, 1) for w in decodes]
             logits = self._forward(rows, [w.token_ids[0] for w in decodes])[:, -1, :]
-            for i, w in enumerate(decodes):
-                if w.sample:
-                    logits_rows.append(logits[i])
-                    order.append(w)
+            if all(w.sample for w in decodes) and not prefills:
+                logits_rows, order = [logits], decodes
+            else:
+                for i, w in enumerate(decodes):
+                    if w.sample:
+                        logits_rows.append(logits[i : i + 1])
+                        order.append(w)
         for w in prefills:
             logits = self._forward([(w.block_table, w.start_pos, len(w.token_ids))], list(w.token_ids))
             if w.sample:
-                logits_rows.append(logits[0, -1])
+                logits_rows.append(logits[:, -1, :])
                 order.append(w)
         if not order:
             mx.eval(self.pool.keys, self.pool.values)
             return {}
-        stacked = mx.stack(logits_rows)
+        stacked = logits_rows[0] if len(logits_rows) == 1 else mx.concatenate(logits_rows)
         if self.apply_processors is not None and any(w.has_processors for w in order):
             # one evaluated float32 buffer; processors mask it in place through a view
             stacked = stacked.astype(mx.float32)
@@ -88,4 +93,23 @@ class ModelRunner:
         params = [(w.params, seeds.get(w.request_id, 0), w.num_generated) for w in order]
         tokens = sample_rows(stacked, params)
         mx.eval(tokens, self.pool.keys, self.pool.values)
-        return {w.request_id: t for w, t in zip(order, tokens.tolist(), strict=True)}
+        return {w.request_id: [t] for w, t in zip(order, tokens.tolist(), strict=True)}
+
+    def _run_lookahead(self, step: m.Step, seeds: dict[str, int]) -> dict[str, list[int]]:
+        """num_steps decode steps for the same rows, pipelined: the graph of step i+1 is
+        built (feeding step i's lazily sampled tokens) while step i computes."""
+        work = step.work
+        inputs = mx.array([w.token_ids[0] for w in work], dtype=mx.int32)
+        sampled: list[mx.array] = []
+        for i in range(step.num_steps):
+            rows = [(w.block_table, w.start_pos + i, 1) for w in work]
+            layout = BatchLayout.build(self.pool, rows)
+            caches = [PagedLayerCache(self.pool, j, layout) for j in range(self.num_layers)]
+            logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
+            params = [(w.params, seeds.get(w.request_id, 0), w.num_generated + i) for w in work]
+            inputs = sample_rows(logits, params)
+            mx.async_eval(inputs)
+            sampled.append(inputs)
+        mx.eval(sampled, self.pool.keys, self.pool.values)
+        columns = mx.stack(sampled, axis=1).tolist()
+        return {w.request_id: columns[r] for r, w in enumerate(work)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from .kv_pool import KVPool
 
@@ -23,40 +24,35 @@ class BatchLayout:
     batch_size: int
     num_tokens: int  # T, the same for every row
     offsets: mx.array | int  # per-row start position (an int when B == 1)
-    slot_mapping: mx.array  # [B*T] pool slot of each new token
-    kernel_table: mx.array  # [B, nkb] kernel blocks to gather
-    kv_len: int  # B == 1: exact length to attend; else the padded length
+    write_slots: mx.array  # [B*T] pool slot of each new token
+    read_slots: mx.array  # [B, L] pool slot of every position attended (0: the zero block)
     mask: mx.array | str | None  # [B, 1, T, L] bool, "causal", or None
-    valid: mx.array | None  # [B, L] bool, B > 1 only: slots holding real keys
 
     @classmethod
     def build(cls, pool: KVPool, rows: list[tuple[tuple[int, ...], int, int]]) -> BatchLayout:
         """rows: (logical block table, start position, number of new tokens T)."""
-        kb = pool.kernel_block_size
         bs = pool.block_size
+        kb = pool.kernel_block_size
         T = rows[0][2]
-        tables = []
-        slots = []
-        for blocks, start, n in rows:
-            if n != T:
-                raise ValueError("every row of one forward feeds the same number of tokens")
-            tables.append(pool.kernel_table(blocks, start + n))
-            for pos in range(start, start + n):
-                slots.append(blocks[pos // bs] * bs + pos % bs)
-        nkb = max(len(t) for t in tables)
-        table = mx.array([t + [0] * (nkb - len(t)) for t in tables], dtype=mx.int32)
-        slot_mapping = mx.array(slots, dtype=mx.int32)
+        lengths = [start + n for _, start, n in rows]
+        if any(n != T for _, _, n in rows):
+            raise ValueError("every row of one forward feeds the same number of tokens")
+        L = -(-max(lengths) // kb) * kb if len(rows) > 1 else lengths[0]
+        read = np.zeros((len(rows), L), dtype=np.int32)
+        offsets = np.arange(bs, dtype=np.int32)
+        for i, (blocks, start, n) in enumerate(rows):
+            slots = (np.asarray(blocks, dtype=np.int32)[:, None] * bs + offsets).reshape(-1)
+            read[i, : start + n] = slots[: start + n]
+        write = np.concatenate([read[i, start : start + n] for i, (_, start, n) in enumerate(rows)])
+        read_slots = mx.array(read)
+        write_slots = mx.array(write)
         if len(rows) == 1:
             start = rows[0][1]
-            return cls(1, T, start, slot_mapping, table, start + T, "causal" if T > 1 else None, None)
-        starts = mx.array([r[1] for r in rows], dtype=mx.int32)
-        L = nkb * kb
-        key_pos = mx.arange(L, dtype=mx.int32)
-        query_pos = starts[:, None] + mx.arange(T, dtype=mx.int32)[None]  # [B, T]
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, T, L]
-        lengths = starts + T
-        valid = key_pos[None, :] < lengths[:, None]
-        return cls(len(rows), T, starts, slot_mapping, table, L, mask[:, None], valid)
+            return cls(1, T, start, write_slots, read_slots, "causal" if T > 1 else None)
+        starts = np.asarray([r[1] for r in rows], dtype=np.int32)
+        query_pos = starts[:, None] + np.arange(T, dtype=np.int32)[None]  # [B, T]
+        mask = np.arange(L, dtype=np.int32)[None, None, :] <= query_pos[:, :, None]
+        return cls(len(rows), T, mx.array(starts), write_slots, read_slots, mx.array(mask[:, None]))
 
 
 class PagedLayerCache:
@@ -73,11 +69,12 @@ class PagedLayerCache:
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         lay = self.layout
-        if window_size is not None and lay.kv_len > window_size:
+        L = lay.read_slots.shape[1]
+        if window_size is not None and L > window_size:
             raise NotImplementedError("sliding-window attention is not supported on the paged pool yet")
         if return_array and isinstance(lay.mask, str):
-            q = mx.arange(lay.kv_len - N, lay.kv_len)
-            return q[:, None] >= mx.arange(lay.kv_len)[None]
+            q = mx.arange(L - N, L)
+            return q[:, None] >= mx.arange(L)[None]
         return lay.mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -85,23 +82,13 @@ class PagedLayerCache:
         B, H, T, D = keys.shape
         pool_k = pool.keys[self.layer]
         pool_v = pool.values[self.layer]
-        pool_k[lay.slot_mapping] = keys.transpose(0, 2, 1, 3).reshape(B * T, H, D)
-        pool_v[lay.slot_mapping] = values.transpose(0, 2, 1, 3).reshape(B * T, H, D)
-        k = self._gather(pool_k, B, H, D)
-        v = self._gather(pool_v, B, H, D)
-        if B == 1:
-            k = k[:, :, : lay.kv_len]
-            v = v[:, :, : lay.kv_len]
-        else:
-            # masked slots get zero weight, but 0 * NaN is NaN: unwritten values must not
-            # reach the weighted sum
-            v = mx.where(lay.valid[:, None, :, None], v, mx.zeros((), dtype=v.dtype))
+        # [B, H, T, D] -> [H, B*T, D], scattered into the slot axis in place
+        pool_k[:, lay.write_slots] = keys.transpose(1, 0, 2, 3).reshape(H, B * T, D)
+        pool_v[:, lay.write_slots] = values.transpose(1, 0, 2, 3).reshape(H, B * T, D)
+        # [H, B, L, D] -> [B, H, L, D]: each (row, head) stays one contiguous L x D matrix
+        k = pool_k[:, lay.read_slots].transpose(1, 0, 2, 3)
+        v = pool_v[:, lay.read_slots].transpose(1, 0, 2, 3)
         return k, v
-
-    def _gather(self, pool_array: mx.array, B: int, H: int, D: int) -> mx.array:
-        kb = self.pool.kernel_block_size
-        blocks = pool_array.reshape(-1, kb, H, D)[self.layout.kernel_table]  # [B, nkb, kb, H, D]
-        return blocks.reshape(B, -1, H, D).transpose(0, 2, 1, 3)
 
     @property
     def state(self):  # mlx-lm reads cache.state in a few utilities; the pool is the state

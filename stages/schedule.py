@@ -14,11 +14,16 @@ from .scheduler import Scheduler
 class ScheduleParams(StageParams, frozen=True):
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step: the chunked-prefill budget
+    # decode steps run back to back when only decodes are running and nobody waits;
+    # more hides per-step overhead, fewer lets new requests join sooner
+    decode_lookahead: int = 8
 
     def validate(self) -> list[str]:
         problems = []
         if self.max_num_seqs < 1:
             problems.append(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.decode_lookahead < 1:
+            problems.append(f"decode_lookahead: must be >= 1, got {self.decode_lookahead}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             problems.append(
                 f"max_num_batched_tokens: must be >= max_num_seqs ({self.max_num_seqs}), "
@@ -43,6 +48,7 @@ class ScheduleStage(StageBase):
             max_num_batched_tokens=self.params.max_num_batched_tokens,
             eos_token_ids=tokenizer.eos_token_ids,
             context_length=loaded.context_length,
+            decode_lookahead=self.params.decode_lookahead,
         )
         in_flight: m.Step | None = None
         task_status.started()

@@ -50,12 +50,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         eos_token_ids: Iterable[int],
         context_length: int,
+        decode_lookahead: int = 1,
     ) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.context_length = context_length
+        self.decode_lookahead = decode_lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
@@ -126,7 +128,40 @@ class Scheduler:
         if not work:
             return None
         self._step_ids += 1
-        return m.Step(self._step_ids, tuple(work))
+        num_steps = self._lookahead(work)  # may give rows more blocks: build the step after
+        return m.Step(self._step_ids, tuple(work), num_steps)
+
+    def _lookahead(self, work: list[m.SeqWork]) -> int:
+        """How many decode steps to run back to back: more than one only when every row
+        is a plain decode, nobody waits to join, and each row still has that many
+        tokens to go and blocks already free for them (lookahead never preempts)."""
+        if self.decode_lookahead <= 1 or self.waiting:
+            return 1
+        if any(len(w.token_ids) != 1 or not w.sample or w.has_processors for w in work):
+            return 1
+        steps = self.decode_lookahead
+        for w in work:
+            seq = self.by_id[w.request_id]
+            steps = min(
+                steps,
+                seq.params.max_tokens - seq.num_generated,
+                self.context_length - len(seq.tokens),
+            )
+        if steps <= 1:
+            return 1
+        extra = 0
+        for w in work:
+            seq = self.by_id[w.request_id]
+            extra += self.blocks.blocks_needed(seq.num_computed + steps) - len(seq.blocks)
+        if extra > self.blocks.num_free:
+            return 1
+        for w in work:
+            seq = self.by_id[w.request_id]
+            for _ in range(self.blocks.blocks_needed(seq.num_computed + steps) - len(seq.blocks)):
+                seq.blocks.append(self.blocks.allocate_one())
+        # the rows must name the blocks just added
+        work[:] = [self._work(self.by_id[w.request_id], 1) for w in work]
+        return steps
 
     def _work(self, seq: Sequence, chunk: int) -> m.SeqWork:
         start = seq.num_computed
@@ -183,28 +218,36 @@ class Scheduler:
 
     # ---- results ----------------------------------------------------------------------
 
-    def on_step_done(self, step: m.Step, sampled: dict[str, int]) -> StepOutcome:
+    def on_step_done(self, step: m.Step, sampled: dict[str, list[int] | int]) -> StepOutcome:
         outcome = StepOutcome()
         for work in step.work:
             seq = self.by_id.get(work.request_id)
             if seq is None or seq.num_computed != work.start_pos or seq not in self.running:
                 continue  # aborted or preempted while the step ran
-            seq.num_computed += len(work.token_ids)
-            self._commit_full_blocks(seq)
             if not work.sample:
+                seq.num_computed += len(work.token_ids)
+                self._commit_full_blocks(seq)
                 continue
-            token = sampled[work.request_id]
-            first = seq.num_generated == 0
-            seq.tokens.append(token)
-            reason = self._finish_reason(seq, token)
-            outcome.tokens.append(
-                m.TokenOut(
-                    seq.request_id, token, last=reason is not None,
-                    stop=seq.params.stop if first else (),
+            tokens = sampled[work.request_id]
+            if isinstance(tokens, int):
+                tokens = [tokens]
+            fed = len(work.token_ids)  # then one fed token per further lookahead step
+            for token in tokens:
+                seq.num_computed += fed
+                fed = 1
+                self._commit_full_blocks(seq)
+                first = seq.num_generated == 0
+                seq.tokens.append(token)
+                reason = self._finish_reason(seq, token)
+                outcome.tokens.append(
+                    m.TokenOut(
+                        seq.request_id, token, last=reason is not None,
+                        stop=seq.params.stop if first else (),
+                    )
                 )
-            )
-            if reason is not None:
-                outcome.finished.append(self._finish(seq, reason))
+                if reason is not None:
+                    outcome.finished.append(self._finish(seq, reason))
+                    break
         return outcome
 
     def _finish_reason(self, seq: Sequence, token: int) -> m.FinishReason | None:

@@ -1,0 +1,74 @@
+"""Decode lookahead: several decode steps per scheduled step give the same tokens."""
+
+from __future__ import annotations
+
+import hashlib
+
+from unikern import messages as m
+from unikern.stages.block_manager import BlockManager
+from unikern.stages.scheduler import Scheduler
+
+EOS = 999
+
+
+def next_token(request_id: str, context: list[int]) -> int:
+    digest = hashlib.blake2b(f"{request_id}:{context}".encode(), digest_size=4).digest()
+    token = int.from_bytes(digest, "little") % 500 + 10
+    return EOS if token % 97 == 0 else token
+
+
+def run(lookahead: int, num_blocks: int = 64, block_size: int = 16):
+    blocks = BlockManager(num_blocks, block_size)
+    sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64, eos_token_ids=[EOS],
+                      context_length=512, decode_lookahead=lookahead)
+    contexts: dict[str, list[int]] = {}
+    for i in range(6):
+        prompt = tuple(range(5 + i, 25 + 3 * i))
+        sched.add(m.Tokenized(f"r{i}", prompt, m.SamplingParams(max_tokens=20 + i)))
+        contexts[f"r{i}"] = list(prompt)
+    out: dict[str, list[int]] = {k: [] for k in contexts}
+    reasons = {}
+    multi_steps = 0
+    for _ in range(500):
+        step = sched.schedule()
+        if step is None:
+            break
+        multi_steps += step.num_steps > 1
+        sampled = {}
+        for w in step.work:
+            seq = sched.by_id[w.request_id]
+            # every position the run will write must already have a block
+            assert blocks.blocks_needed(w.start_pos + len(w.token_ids) + step.num_steps - 1) <= len(w.block_table)
+            if not w.sample:
+                continue
+            ctx = list(seq.tokens)
+            toks = []
+            for _ in range(step.num_steps):
+                toks.append(next_token(w.request_id, ctx))
+                ctx.append(toks[-1])
+            sampled[w.request_id] = toks
+        outcome = sched.on_step_done(step, sampled)
+        for t in outcome.tokens:
+            out[t.request_id].append(t.token_id)
+        for f in outcome.finished:
+            reasons[f.request_id] = (f.reason, f.usage.completion_tokens)
+    assert not sched.has_work() and blocks.num_used == 0
+    return out, reasons, multi_steps
+
+
+def test_lookahead_gives_the_same_tokens_and_stops_exactly():
+    base, base_reasons, base_multi = run(1)
+    ahead, ahead_reasons, multi = run(4)
+    assert base_multi == 0 and multi > 0
+    assert ahead == base
+    assert ahead_reasons == base_reasons
+    for rid, (reason, count) in ahead_reasons.items():
+        assert count == len(ahead[rid])
+        assert reason == "stop" or count == 20 + int(rid[1:])
+
+
+def test_lookahead_never_preempts_for_its_blocks():
+    # a pool so small that lookahead cannot reserve ahead: it falls back to single steps
+    out, reasons, _ = run(4, num_blocks=12, block_size=8)
+    base, base_reasons, _ = run(1, num_blocks=12, block_size=8)
+    assert out == base and reasons == base_reasons

@@ -1,0 +1,179 @@
+"""unikern against mlx-lm, side by side in one process and one run.
+
+For each concurrency level the same prompts go through `mlx_lm.batch_generate` (or
+`mlx_lm.stream_generate` at concurrency 1) and through a unikern Engine; the table gives
+aggregate generated tokens per second and the unikern / mlx-lm ratio. Both sides run
+under the same MLX and the same BLAS library (the one unikern preloads, or none with
+--blas off), because a ratio across BLAS libraries says nothing about the engine.
+
+    python tools/bench.py --model llama-5m --concurrency 1 4 16 32 64 --plot bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def make_prompts(n: int, vocab: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 10) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_mlx_lm(model, tokenizer, prompts, max_tokens) -> tuple[float, int]:
+    import mlx.core as mx
+    from mlx_lm import batch_generate, stream_generate
+
+    start = time.perf_counter()
+    if len(prompts) == 1:
+        n = 0
+        for _ in stream_generate(model, tokenizer, mx.array(prompts[0]), max_tokens=max_tokens):
+            n += 1
+        return time.perf_counter() - start, n
+    response = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True)
+    return time.perf_counter() - start, sum(len(t) for t in response.token_ids)
+
+
+async def run_unikern(engine, prompts, max_tokens) -> tuple[float, int]:
+    import anyio
+
+    counts = [0] * len(prompts)
+
+    async def one(i):
+        result = await engine.complete(prompt_tokens=prompts[i], max_tokens=max_tokens)
+        counts[i] = len(result.token_ids)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return time.perf_counter() - start, sum(counts)
+
+
+def bench(args) -> dict:
+    import anyio
+
+    import unikern
+    from unikern.bridge_registry import current_platform
+    from unikern.modelgen import cached_model
+
+    path = str(cached_model(args.model)) if not Path(args.model).exists() else args.model
+    from mlx_lm import load
+
+    model, tokenizer = load(path)
+    vocab = len(tokenizer)
+    overrides = {"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": args.token_budget}}
+    rows = []
+
+    async def main():
+        async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
+            await run_unikern(engine, make_prompts(2, vocab, 16, 32, 99), 8)  # warm-up
+            run_mlx_lm(model, tokenizer, make_prompts(2, vocab, 16, 32, 99), 8)
+            for c in args.concurrency:
+                prompts = make_prompts(c, vocab, args.prompt_min, args.prompt_max, seed=c)
+                ours, theirs = [], []
+                for _ in range(args.repeats):  # interleaved, so noise hits both sides alike
+                    t, n = run_mlx_lm(model, tokenizer, prompts, args.max_tokens)
+                    theirs.append(n / t)
+                    t, n = await run_unikern(engine, prompts, args.max_tokens)
+                    ours.append(n / t)
+                row = {
+                    "concurrency": c,
+                    "mlx_lm_tok_s": statistics.median(theirs),
+                    "unikern_tok_s": statistics.median(ours),
+                    "reference": "stream_generate" if c == 1 else "batch_generate",
+                }
+                row["ratio"] = row["unikern_tok_s"] / row["mlx_lm_tok_s"]
+                rows.append(row)
+                print(
+                    f"{c:>5} {row['reference']:>16} {row['mlx_lm_tok_s']:>10.1f} "
+                    f"{row['unikern_tok_s']:>10.1f} {row['ratio']:>7.2f}x",
+                    flush=True,
+                )
+
+    print(f"model {args.model}, prompts {args.prompt_min}-{args.prompt_max} tokens, {args.max_tokens} new tokens each")
+    print(f"BLAS under MLX: {current_platform().blas}")
+    print(f"{'conc':>5} {'reference':>16} {'mlx-lm':>10} {'unikern':>10} {'ratio':>8}   (tokens/s)")
+    anyio.run(main)
+    import mlx.core as mx
+    import mlx_lm
+
+    return {
+        "model": args.model,
+        "blas": current_platform().blas,
+        "platform": current_platform().to_stats(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "max_tokens": args.max_tokens,
+        "prompt_tokens": [args.prompt_min, args.prompt_max],
+        "rows": rows,
+    }
+
+
+def plot(results: list[dict], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for res in results:
+        xs = [r["concurrency"] for r in res["rows"]]
+        tag = "reference BLAS" if res["blas"] == "reference" else Path(res["blas"]).name
+        ax.plot(xs, [r["unikern_tok_s"] for r in res["rows"]], "o-", label=f"unikern ({tag})")
+        ax.plot(xs, [r["mlx_lm_tok_s"] for r in res["rows"]], "s--", label=f"mlx-lm ({tag})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("generated tokens / s (aggregate)")
+    ax.set_title(f"{results[0]['model']}: unikern vs mlx-lm (stream_generate at 1, batch_generate above)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama-5m", help="a modelgen preset or a model directory")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-min", type=int, default=16)
+    parser.add_argument("--prompt-max", type=int, default=128)
+    parser.add_argument("--token-budget", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--blas", choices=["on", "off", "both"], default="on",
+                        help="on: the preloaded BLAS; off: MLX's reference BLAS; both: one run each")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", help="write a PNG plot here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child or args.blas == "on":
+        results = [bench(args)]
+    else:
+        modes = ["on", "off"] if args.blas == "both" else ["off"]
+        results = []
+        for mode in modes:
+            env = dict(os.environ, UNIKERN_BLAS="auto" if mode == "on" else "off")
+            argv = [a for a in sys.argv[1:] if not a.startswith("--blas") and a not in ("on", "off", "both")]
+            out = subprocess.run(
+                [sys.executable, __file__, *argv, "--child", "--json", f"/tmp/unikern-bench-{mode}.json"],
+                env=env, check=True,
+            )
+            del out
+            results.append(json.loads(Path(f"/tmp/unikern-bench-{mode}.json").read_text()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results if len(results) > 1 else results[0], indent=2))
+    if args.plot and not args.child:
+        plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()
