@@ -15,7 +15,7 @@ from .block_manager import BlockManager
 from .kv_pool import KVPool
 
 MiB = 1 << 20
-RESERVED_BLOCKS = 1  # block 0: always zero, read by padded batch positions
+RESERVED_BLOCKS = 2  # block 0: always zero (padded reads); block 1: scratch (padded writes)
 
 
 class KVManagerParams(StageParams, frozen=True):
@@ -28,6 +28,10 @@ class KVManagerParams(StageParams, frozen=True):
     slab_bytes: int = 64 * MiB  # the lazy pool grows and shrinks in slabs of this size
     idle_trim_seconds: float = 2.0  # give idle slabs back after this long without work
     unwritten_fill: Literal["zeros", "nan"] = "zeros"  # nan: for tests that prove masking
+    # host tier: cached blocks pushed out of the KV budget move here by accounting (on
+    # unified memory it is the same RAM) and come back on a prefix hit
+    host_blocks: int = 0
+    host_bytes: int | None = None  # overrides host_blocks
 
     def validate(self) -> list[str]:
         problems = []
@@ -44,6 +48,10 @@ class KVManagerParams(StageParams, frozen=True):
             problems.append(f"kv_budget_bytes: must be > 0, got {self.kv_budget_bytes}")
         if self.slab_bytes <= 0:
             problems.append(f"slab_bytes: must be > 0, got {self.slab_bytes}")
+        if self.host_blocks < 0:
+            problems.append(f"host_blocks: must be >= 0, got {self.host_blocks}")
+        if self.host_bytes is not None and self.host_bytes < 0:
+            problems.append(f"host_bytes: must be >= 0, got {self.host_bytes}")
         return problems
 
 
@@ -78,6 +86,7 @@ class KVManagerStage(StageBase):
                 f"kv: the KV budget of {budget} bytes holds no {p.block_size}-token block "
                 f"({bytes_per_block} bytes each); raise kv.memory_fraction or kv.kv_budget_bytes"
             )
+        host_blocks = p.host_blocks if p.host_bytes is None else p.host_bytes // bytes_per_block
 
         def make_pool() -> KVPool:
             return KVPool(
@@ -87,7 +96,7 @@ class KVManagerStage(StageBase):
                 dtype=geometry.dtype,
                 block_size=p.block_size,
                 kernel_block_size=p.kernel_block_size,
-                num_blocks=num_blocks + RESERVED_BLOCKS,
+                num_blocks=num_blocks + host_blocks + RESERVED_BLOCKS,
                 slab_blocks=max(1, p.slab_bytes // bytes_per_block),
                 eager=p.allocation == "eager",
                 fill_value=float("nan") if p.unwritten_fill == "nan" else 0.0,
@@ -95,7 +104,9 @@ class KVManagerStage(StageBase):
 
         pool = await loaded.thread.run(make_pool)
         namespace = loaded.identity + f"/bs{p.block_size}".encode()
-        books = BlockManager(num_blocks, p.block_size, namespace, reserved_blocks=RESERVED_BLOCKS)
+        books = BlockManager(
+            num_blocks, p.block_size, namespace, reserved_blocks=RESERVED_BLOCKS, host_blocks=host_blocks
+        )
         self.kv = KVResource(pool, books, num_blocks * bytes_per_block)
         ctx.provide("kv", self.kv)
         task_status.started()
@@ -127,13 +138,29 @@ class KVManagerStage(StageBase):
                 "blocks_allocated": kv.pool.capacity_blocks,
                 "allocation": self.params.allocation,
             },
-            "tiers": {
-                "device": {
-                    "blocks": kv.blocks.num_used,
-                    "bytes": kv.pool.resident_bytes,
-                    "hits": kv.blocks.hits,
-                    "misses": kv.blocks.misses,
-                    "evictions": kv.blocks.evictions,
-                }
-            },
+            "tiers": _tier_stats(kv),
         }
+
+
+def _tier_stats(kv: KVResource) -> dict[str, Any]:
+    books = kv.blocks
+    tiers: dict[str, Any] = {
+        "device": {
+            "blocks": books.num_used,
+            # the pool's resident memory, less what the host tier holds (the same RAM)
+            "bytes": max(0, kv.pool.resident_bytes - books.num_host_cached * kv.pool.bytes_per_block),
+            "hits": books.hits - books.host_hits,
+            "misses": books.misses + books.host_hits,  # not on the device
+            "evictions": books.device_evictions,
+        }
+    }
+    if books.host_blocks:
+        tiers["host"] = {
+            "blocks": books.num_host_cached,
+            "bytes": books.num_host_cached * kv.pool.bytes_per_block,
+            "capacity_blocks": books.host_blocks,
+            "hits": books.host_hits,
+            "misses": books.host_misses,
+            "evictions": books.host_evictions,
+        }
+    return tiers

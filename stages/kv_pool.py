@@ -10,8 +10,8 @@ gathering slots into [B, H, L, D] and running mx.fast.scaled_dot_product_attenti
 ~2 ms per layer, against ~7 ms for a slot-major pool gathered by kernel block (its
 transposed result sends SDPA down a slow strided path).
 
-Block 0 is reserved and stays zero: padded positions of a batch read it, so unwritten
-memory is never even gathered.
+Blocks 0 and 1 are reserved: block 0 stays zero and padded positions of a batch read
+it, so unwritten memory is never even gathered; padded positions write into block 1.
 
 Lazy allocation: MLX commits every page it creates (mx.zeros writes them), so the pool
 starts empty and grows in slabs as blocks are first used; idle tail slabs are given

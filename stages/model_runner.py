@@ -42,6 +42,37 @@ class ModelGeometry:
 
 ProcessorHook = Callable[[list[tuple[int, str, list[int]]], mx.array], None]
 
+# prefill rows are grouped into one padded forward while the padding stays under this
+PREFILL_PADDING_LIMIT = 1.25
+
+
+def split_head(model: Any) -> Callable[[mx.array], mx.array] | None:
+    """The model's output head alone, if it is `model.model` followed by lm_head (or
+    tied embeddings), checked on a probe. It lets a prefill compute logits for its last
+    position only instead of for every prompt token."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    inner = getattr(model, "model", None)
+    if inner is None:
+        return None
+    if getattr(getattr(model, "args", None), "tie_word_embeddings", False):
+        embed = getattr(inner, "embed_tokens", None)
+        if embed is None:
+            return None
+        head = embed.as_linear
+    elif hasattr(model, "lm_head"):
+        head = model.lm_head
+    else:
+        return None
+    probe = mx.array([[1, 2, 3]], dtype=mx.int32)
+    try:
+        full = model(probe, cache=make_prompt_cache(model))[:, -1, :]
+        split = head(inner(probe, cache=make_prompt_cache(model))[:, -1, :])
+        same = bool(mx.array_equal(full, split))
+    except Exception:  # an unusual family: keep the full forward
+        return None
+    return head if same else None
+
 
 class ModelRunner:
     def __init__(self, model: Any, pool: KVPool, processors: ProcessorHook | None = None) -> None:
@@ -49,12 +80,22 @@ class ModelRunner:
         self.pool = pool
         self.apply_processors = processors
         self.num_layers = pool.num_layers
+        self.head = split_head(model)
 
-    def _forward(self, rows: list[tuple[tuple[int, ...], int, int]], tokens: list[int]) -> mx.array:
+    def _logits(self, rows: list[tuple[tuple[int, ...], int, int]], tokens: list[list[int]]) -> mx.array:
+        """One forward over right-padded rows; logits [B, vocab] at each row's last token."""
         layout = BatchLayout.build(self.pool, rows)
         caches = [PagedLayerCache(self.pool, i, layout) for i in range(self.num_layers)]
-        inputs = mx.array(tokens, dtype=mx.int32).reshape(len(rows), -1)
-        return self.model(inputs, cache=caches)
+        T = layout.num_tokens
+        inputs = mx.array([t + [0] * (T - len(t)) for t in tokens], dtype=mx.int32)
+        if T == 1:
+            return self.model(inputs, cache=caches)[:, -1, :]
+        rows_index = mx.arange(len(rows))
+        last = mx.array(layout.last_index)
+        if self.head is not None:
+            hidden = self.model.model(inputs, cache=caches)
+            return self.head(hidden[rows_index, last])
+        return self.model(inputs, cache=caches)[rows_index, last]
 
     def run(self, step: m.Step, seeds: dict[str, int]) -> dict[str, list[int]]:
         highest = max((max(w.block_table) for w in step.work if w.block_table), default=-1)
@@ -62,24 +103,29 @@ class ModelRunner:
         if step.num_steps > 1:
             return self._run_lookahead(step, seeds)
         decodes = [w for w in step.work if len(w.token_ids) == 1]
-        prefills = [w for w in step.work if len(w.token_ids) > 1]
+        prefills = sorted((w for w in step.work if len(w.token_ids) > 1), key=lambda w: -len(w.token_ids))
+        groups = [decodes] if decodes else []
+        for w in prefills:  # longest first; a row joins a group while padding stays small
+            group = groups[-1] if groups and len(groups[-1][0].token_ids) > 1 else None
+            if group is not None:
+                fed = sum(len(x.token_ids) for x in group) + len(w.token_ids)
+                if len(group[0].token_ids) * (len(group) + 1) <= PREFILL_PADDING_LIMIT * fed:
+                    group.append(w)
+                    continue
+            groups.append([w])
         logits_rows: list[mx.array] = []
         order: list[m.SeqWork] = []
-        if decodes:
-            rows = [(w.block_table, w.start_pos, 1) for w in decodes]
-            logits = self._forward(rows, [w.token_ids[0] for w in decodes])[:, -1, :]
-            if all(w.sample for w in decodes) and not prefills:
-                logits_rows, order = [logits], decodes
+        for group in groups:
+            rows = [(w.block_table, w.start_pos, len(w.token_ids)) for w in group]
+            logits = self._logits(rows, [list(w.token_ids) for w in group])
+            if all(w.sample for w in group):
+                logits_rows.append(logits)
+                order.extend(group)
             else:
-                for i, w in enumerate(decodes):
+                for i, w in enumerate(group):
                     if w.sample:
                         logits_rows.append(logits[i : i + 1])
                         order.append(w)
-        for w in prefills:
-            logits = self._forward([(w.block_table, w.start_pos, len(w.token_ids))], list(w.token_ids))
-            if w.sample:
-                logits_rows.append(logits[:, -1, :])
-                order.append(w)
         if not order:
             mx.eval(self.pool.keys, self.pool.values)
             return {}

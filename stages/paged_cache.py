@@ -17,42 +17,60 @@ import numpy as np
 from .kv_pool import KVPool
 
 
+SCRATCH_BLOCK = 1  # reserved: padded query positions write their keys/values here
+
+
 @dataclass
 class BatchLayout:
-    """Where a forward of B rows x T tokens reads and writes in the pool."""
+    """Where a forward of B rows x T tokens reads and writes in the pool. Rows feeding
+    fewer than T tokens are right-padded: their padded positions write to the scratch
+    block and attend only to zeros, and their outputs are never read."""
 
     batch_size: int
-    num_tokens: int  # T, the same for every row
+    num_tokens: int  # T: the longest row
     offsets: mx.array | int  # per-row start position (an int when B == 1)
-    write_slots: mx.array  # [B*T] pool slot of each new token
+    write_slots: mx.array  # [B*T] pool slot of each fed position
     read_slots: mx.array  # [B, L] pool slot of every position attended (0: the zero block)
     mask: mx.array | str | None  # [B, 1, T, L] bool, "causal", or None
+    last_index: list[int]  # per row: index of its last real token
+    # one row whose blocks are consecutive ids: (first slot, start, end) so the pool is
+    # written and read through slices, as a dense cache would be, with no gather at all
+    span: tuple[int, int, int] | None = None
 
     @classmethod
     def build(cls, pool: KVPool, rows: list[tuple[tuple[int, ...], int, int]]) -> BatchLayout:
-        """rows: (logical block table, start position, number of new tokens T)."""
+        """rows: (logical block table, start position, number of new tokens)."""
         bs = pool.block_size
         kb = pool.kernel_block_size
-        T = rows[0][2]
-        lengths = [start + n for _, start, n in rows]
-        if any(n != T for _, _, n in rows):
-            raise ValueError("every row of one forward feeds the same number of tokens")
-        L = -(-max(lengths) // kb) * kb if len(rows) > 1 else lengths[0]
+        T = max(n for _, _, n in rows)
+        if len(rows) == 1:
+            blocks, start, n = rows[0]
+            used = blocks[: -(-(start + n) // bs)]
+            if all(b == used[0] + i for i, b in enumerate(used)):
+                base = used[0] * bs
+                mask = "causal" if n > 1 else None
+                return cls(1, n, start, None, None, mask, [n - 1], (base, start, start + n))
+        if len(rows) == 1:
+            L = rows[0][1] + T
+        else:
+            L = -(-max(start + T for _, start, _ in rows) // kb) * kb
         read = np.zeros((len(rows), L), dtype=np.int32)
+        write = np.full((len(rows), T), SCRATCH_BLOCK * bs, dtype=np.int32)
         offsets = np.arange(bs, dtype=np.int32)
         for i, (blocks, start, n) in enumerate(rows):
             slots = (np.asarray(blocks, dtype=np.int32)[:, None] * bs + offsets).reshape(-1)
             read[i, : start + n] = slots[: start + n]
-        write = np.concatenate([read[i, start : start + n] for i, (_, start, n) in enumerate(rows)])
+            write[i, :n] = slots[start : start + n]
+        last = [n - 1 for _, _, n in rows]
         read_slots = mx.array(read)
-        write_slots = mx.array(write)
+        write_slots = mx.array(write.reshape(-1))
         if len(rows) == 1:
             start = rows[0][1]
-            return cls(1, T, start, write_slots, read_slots, "causal" if T > 1 else None)
+            return cls(1, T, start, write_slots, read_slots, "causal" if T > 1 else None, last)
         starts = np.asarray([r[1] for r in rows], dtype=np.int32)
         query_pos = starts[:, None] + np.arange(T, dtype=np.int32)[None]  # [B, T]
         mask = np.arange(L, dtype=np.int32)[None, None, :] <= query_pos[:, :, None]
-        return cls(len(rows), T, mx.array(starts), write_slots, read_slots, mx.array(mask[:, None]))
+        return cls(len(rows), T, mx.array(starts), write_slots, read_slots, mx.array(mask[:, None]), last)
 
 
 class PagedLayerCache:
@@ -69,7 +87,7 @@ class PagedLayerCache:
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         lay = self.layout
-        L = lay.read_slots.shape[1]
+        L = lay.span[2] if lay.span is not None else lay.read_slots.shape[1]
         if window_size is not None and L > window_size:
             raise NotImplementedError("sliding-window attention is not supported on the paged pool yet")
         if return_array and isinstance(lay.mask, str):
@@ -82,6 +100,11 @@ class PagedLayerCache:
         B, H, T, D = keys.shape
         pool_k = pool.keys[self.layer]
         pool_v = pool.values[self.layer]
+        if lay.span is not None:
+            base, start, end = lay.span
+            pool_k[:, base + start : base + end] = keys[0]
+            pool_v[:, base + start : base + end] = values[0]
+            return pool_k[None, :, base : base + end], pool_v[None, :, base : base + end]
         # [B, H, T, D] -> [H, B*T, D], scattered into the slot axis in place
         pool_k[:, lay.write_slots] = keys.transpose(1, 0, 2, 3).reshape(H, B * T, D)
         pool_v[:, lay.write_slots] = values.transpose(1, 0, 2, 3).reshape(H, B * T, D)

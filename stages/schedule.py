@@ -13,7 +13,7 @@ from .scheduler import Scheduler
 
 class ScheduleParams(StageParams, frozen=True):
     max_num_seqs: int = 64  # sequences in one step
-    max_num_batched_tokens: int = 512  # tokens in one step: the chunked-prefill budget
+    max_num_batched_tokens: int = 2048  # tokens in one step: the chunked-prefill budget
     # decode steps run back to back when only decodes are running and nobody waits;
     # more hides per-step overhead, fewer lets new requests join sooner
     decode_lookahead: int = 8
@@ -42,7 +42,7 @@ class ScheduleStage(StageBase):
         kv = ctx.resource("kv")
         loaded = ctx.resource("model")
         tokenizer = ctx.resource("tokenizer")
-        self.scheduler = sched = Scheduler(
+        self.scheduler = Scheduler(
             kv.blocks,
             max_num_seqs=self.params.max_num_seqs,
             max_num_batched_tokens=self.params.max_num_batched_tokens,
@@ -50,35 +50,45 @@ class ScheduleStage(StageBase):
             context_length=loaded.context_length,
             decode_lookahead=self.params.decode_lookahead,
         )
-        in_flight: m.Step | None = None
+        self.in_flight: m.Step | None = None
+        self.setup(ctx)
         task_status.started()
 
         async def handle(message: Any) -> None:
-            nonlocal in_flight
-            match message:
-                case m.Tokenized():
-                    error = sched.add(message)
-                    if error is not None:
-                        await ctx.send(m.ErrorEvent(id=message.request_id, code="bad_request", message=error))
-                case m.Abort(request_id=rid, reason=reason):
-                    finished = sched.abort(rid, reason)
-                    if finished is not None:
-                        await ctx.send(finished)
-                case m.StepDone(step_id=step_id, sampled=sampled, error=error):
-                    step, in_flight = in_flight, None
-                    if step is None or step.step_id != step_id:
-                        raise RuntimeError(f"step {step_id} came back, but step {step and step.step_id} was in flight")
-                    outcome = sched.on_step_done(step, sampled)
-                    for token in outcome.tokens:
-                        await ctx.send(token)
-                    for finished in outcome.finished:
-                        await ctx.send(finished)
-            if in_flight is None and sched.has_work():
-                in_flight = sched.schedule()
-                if in_flight is not None:
-                    await ctx.send(in_flight)
+            await self.handle(ctx, message)
+            if self.in_flight is None and self.scheduler.has_work():
+                self.in_flight = self.scheduler.schedule()
+                if self.in_flight is not None:
+                    await ctx.send(self.in_flight)
 
         await serve_inbox(ctx, handle)
+
+    def setup(self, ctx: StageContext) -> None:
+        """Hook for subclasses: runs once the scheduler exists, before start-up ends."""
+
+    async def on_tokenized(self, ctx: StageContext, request: m.Tokenized) -> None:
+        error = self.scheduler.add(request)
+        if error is not None:
+            await ctx.send(m.ErrorEvent(id=request.request_id, code="bad_request", message=error))
+
+    async def handle(self, ctx: StageContext, message: Any) -> None:
+        sched = self.scheduler
+        match message:
+            case m.Tokenized():
+                await self.on_tokenized(ctx, message)
+            case m.Abort(request_id=rid, reason=reason):
+                finished = sched.abort(rid, reason)
+                if finished is not None:
+                    await ctx.send(finished)
+            case m.StepDone(step_id=step_id, sampled=sampled):
+                step, self.in_flight = self.in_flight, None
+                if step is None or step.step_id != step_id:
+                    raise RuntimeError(f"step {step_id} came back, but step {step and step.step_id} was in flight")
+                outcome = sched.on_step_done(step, sampled)
+                for token in outcome.tokens:
+                    await ctx.send(token)
+                for finished in outcome.finished:
+                    await ctx.send(finished)
 
     def stats(self) -> dict[str, Any]:
         sched = getattr(self, "scheduler", None)

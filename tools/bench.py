@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-min", type=int, default=16)
     parser.add_argument("--prompt-max", type=int, default=128)
-    parser.add_argument("--token-budget", type=int, default=512)
+    parser.add_argument("--token-budget", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--blas", choices=["on", "off", "both"], default="on",
                         help="on: the preloaded BLAS; off: MLX's reference BLAS; both: one run each")
