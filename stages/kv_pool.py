@@ -24,6 +24,8 @@ import math
 
 import mlx.core as mx
 
+from .cache_kinds import new_state
+
 
 class KVPool:
     def __init__(
@@ -72,7 +74,7 @@ class KVPool:
 
     def _new(self, num_blocks: int, first: bool = False) -> mx.array:
         shape = (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
-        array = mx.full(shape, self.fill_value, dtype=self.dtype)
+        array = new_state(shape, self.dtype, "KVCache", self.fill_value)
         if first:  # the reserved zero block
             array[:, : self.block_size, :] = 0
         return array

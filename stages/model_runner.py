@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from unikern import messages as m
 
+from .cache_kinds import needs_zeroing
 from .kv_pool import KVPool
 from .paged_cache import BatchLayout, PagedLayerCache
 from .sampling import sample_rows
@@ -23,10 +24,17 @@ class ModelGeometry:
 
         cache = make_prompt_cache(model)
         kinds = {type(c).__name__ for c in cache}
+        stateful = sorted(k for k in kinds if needs_zeroing(k))
+        if stateful:
+            raise NotImplementedError(
+                f"this model keeps recurrent or quantized state ({', '.join(stateful)}), which "
+                "must start zeroed and needs state checkpoints per block; the paged pool "
+                "serves attention-only models (KVCache) so far"
+            )
         if any(type(c) is not KVCache for c in cache):
             raise NotImplementedError(
-                f"this model uses cache kinds {sorted(kinds)}; the paged pool serves "
-                "attention-only models (KVCache) so far"
+                f"this model uses cache kinds {sorted(kinds)} (e.g. sliding windows); the "
+                "paged pool serves full-attention KVCache models so far"
             )
         model(mx.array([[0]], dtype=mx.int32), cache=cache)
         mx.eval([c.keys for c in cache])

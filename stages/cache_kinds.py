@@ -1,0 +1,34 @@
+"""Which cache kinds may start from uncommitted (unwritten) memory and which must be zeroed.
+
+Attention KV is masked past each sequence's length, so a slot that was never written
+can never reach an output: it needs no zeroing (tests/test_parity.py fills the pool's
+unwritten slots with NaN and gets identical tokens). Recurrent state (SSM / Mamba
+`ArraysCache`) and quantized "mixed precision" caches read every element of their state
+at every step: they must start at zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MASKED_KINDS = frozenset(
+    {"KVCache", "BatchKVCache", "RotatingKVCache", "BatchRotatingKVCache", "ChunkedKVCache", "ConcatenateKVCache"}
+)
+ZEROED_KINDS = frozenset({"ArraysCache", "MambaCache", "QuantizedKVCache"})
+
+
+def cache_kind(cache: Any) -> str:
+    return cache if isinstance(cache, str) else type(cache).__name__
+
+
+def needs_zeroing(cache: Any) -> bool:
+    """True unless the kind is known to be masked; an unknown kind is zeroed to be safe."""
+    return cache_kind(cache) not in MASKED_KINDS
+
+
+def new_state(shape: tuple[int, ...], dtype: Any, kind: Any, fill: float = 0.0):
+    """Memory for a cache of `kind`: zeros where the kind needs them; otherwise `fill`
+    (what the bytes hold does not matter, which tests prove with NaN)."""
+    import mlx.core as mx
+
+    return mx.zeros(shape, dtype=dtype) if needs_zeroing(kind) else mx.full(shape, fill, dtype=dtype)
