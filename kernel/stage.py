@@ -66,6 +66,9 @@ class StageContext:
             raise StageError(self.name, f"resource {key!r} is already provided")
         self._resources[key] = value
 
+    def optional_resource(self, key: str, default: Any = None) -> Any:
+        return self._resources.get(key, default)
+
     def resource(self, key: str) -> Any:
         try:
             return self._resources[key]

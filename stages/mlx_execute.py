@@ -91,7 +91,7 @@ class MLXExecuteStage(StageBase):
             task_status.started()
             runner: ModelRunner | None = None
             salt = self.params.seed
-            processors = ctx.resource("logits_processors") if "logits_processors" in ctx._resources else {}
+            processors = ctx.optional_resource("logits_processors", {})  # the Engine's, per request
 
             def apply_processors(rows: list[tuple[int, str, list[int]]], logits: mx.array) -> None:
                 from unikern.bridge import apply_torch_logits_processors
