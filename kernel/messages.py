@@ -103,6 +103,46 @@ class StepDone(Message, frozen=True):
     error: str | None = None
 
 
+# ---- schedule <-> offload: moving blocks between tiers -------------------------------
+
+
+class BlockRef(msgspec.Struct, frozen=True):
+    """A logical block of the pool and the chained hash that names its contents."""
+
+    block_id: int
+    block_hash: bytes
+
+
+class LoadBlocks(Message, frozen=True):
+    """Fill these (allocated, pinned) blocks from the disk tier, in chain order, before
+    `request_id` is scheduled."""
+
+    request_id: str
+    blocks: tuple[BlockRef, ...]
+
+
+class BlocksLoaded(Message, frozen=True):
+    """The first `num_loaded` blocks of a LoadBlocks hold verified data; the rest do not
+    (missing or corrupt: the request recomputes them)."""
+
+    request_id: str
+    blocks: tuple[BlockRef, ...]
+    num_loaded: int
+
+
+class StoreBlocks(Message, frozen=True):
+    """Write these full, committed (and pinned) blocks to the disk tier."""
+
+    blocks: tuple[BlockRef, ...]
+
+
+class BlocksStored(Message, frozen=True):
+    """The pool memory of these blocks has been read (their bytes are on their way to
+    disk, or skipped): they may be unpinned."""
+
+    blocks: tuple[BlockRef, ...]
+
+
 # ---- schedule -> output -------------------------------------------------------------
 
 

@@ -1,6 +1,12 @@
 """Block bookkeeping for the paged KV pool: reference counts, a free list, and a prefix
 cache of full logical blocks keyed by chained hashes, evicted LRU. Plain synchronous
-code; the KV manager stage owns one and lends it to the scheduler."""
+code; the KV manager stage owns one and lends it to the scheduler.
+
+Host tier: with `host_blocks` > 0 the pool has that many more physical blocks, and a
+cached block pushed out of the device budget moves to a host LRU instead of being
+forgotten. On unified memory both tiers are the same RAM, so the move is a change of
+books, not of bytes; a prefix hit on a host block brings it back the same way. The
+device budget (`num_blocks`) bounds referenced + device-cached blocks."""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ import hashlib
 import heapq
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 HASH_BYTES = 16
 
@@ -29,39 +35,72 @@ class BlockManager:
     stays compact and its tail can be given back when idle."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, namespace: bytes = b"", reserved_blocks: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        namespace: bytes = b"",
+        reserved_blocks: int = 0,
+        host_blocks: int = 0,
     ) -> None:
-        """`num_blocks` usable blocks get ids reserved_blocks .. reserved_blocks + num_blocks - 1;
-        the reserved ids below them are never handed out (the pool's zero block)."""
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        """`num_blocks` device blocks plus `host_blocks` host blocks get ids from
+        reserved_blocks up; the reserved ids below them are never handed out (the pool's
+        zero block)."""
+        if num_blocks < 1 or block_size < 1 or host_blocks < 0:
+            raise ValueError(
+                f"need num_blocks >= 1, block_size >= 1 and host_blocks >= 0, got "
+                f"{num_blocks}, {block_size}, {host_blocks}"
+            )
         self.num_blocks = num_blocks
+        self.host_blocks = host_blocks
         self.block_size = block_size
         self.namespace = namespace
         self.reserved_blocks = reserved_blocks
-        total = num_blocks + reserved_blocks
+        self._physical_blocks = num_blocks + host_blocks
+        total = self._physical_blocks + reserved_blocks
         self.ref_counts = [0] * total
         self.block_hashes: list[bytes | None] = [None] * total
         self._free_uncached = list(range(reserved_blocks, total))  # a heap: lowest id first
-        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # device tier, LRU first
+        self._host_cached: OrderedDict[int, None] = OrderedDict()  # host tier, LRU first
         self.hash_to_block: dict[bytes, int] = {}
-        self.hits = 0
+        self.hits = 0  # prefix-hit blocks, any tier
         self.misses = 0
-        self.evictions = 0
+        self.evictions = 0  # cached blocks forgotten
+        self.host_hits = 0
+        self.host_misses = 0
+        self.host_evictions = 0
+        self.device_evictions = 0  # cached blocks leaving the device budget (to host or gone)
+        # (block id, hash) of every block commit_full_block registers, when a consumer
+        # (the disk tier) drains it; None: not recorded
+        self.committed_log: list[tuple[int, bytes]] | None = None
 
     # ---- queries ----------------------------------------------------------------------
 
     @property
-    def num_free(self) -> int:
-        return len(self._free_uncached) + len(self._free_cached)
+    def num_used(self) -> int:
+        """Referenced blocks: what the device budget cannot give to anyone else."""
+        return (
+            self._physical_blocks
+            - len(self._free_uncached)
+            - len(self._free_cached)
+            - len(self._host_cached)
+        )
 
     @property
-    def num_used(self) -> int:
-        return self.num_blocks - self.num_free
+    def num_free(self) -> int:
+        """Device blocks free to allocate: uncached, or cached and evictable."""
+        return self.num_blocks - self.num_used
 
     @property
     def num_cached(self) -> int:
         return len(self.hash_to_block)
+
+    @property
+    def num_host_cached(self) -> int:
+        return len(self._host_cached)
+
+    def is_on_host(self, block_id: int) -> bool:
+        return block_id in self._host_cached
 
     def highest_used(self) -> int:
         """1 + the highest block id that is referenced or cached (0 when none)."""
@@ -109,30 +148,67 @@ class BlockManager:
         fresh = self.blocks_needed(len(token_ids)) - len(hit)
         if not self.can_allocate(fresh, hit):
             raise MemoryError(f"need {fresh} free blocks, have {self.num_free}")
-        for block_id in hit:
-            self._take(block_id)
+        from_host = [b for b in hit if b in self._host_cached]
+        # device hits first: promoting a host block may push a device-cached block out,
+        # and it must not be one of this prompt's own hits
+        self.take([b for b in hit if b not in self._host_cached])
+        self.take(from_host)
         self.hits += len(hit)
         self.misses += max(len(hashes) - len(hit), 0)
+        self.host_hits += len(from_host)
+        if self.host_blocks:
+            self.host_misses += max(len(hashes) - len(hit), 0)
         blocks = hit + [self.allocate_one() for _ in range(fresh)]
         return blocks, len(hit) * self.block_size
 
     def allocate_one(self) -> int:
-        if self._free_uncached:
-            block_id = heapq.heappop(self._free_uncached)
-        elif self._free_cached:
-            block_id, _ = self._free_cached.popitem(last=False)
-            del self.hash_to_block[self.block_hashes[block_id]]
-            self.block_hashes[block_id] = None
-            self.evictions += 1
-        else:
-            raise MemoryError("no free KV blocks")
+        self._make_device_room(adding=1)
+        block_id = heapq.heappop(self._free_uncached)
         self.ref_counts[block_id] = 1
         return block_id
 
-    def _take(self, block_id: int) -> None:
-        if self.ref_counts[block_id] == 0:
-            self._free_cached.pop(block_id, None)
-        self.ref_counts[block_id] += 1
+    def take(self, block_ids: Iterable[int]) -> None:
+        """One more reference to each block (a prefix hit, or a pin that keeps a block's
+        memory from reuse); a host block comes back to the device by accounting."""
+        for block_id in block_ids:
+            if block_id in self._host_cached:
+                del self._host_cached[block_id]  # now counted as device-resident
+                try:
+                    self._make_device_room(adding=0)
+                except MemoryError:
+                    self._host_cached[block_id] = None
+                    self._host_cached.move_to_end(block_id, last=False)
+                    raise
+            elif self.ref_counts[block_id] == 0:
+                self._free_cached.pop(block_id, None)
+            self.ref_counts[block_id] += 1
+
+    def _make_device_room(self, adding: int) -> None:
+        """Keep referenced + device-cached blocks within the device budget, demoting the
+        least recently used device-cached blocks to the host tier (or forgetting them)."""
+        while self._device_resident() + adding > self.num_blocks:
+            if not self._free_cached:
+                raise MemoryError("no free KV blocks")
+            block_id, _ = self._free_cached.popitem(last=False)
+            self.device_evictions += 1
+            if not self.host_blocks:
+                self._forget(block_id)
+                continue
+            if len(self._host_cached) >= self.host_blocks:
+                victim, _ = self._host_cached.popitem(last=False)
+                self.host_evictions += 1
+                self._forget(victim)
+            self._host_cached[block_id] = None
+
+    def _device_resident(self) -> int:
+        """Referenced plus device-cached blocks."""
+        return self._physical_blocks - len(self._free_uncached) - len(self._host_cached)
+
+    def _forget(self, block_id: int, count: bool = True) -> None:
+        del self.hash_to_block[self.block_hashes[block_id]]
+        self.block_hashes[block_id] = None
+        heapq.heappush(self._free_uncached, block_id)
+        self.evictions += count
 
     def commit_full_block(self, block_id: int, block_hash_: bytes) -> None:
         """Register a block that has just been filled, so later prompts can reuse it."""
@@ -142,6 +218,8 @@ class BlockManager:
             return  # an identical block is already cached; this one stays private
         self.block_hashes[block_id] = block_hash_
         self.hash_to_block[block_hash_] = block_id
+        if self.committed_log is not None:
+            self.committed_log.append((block_id, block_hash_))
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference from each block; tail blocks go to the LRU end first so a
@@ -158,8 +236,7 @@ class BlockManager:
                     heapq.heappush(self._free_uncached, block_id)
 
     def evict_all_cached(self) -> None:
-        while self._free_cached:
-            block_id, _ = self._free_cached.popitem(last=False)
-            del self.hash_to_block[self.block_hashes[block_id]]
-            self.block_hashes[block_id] = None
-            heapq.heappush(self._free_uncached, block_id)
+        for cached in (self._free_cached, self._host_cached):
+            while cached:
+                block_id, _ = cached.popitem(last=False)
+                self._forget(block_id, count=False)

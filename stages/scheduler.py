@@ -25,6 +25,10 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of full, committed blocks
     cached_tokens: int | None = None  # set at first admission
     num_preemptions: int = 0
+    # blocks held for this sequence until its first admission (its prefix, just loaded
+    # from a lower tier), so nothing evicts them while it waits
+    pinned: list[int] = field(default_factory=list)
+    held: bool = False  # not admissible yet: its prefix is still loading
 
     @property
     def num_generated(self) -> int:
@@ -66,8 +70,9 @@ class Scheduler:
 
     # ---- requests in and out -----------------------------------------------------------
 
-    def add(self, request: m.Tokenized) -> str | None:
-        """Queue a request; returns an error message if it can never be served."""
+    def add(self, request: m.Tokenized, pinned: Iterable[int] = ()) -> str | None:
+        """Queue a request; returns an error message if it can never be served. `pinned`
+        blocks (one reference each) are the caller's and are freed at admission."""
         if request.request_id in self.by_id:
             return f"request id {request.request_id!r} is already in flight"
         prompt_len = len(request.prompt_tokens)
@@ -83,6 +88,7 @@ class Scheduler:
             prompt_len,
             request.params,
             request.has_processors,
+            pinned=list(pinned),
         )
         self.by_id[seq.request_id] = seq
         self.waiting.append(seq)
@@ -93,6 +99,20 @@ class Scheduler:
         if seq is None:
             return None
         return self._finish(seq, reason)
+
+    def hold(self, request_id: str) -> None:
+        """Keep a queued request out of admission until `release` (its blocks load)."""
+        self.by_id[request_id].held = True
+
+    def release(self, request_id: str, pinned: Iterable[int] = ()) -> bool:
+        """Make a held request admissible, handing it `pinned` blocks (freed at its
+        admission). False if the request is gone: the caller keeps the pins."""
+        seq = self.by_id.get(request_id)
+        if seq is None or not seq.held:
+            return False
+        seq.held = False
+        seq.pinned.extend(pinned)
+        return True
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -115,17 +135,19 @@ class Scheduler:
             budget -= chunk
             i += 1
         # then admit waiting requests, first come first served
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._admit(seq):
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = next((s for s in self.waiting if not s.held), None)
+            if seq is None or not self._admit(seq):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.running.append(seq)
             chunk = min(len(seq.tokens) - seq.num_computed, budget)
             work.append(self._work(seq, chunk))
             scheduled.add(seq.request_id)
             budget -= chunk
         if not work:
+            if not self.running and self._release_pins():
+                return self.schedule()  # pins of waiting requests blocked the head: retry
             return None
         self._step_ids += 1
         num_steps = self._lookahead(work)  # may give rows more blocks: build the step after
@@ -188,7 +210,17 @@ class Scheduler:
         seq.block_hashes = self.blocks.prefix_hashes(seq.tokens)[: cached // self.blocks.block_size]
         if seq.cached_tokens is None:
             seq.cached_tokens = cached
+        self.blocks.free(seq.pinned)  # the sequence holds its own references now
+        seq.pinned = []
         return True
+
+    def _release_pins(self) -> bool:
+        """Unpin every waiting sequence's blocks (they stay cached, but evictable)."""
+        pinned = [seq for seq in self.waiting if seq.pinned]
+        for seq in pinned:
+            self.blocks.free(seq.pinned)
+            seq.pinned = []
+        return bool(pinned)
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int, scheduled: set[str]) -> bool:
         """Grow seq's blocks to hold num_tokens, preempting the youngest running
@@ -275,5 +307,7 @@ class Scheduler:
             self.blocks.free(seq.blocks)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.blocks.free(seq.pinned)
+        seq.pinned = []
         seq.blocks = []
         return m.Finished(seq.request_id, reason, seq.usage)

@@ -1,0 +1,118 @@
+"""Whole logical blocks of the KV pool read and written through zero-copy numpy views.
+
+A logical block b of the head-major pool is, per layer and for keys and values, the
+slots [b*bs, (b+1)*bs) of every head: H strided pieces, not one contiguous range. So a
+block moves between the pool and a contiguous buffer laid out [2, L, H, bs, D] (the disk
+file's payload) by one strided numpy copy per layer and kind, through a view of the
+pool's own memory. Checked: a view that is not the pool's memory raises.
+
+Model thread only: the pool arrays are replaced by steps and by growth, and a live view
+stops MLX from updating the pool in place (every step would copy the whole pool), so
+views are taken and dropped within one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from unikern.bridge import Bridge, BridgeCopyError, mlx_buffer
+
+from .kv_pool import KVPool
+
+LAYOUT = "head-major-v1"  # names the payload layout in the disk namespace
+_BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The shape of one logical block as a contiguous payload: [2, L, H, bs, D]."""
+
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: str  # e.g. "bfloat16"
+    itemsize: int
+
+    @classmethod
+    def of(cls, pool: KVPool) -> BlockLayout:
+        return cls(
+            pool.num_layers,
+            pool.num_kv_heads,
+            pool.block_size,
+            pool.head_dim,
+            str(pool.dtype).rsplit(".", 1)[-1],
+            pool.dtype.size,
+        )
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (2, self.num_layers, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.itemsize
+
+    def new_buffer(self) -> np.ndarray:
+        return np.empty(self.nbytes, np.uint8)
+
+    def as_elements(self, buffer: np.ndarray) -> np.ndarray:
+        """A [2, L, H, bs, D] unsigned-int view of a flat byte buffer (same bits)."""
+        if buffer.nbytes != self.nbytes:
+            raise ValueError(f"buffer is {buffer.nbytes} bytes, a block is {self.nbytes}")
+        return buffer.view(np.dtype(f"u{self.itemsize}")).reshape(self.shape)
+
+
+@contextmanager
+def pool_views(pool: KVPool, bridge: Bridge) -> Iterator[tuple[list[np.ndarray], list[np.ndarray]]]:
+    """(keys, values): per layer a writable [H, slots, D] view of the pool's own memory,
+    as unsigned ints of the same width (numpy has no bfloat16). Dropped on exit."""
+    bits = _BITS[pool.dtype.size]
+    keys, values = [], []
+    try:
+        for source, views in ((pool.keys, keys), (pool.values, values)):
+            for array in source:
+                mx.eval(array)
+                as_bits = array.view(bits)
+                view = bridge.to_numpy(as_bits)
+                if view.__array_interface__["data"][0] != mlx_buffer(array)[0]:
+                    raise BridgeCopyError("a pool view is not the pool's memory")
+                views.append(view)
+                del as_bits
+        yield keys, values
+    finally:
+        keys.clear()
+        values.clear()
+
+
+def copy_out(pool: KVPool, bridge: Bridge, block_ids: Sequence[int], buffers: Sequence[np.ndarray]) -> None:
+    """Copy each block's bytes into its contiguous buffer (layout `BlockLayout.of(pool)`)."""
+    layout = BlockLayout.of(pool)
+    bs = pool.block_size
+    with pool_views(pool, bridge) as (keys, values):
+        for block_id, buffer in zip(block_ids, buffers, strict=True):
+            out = layout.as_elements(buffer)
+            slots = slice(block_id * bs, (block_id + 1) * bs)
+            for layer in range(pool.num_layers):
+                out[0, layer] = keys[layer][:, slots]
+                out[1, layer] = values[layer][:, slots]
+
+
+def copy_in(pool: KVPool, bridge: Bridge, block_ids: Sequence[int], buffers: Sequence[np.ndarray]) -> None:
+    """Write each contiguous buffer into its block of the pool, growing the pool first."""
+    if not block_ids:
+        return
+    pool.ensure_capacity(max(block_ids) + 1)
+    layout = BlockLayout.of(pool)
+    bs = pool.block_size
+    with pool_views(pool, bridge) as (keys, values):
+        for block_id, buffer in zip(block_ids, buffers, strict=True):
+            data = layout.as_elements(buffer)
+            slots = slice(block_id * bs, (block_id + 1) * bs)
+            for layer in range(pool.num_layers):
+                keys[layer][:, slots] = data[0, layer]
+                values[layer][:, slots] = data[1, layer]

@@ -1,0 +1,184 @@
+"""Tiering policy, plain synchronous code: what to load before a request is scheduled,
+what to store, and in which order the offload mover works.
+
+`TierPlanner` is the schedule side. A prompt whose chained block hashes continue on
+disk after its device/host hits is held back: its hits are pinned (so loading cannot
+evict them), fresh blocks are allocated and pinned for the disk blocks, and one
+LoadBlocks asks the mover to fill them. When they are in, the loaded blocks are
+committed to the prefix cache and the request becomes admissible, holding its pins
+until admission, where they turn into prefix hits. Committed blocks not yet on disk are
+pinned and sent to be stored; the pin is dropped once the mover has copied them out.
+
+`OffloadQueue` is the mover side: loads (a request is waiting) before stores, and a
+bound on blocks in flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from unikern import messages as m
+
+from .block_manager import BlockManager
+
+
+@dataclass
+class Staged:
+    request_id: str
+    pins: list[int]  # hit blocks, then own blocks once loaded
+    waiting_on: set[bytes]  # hashes whose loads are in flight (own or another request's)
+
+
+@dataclass
+class TierStats:
+    loads_requested: int = 0  # blocks asked of the disk tier
+    loads_done: int = 0  # blocks that came back verified
+    load_failures: int = 0  # missing or corrupt: recomputed
+    stores_requested: int = 0
+
+
+class TierPlanner:
+    def __init__(self, blocks: BlockManager, on_disk: Callable[[bytes], bool]) -> None:
+        self.blocks = blocks
+        self.on_disk = on_disk
+        self.staged: dict[str, Staged] = {}
+        self.loading: dict[bytes, str] = {}  # hash -> request loading it
+        self.storing: set[bytes] = set()
+        self.stats = TierStats()
+        blocks.committed_log = []
+
+    # ---- loads ------------------------------------------------------------------------
+
+    def plan_load(self, request: m.Tokenized) -> tuple[bool, m.LoadBlocks | None]:
+        """(hold the request?, what to load). Held requests wait for `loaded`."""
+        blocks = self.blocks
+        tokens = request.prompt_tokens
+        usable = (len(tokens) - 1) // blocks.block_size  # the last token is always computed
+        hashes = blocks.prefix_hashes(tokens[: usable * blocks.block_size])
+        hits = blocks.lookup_prefix(hashes)
+        to_load: list[bytes] = []
+        waiting_on: set[bytes] = set()
+        for h in hashes[len(hits) :]:
+            if h in self.loading:
+                waiting_on.add(h)
+            elif self.on_disk(h):
+                to_load.append(h)
+            else:
+                break
+        room = blocks.num_free - sum(1 for b in hits if blocks.ref_counts[b] == 0)
+        to_load = to_load[: max(room, 0)]
+        if room < 0 or (not to_load and not waiting_on):
+            return False, None
+        blocks.take(hits)
+        refs = tuple(m.BlockRef(blocks.allocate_one(), h) for h in to_load)
+        for h in to_load:
+            self.loading[h] = request.request_id
+        self.staged[request.request_id] = Staged(request.request_id, list(hits), waiting_on | set(to_load))
+        self.stats.loads_requested += len(refs)
+        return True, (m.LoadBlocks(request.request_id, refs) if refs else None)
+
+    def loaded(self, done: m.BlocksLoaded) -> list[tuple[str, list[int]]]:
+        """Commit what loaded, free what did not; returns (request id, pins) of every
+        request that no longer waits for anything."""
+        blocks = self.blocks
+        good, bad = done.blocks[: done.num_loaded], done.blocks[done.num_loaded :]
+        for ref in good:
+            blocks.commit_full_block(ref.block_id, ref.block_hash)
+        self.stats.loads_done += len(good)
+        self.stats.load_failures += len(bad)
+        blocks.free([ref.block_id for ref in bad])  # never committed: back to the free list
+        owner = self.staged.get(done.request_id)
+        if owner is not None:
+            owner.pins += [ref.block_id for ref in good]
+        else:  # cancelled while loading: the loaded blocks stay cached, unpinned
+            blocks.free([ref.block_id for ref in good])
+        finished = {ref.block_hash for ref in done.blocks}
+        for h in finished:
+            self.loading.pop(h, None)
+        ready = []
+        for rid, staged in list(self.staged.items()):
+            staged.waiting_on -= finished
+            if not staged.waiting_on:
+                del self.staged[rid]
+                ready.append((rid, staged.pins))
+        return ready
+
+    def cancel(self, request_id: str) -> None:
+        """A held request ended: drop its pins (its own loads are freed when they land)."""
+        staged = self.staged.pop(request_id, None)
+        if staged is not None:
+            self.blocks.free(staged.pins)
+
+    # ---- stores -----------------------------------------------------------------------
+
+    def plan_store(self) -> m.StoreBlocks | None:
+        """Pin and send every newly committed block that is not on disk yet."""
+        blocks = self.blocks
+        log, blocks.committed_log = blocks.committed_log, []
+        refs = []
+        for block_id, h in log or ():
+            if h in self.storing or blocks.block_hashes[block_id] != h or self.on_disk(h):
+                continue
+            refs.append(m.BlockRef(block_id, h))
+            self.storing.add(h)
+        if not refs:
+            return None
+        blocks.take(ref.block_id for ref in refs)
+        self.stats.stores_requested += len(refs)
+        return m.StoreBlocks(tuple(refs))
+
+    def stored(self, done: m.BlocksStored) -> None:
+        self.blocks.free([ref.block_id for ref in done.blocks])
+        self.storing.difference_update(ref.block_hash for ref in done.blocks)
+
+
+# ---- the mover's queue ------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    kind: str  # "load" or "store"
+    blocks: tuple[m.BlockRef, ...]
+    request_id: str = ""
+
+
+@dataclass
+class OffloadQueue:
+    """Loads first (a request waits on them), then stores in arrival order, with at most
+    `max_inflight_blocks` blocks being moved at once (a single larger job runs alone)."""
+
+    max_inflight_blocks: int
+    max_store_batch: int = 8
+    loads: deque[Job] = field(default_factory=deque)
+    stores: deque[m.BlockRef] = field(default_factory=deque)
+    inflight_blocks: int = 0
+
+    def push(self, message: m.LoadBlocks | m.StoreBlocks) -> None:
+        if isinstance(message, m.LoadBlocks):
+            self.loads.append(Job("load", message.blocks, message.request_id))
+        else:
+            self.stores.extend(message.blocks)
+
+    def pending_blocks(self) -> int:
+        return sum(len(j.blocks) for j in self.loads) + len(self.stores)
+
+    def next_job(self) -> Job | None:
+        """The next job that fits under the bound (and count it in flight), or None."""
+        room = self.max_inflight_blocks - self.inflight_blocks
+        if self.loads:
+            job = self.loads[0]
+            if len(job.blocks) > room and self.inflight_blocks:
+                return None  # loads keep their priority: stores wait behind them
+            self.loads.popleft()
+        elif self.stores and room > 0:
+            n = min(room, self.max_store_batch, len(self.stores))
+            job = Job("store", tuple(self.stores.popleft() for _ in range(n)))
+        else:
+            return None
+        self.inflight_blocks += len(job.blocks)
+        return job
+
+    def done(self, job: Job) -> None:
+        self.inflight_blocks -= len(job.blocks)
