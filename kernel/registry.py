@@ -19,6 +19,9 @@ BUILTIN_STAGES: dict[str, str] = {
     "kv_manager": "unikern.stages.kv_manager:KVManagerStage",
     "mlx_execute": "unikern.stages.mlx_execute:MLXExecuteStage",
     "output": "unikern.stages.output:OutputStage",
+    "schedule_tiered": "unikern.stages.schedule_tiered:TieredScheduleStage",
+    "offload_mover": "unikern.stages.offload:OffloadMoverStage",
+    "disk_tier": "unikern.stages.disk_tier:DiskTierStage",
 }
 
 ENTRY_POINT_GROUP = "unikern.stages"

@@ -238,7 +238,8 @@ def test_validate_prints_every_problem_and_exits_1(tmp_path: Path) -> None:
     # unknown stage type: the path and the valid types
     assert (
         "$.stages.output.type: unknown stage type 'outptu'; "
-        "valid types: kv_manager, mlx_execute, output, schedule, tokenize"
+        "valid types: disk_tier, kv_manager, mlx_execute, offload_mover, output, schedule, "
+        "schedule_tiered, tokenize"
     ) in problems
     assert "Traceback" not in result.stdout + result.stderr
 

@@ -20,7 +20,9 @@ from unikern.spec import (
     start_order,
 )
 
-VALID_TYPES = "kv_manager, mlx_execute, output, schedule, tokenize"
+VALID_TYPES = (
+    "disk_tier, kv_manager, mlx_execute, offload_mover, output, schedule, schedule_tiered, tokenize"
+)
 
 # the built-in `generate` pipeline, spelled out so each test can break one thing
 STAGES = {

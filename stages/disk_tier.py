@@ -1,0 +1,153 @@
+"""disk_tier: the compressed disk tier of the KV cache, lent to the offload mover.
+
+One checked, byte-shuffled zstd file per logical block (`disk_format`), kept by a
+`DiskStore` under `path/<namespace>`. The namespace changes whenever blocks stop being
+interchangeable: the model (its identity plus a sample of its weight files' bytes, so
+two checkpoints with one config never share files), the KV dtype, the payload layout
+and the block size. Files survive restarts; a bad file is a miss, never an error.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import structlog
+from unikern.errors import ConfigError
+from unikern.stage import StageBase, StageContext, StageParams
+
+from .block_io import LAYOUT, BlockLayout
+from .disk_store import DiskStore, make_namespace
+
+log = structlog.get_logger("unikern")
+
+GiB = 1 << 30
+_SAMPLE_BYTES = 64 << 10
+
+
+class DiskTierParams(StageParams, frozen=True):
+    path: str = "~/.cache/unikern/kv"
+    capacity_bytes: int = 8 * GiB  # LRU-evicted above this many bytes of files
+    compression_level: int = 3  # zstd level; 1-3 keep up with a prefill on these CPUs
+    fsync: bool = False  # fsync each file (survives power loss, not only a crash)
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.capacity_bytes <= 0:
+            problems.append(f"capacity_bytes: must be > 0, got {self.capacity_bytes}")
+        if not -7 <= self.compression_level <= 22:
+            problems.append(f"compression_level: must be in -7..22, got {self.compression_level}")
+        if not self.path:
+            problems.append("path: must name a directory, e.g. ~/.cache/unikern/kv")
+        return problems
+
+
+def weights_fingerprint(model_path: str | Path) -> str:
+    """A cheap digest of the weight files' contents: name, size and three 64 KiB
+    samples of each (a full hash of many GiB would slow every start)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        size = f.stat().st_size
+        digest.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            for offset in sorted({0, max(0, size // 2 - _SAMPLE_BYTES // 2), max(0, size - _SAMPLE_BYTES)}):
+                fh.seek(offset)
+                digest.update(fh.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+class DiskTier:
+    """The `disk` resource: block payloads in and out of a DiskStore, thread-safe.
+    OS errors are counted and turned into misses or skipped writes."""
+
+    def __init__(self, store: DiskStore, layout: BlockLayout) -> None:
+        self.store = store
+        self.layout = layout
+        self.io_errors = 0
+        self.shape_mismatches = 0
+        self.pending_writes = 0  # copied out of the pool, not yet on disk (the mover counts)
+
+    def contains(self, block_hash: bytes) -> bool:
+        return self.store.contains(block_hash)
+
+    def write(self, block_hash: bytes, payload: np.ndarray) -> bool:
+        try:
+            return self.store.put(
+                block_hash,
+                payload,
+                dtype=self.layout.dtype,
+                shape=self.layout.shape,
+                token_count=self.layout.block_size,
+            )
+        except OSError as exc:
+            self.io_errors += 1
+            log.warning("disk.write_failed", error=str(exc), errno=errno.errorcode.get(exc.errno or 0))
+            return False
+
+    def read(self, block_hash: bytes, out: np.ndarray) -> bool:
+        """Decode a block straight into `out` (garbage there on a miss)."""
+        try:
+            block = self.store.get(block_hash, out=out)
+        except OSError as exc:
+            self.io_errors += 1
+            log.warning("disk.read_failed", error=str(exc))
+            return False
+        if block is None:
+            return False
+        if block.dtype != self.layout.dtype or tuple(block.shape) != self.layout.shape:
+            self.shape_mismatches += 1  # a checked file of another layout: never use it
+            self.store.delete(block_hash)
+            return False
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        s = self.store.stats()
+        s.update(
+            io_errors=self.io_errors,
+            shape_mismatches=self.shape_mismatches,
+            pending_writes=self.pending_writes,
+            path=str(self.store.directory),
+        )
+        return s
+
+
+def open_disk_tier(params: DiskTierParams, model_id: str, layout: BlockLayout) -> DiskTier:
+    """Open (creating it if missing) the store for this model and layout. Blocking."""
+    namespace = make_namespace(model_id, layout.dtype, LAYOUT, layout.block_size)
+    root = Path(os.path.expanduser(params.path))
+    try:
+        store = DiskStore(root, namespace, params.capacity_bytes, fsync=params.fsync, level=params.compression_level)
+    except OSError as exc:
+        raise ConfigError(f"disk.path: cannot use {str(root)!r} as the KV disk tier: {exc}") from exc
+    return DiskTier(store, layout)
+
+
+class DiskTierStage(StageBase):
+    Params = DiskTierParams
+    requires = ("model", "kv")
+    provides = ("disk",)
+
+    async def run(self, ctx: StageContext, *, task_status) -> None:
+        loaded = ctx.resource("model")
+        kv = ctx.resource("kv")
+        layout = BlockLayout.of(kv.pool)
+        fingerprint = await anyio.to_thread.run_sync(weights_fingerprint, loaded.path)
+        model_id = f"{loaded.identity.hex()}.{fingerprint}/{Path(loaded.path).name}"
+        self.disk = await anyio.to_thread.run_sync(open_disk_tier, self.params, model_id, layout)
+        ctx.provide("disk", self.disk)
+        ctx.log.info("disk.ready", directory=str(self.disk.store.directory), **{
+            k: v for k, v in self.disk.store.stats().items() if k in ("files", "bytes_on_disk", "corrupt_files", "swept_tmp_files")
+        })
+        task_status.started()
+        await anyio.sleep_forever()
+
+    def stats(self) -> dict[str, Any]:
+        disk = getattr(self, "disk", None)
+        if disk is None:
+            return {}
+        return {"tiers": {"disk": disk.stats()}}
