@@ -114,6 +114,7 @@ def test_cold_run_matches_mlx_lm_and_writes_every_block(cold):
     assert all(f.stat().st_mode & 0o777 == 0o600 for f in files)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_restart_serves_the_prompt_from_disk_byte_for_byte(cold, tmp_path):
     root = copy_of(cold, tmp_path)
     result, stats, contents = await run_once(cold.model, root)
@@ -232,3 +233,11 @@ async def test_worker_killed_mid_write_leaves_a_usable_tier(cold, tmp_path):
     assert disk["swept_tmp_files"] >= 1 and disk["corrupt_files"] == 0
     assert not list(directory.glob(TMP_PREFIX + "*"))
     assert result.usage.cached_tokens == BLOCK * disk["hits"]
+
+
+async def test_an_unusable_path_is_a_clear_start_up_error(cold, tmp_path):
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("x")
+    with pytest.raises(unikern.UnikernError, match="disk.path"):
+        async with engine(cold.model, not_a_directory):
+            pass
