@@ -12,6 +12,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from .errors import ConfigError, StageError
+from .faults import planned_fault, wrap_inbox
 from .spec import EGRESS_TYPES, PipelineSpec, start_order
 from .stage import StageContext
 
@@ -52,6 +53,7 @@ class Router:
             for message_type in stage.consumes:
                 self._routes[message_type] = send
         self._scope: anyio.CancelScope | None = None
+        self._fault_plan = planned_fault()  # a test hook (kernel/faults.py); None normally
 
     def _route(self, message: Any) -> MemoryObjectSendStream[Any]:
         try:
@@ -93,7 +95,7 @@ class Router:
         stage = self.stages[name]
         ctx = StageContext(
             name,
-            self._inboxes[name],
+            wrap_inbox(name, self._inboxes[name], self._fault_plan),
             self.send,
             self.send_nowait,
             self.resources,

@@ -29,9 +29,8 @@ class KVManagerParams(StageParams, frozen=True):
     idle_trim_seconds: float = 2.0  # give idle slabs back after this long without work
     unwritten_fill: Literal["zeros", "nan"] = "zeros"  # nan: for tests that prove masking
     # host tier: cached blocks pushed out of the KV budget move here by accounting (on
-    # unified memory it is the same RAM) and come back on a prefix hit
-    host_blocks: int = 0
-    host_bytes: int | None = None  # overrides host_blocks
+    # unified memory it is the same RAM) and come back on a prefix hit; 0: none
+    host_bytes: int = 0
 
     def validate(self) -> list[str]:
         problems = []
@@ -48,9 +47,7 @@ class KVManagerParams(StageParams, frozen=True):
             problems.append(f"kv_budget_bytes: must be > 0, got {self.kv_budget_bytes}")
         if self.slab_bytes <= 0:
             problems.append(f"slab_bytes: must be > 0, got {self.slab_bytes}")
-        if self.host_blocks < 0:
-            problems.append(f"host_blocks: must be >= 0, got {self.host_blocks}")
-        if self.host_bytes is not None and self.host_bytes < 0:
+        if self.host_bytes < 0:
             problems.append(f"host_bytes: must be >= 0, got {self.host_bytes}")
         return problems
 
@@ -86,7 +83,7 @@ class KVManagerStage(StageBase):
                 f"kv: the KV budget of {budget} bytes holds no {p.block_size}-token block "
                 f"({bytes_per_block} bytes each); raise kv.memory_fraction or kv.kv_budget_bytes"
             )
-        host_blocks = p.host_blocks if p.host_bytes is None else p.host_bytes // bytes_per_block
+        host_blocks = p.host_bytes // bytes_per_block
 
         def make_pool() -> KVPool:
             return KVPool(

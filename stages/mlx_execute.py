@@ -11,9 +11,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from unikern import messages as m
+from unikern.bridge_registry import shared_bridge
 from unikern.mlx_thread import ModelThread
 from unikern.models import DEFAULT_MODEL, resolve_model_path
-from unikern.bridge_registry import shared_bridge
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
 from unikern.wiring import WeightWiring
 

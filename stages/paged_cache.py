@@ -16,7 +16,6 @@ import numpy as np
 
 from .kv_pool import KVPool
 
-
 SCRATCH_BLOCK = 1  # reserved: padded query positions write their keys/values here
 
 

@@ -65,7 +65,7 @@ def reference_greedy(path: str, prompt_tokens: list[int], max_tokens: int) -> Re
 def compare_greedy(ours: list[int], ref: Reference) -> tuple[bool, str]:
     """Token-for-token equality; a first difference at a near-tie step of mlx-lm's own
     logits is allowed and reported (DESIGN.md, correctness reference)."""
-    for i, (a, b) in enumerate(zip(ours, ref.tokens)):
+    for i, (a, b) in enumerate(zip(ours, ref.tokens, strict=False)):
         if a != b:
             if ref.margins[i] < NEAR_TIE:
                 return True, f"near-tie at step {i} (margin {ref.margins[i]:.2e}): {a} vs {b}"

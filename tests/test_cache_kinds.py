@@ -40,16 +40,16 @@ def test_recurrent_state_must_start_at_zero():
 
     def prefilled(fill):
         caches = model.make_cache()
-        for c, layer_shapes, layer_dtypes in zip(caches, shapes, dtypes):
-            for i, (shape, dtype) in enumerate(zip(layer_shapes, layer_dtypes)):
+        for c, layer_shapes, layer_dtypes in zip(caches, shapes, dtypes, strict=True):
+            for i, (shape, dtype) in enumerate(zip(layer_shapes, layer_dtypes, strict=True)):
                 c[i] = new_state(shape, dtype, c, fill)
         return caches
 
     zeroed = model(tokens, cache=prefilled(float("nan")))  # ArraysCache: fill is ignored
     assert mx.array_equal(zeroed, reference)
     garbage = model.make_cache()
-    for c, layer_shapes, layer_dtypes in zip(garbage, shapes, dtypes):
-        for i, (shape, dtype) in enumerate(zip(layer_shapes, layer_dtypes)):
+    for c, layer_shapes, layer_dtypes in zip(garbage, shapes, dtypes, strict=True):
+        for i, (shape, dtype) in enumerate(zip(layer_shapes, layer_dtypes, strict=True)):
             c[i] = mx.full(shape, 0.5, dtype=dtype)
     assert not mx.allclose(model(tokens, cache=garbage), reference)
 

@@ -45,7 +45,7 @@ async def test_cancelling_the_callers_scope_frees_blocks(tiny_llama):
                 async def consume():
                     nonlocal seen
                     async with contextlib.aclosing(eng.generate(prompt_tokens=list(range(5, 40)), max_tokens=1000)) as events:
-                        async for event in events:
+                        async for _ in events:
                             seen += 1
                             if seen == 3:
                                 tg.cancel_scope.cancel()
@@ -55,7 +55,7 @@ async def test_cancelling_the_callers_scope_frees_blocks(tiny_llama):
         assert not timeout.cancelled_caught
         assert seen >= 3
         with anyio.fail_after(5):
-            while eng.stats()["kv"]["blocks_used"] or eng.in_flight():
+            while eng.stats()["kv"]["blocks_used"] or eng.in_flight():  # noqa: ASYNC110 (polling stats, as a client would)
                 await anyio.sleep(0.01)
 
 
@@ -69,7 +69,7 @@ async def test_cancel_by_id_reports_cancelled(tiny_llama):
                     assert eng.cancel("long")
         # the stream was closed by cancel(); the request ends as cancelled inside the engine
         with anyio.fail_after(5):
-            while eng.in_flight():
+            while eng.in_flight():  # noqa: ASYNC110 (polling, as a client would)
                 await anyio.sleep(0.01)
         assert eng.stats()["kv"]["blocks_used"] == 0
         assert not eng.cancel("long")

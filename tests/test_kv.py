@@ -37,7 +37,7 @@ async def test_shared_600_token_prefix_is_served_from_cache(tiny_llama):
     cached = sum(r.usage.cached_tokens for r in results)
     assert cached >= 15 * 512, [r.usage.cached_tokens for r in results]
     assert stats["kv"]["blocks_used"] == 0 and stats["kv"]["blocks_cached"] >= 2
-    for prompt, result in zip(prompts, results):
+    for prompt, result in zip(prompts, results, strict=True):
         ok, note = compare_greedy(result.token_ids, reference_greedy(tiny_llama, prompt, 8))
         assert ok, note
 
@@ -58,7 +58,7 @@ async def test_preemption_keeps_parity_with_a_two_sequence_budget(tiny_llama):
         stats = engine.stats()
     assert stats["schedule"]["preemptions"] > 0
     assert stats["kv"]["blocks_used"] == 0
-    for prompt, result in zip(prompts, results):
+    for prompt, result in zip(prompts, results, strict=True):
         ok, note = compare_greedy(result.token_ids, reference_greedy(tiny_llama, prompt, 24))
         assert ok, note
 

@@ -47,7 +47,7 @@ async def test_greedy_parity_many_in_flight(family, model_dir):
         results = await run_concurrently(engine, batch, max_tokens=24)
         assert engine.stats()["kv"]["blocks_used"] == 0
     notes = []
-    for prompt, result in zip(batch, results):
+    for prompt, result in zip(batch, results, strict=True):
         ok, note = compare_greedy(result.token_ids, reference_greedy(path, prompt, 24))
         assert ok, f"{family}, prompt of {len(prompt)} tokens: {note}"
         if note:
