@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+
 from unikern.bridge import Bridge, BridgeCopyError, mlx_buffer
 
 from .kv_pool import KVPool

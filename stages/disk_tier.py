@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import numpy as np
 import structlog
+
 from unikern.errors import ConfigError
 from unikern.stage import StageBase, StageContext, StageParams
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import anyio
 import numpy as np
+
 from unikern import messages as m
 from unikern.bridge_registry import shared_bridge
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox

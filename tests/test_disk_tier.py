@@ -15,10 +15,10 @@ from pathlib import Path
 
 import anyio
 import pytest
-import unikern
-from unikern.stages.disk_store import SUFFIX, TMP_PREFIX, DiskStore
 
+import unikern
 from tests.conftest import compare_greedy, reference_greedy
+from unikern.stages.disk_store import SUFFIX, TMP_PREFIX, DiskStore
 
 pytestmark = pytest.mark.anyio
 
@@ -32,7 +32,7 @@ MAX_TOKENS = 8
 
 def overrides(disk_path: Path, **disk) -> dict:
     return {
-        "kv": {"kv_budget_bytes": 64 << 20, "host_blocks": 0},
+        "kv": {"kv_budget_bytes": 64 << 20, "host_bytes": 0},
         "disk": {"path": str(disk_path), **disk},
     }
 

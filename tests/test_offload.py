@@ -10,13 +10,13 @@ import anyio
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.conftest import compare_greedy, reference_greedy
+from tests.test_scheduler import Run, never_eos
 from unikern import messages as m
 from unikern.stages.block_manager import BlockManager
 from unikern.stages.scheduler import Scheduler
 from unikern.stages.tiering import OffloadQueue, TierPlanner
-
-from tests.conftest import compare_greedy, reference_greedy
-from tests.test_scheduler import Run, never_eos
 
 BS = 4
 NS = b"test"
@@ -321,6 +321,7 @@ def test_queue_runs_an_oversized_load_alone():
 def test_block_copies_are_byte_exact_zero_copy_and_keep_the_pool_in_place(dtype):
     import mlx.core as mx
     import numpy as np
+
     from unikern.bridge import Bridge, mlx_buffer
     from unikern.stages.block_io import BlockLayout, copy_in, copy_out
     from unikern.stages.kv_pool import KVPool
@@ -374,7 +375,7 @@ async def run_pressure(path: str, host_blocks: int, pipeline: str = "generate", 
     bytes_per_block = 2 * 4 * 16 * 2 * 32 * 4  # tiny-llama: 4 layers, 2 KV heads, dim 32, f32
     overrides = {
         "kv": {"block_size": 16, "kernel_block_size": 16, "kv_budget_bytes": 14 * bytes_per_block,
-               "host_blocks": host_blocks},
+               "host_bytes": host_blocks * bytes_per_block},
         "schedule": {"max_num_seqs": 16, "max_num_batched_tokens": 64},
         **extra,
     }
@@ -408,3 +409,18 @@ async def test_memory_pressure_host_tier_parity_and_more_cached_tokens(tiny_llam
     host = stats["tiers"]["host"]
     assert host["hits"] > 0 and stats["tiers"]["device"]["evictions"] > 0
     assert stats["kv"]["blocks_used"] == 0
+
+
+@pytest.mark.anyio
+async def test_memory_pressure_with_the_disk_tier_keeps_parity_across_a_restart(tiny_llama, tmp_path):
+    """The same workload on generate-offload: stores pin blocks and loads hold requests
+    on a budget of two sequences; a second engine on the same files loads from disk."""
+    disk = {"disk": {"path": str(tmp_path / "kv")}}
+    first, _ = await run_pressure(tiny_llama, host_blocks=64, pipeline="generate-offload", **disk)
+    second, stats = await run_pressure(tiny_llama, host_blocks=64, pipeline="generate-offload", **disk)
+    prompts = pressure_prompts()
+    for i in range(16):
+        assert compare_greedy(first[i].token_ids, reference_greedy(tiny_llama, prompts[i], 6))[0], i
+        assert second[i].token_ids == first[i].token_ids
+    assert stats["tiers"]["disk"]["hits"] > 0 and stats["offload"]["load_failures"] == 0
+    assert sum(r.usage.cached_tokens for r in second) > sum(r.usage.cached_tokens for r in first)

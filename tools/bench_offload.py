@@ -74,7 +74,7 @@ def engine(pipeline: str, model: str, disk: Path | None, **kv):
 async def drain(eng) -> None:
     import anyio
 
-    while eng.stats().get("offload", {}).get("queued_blocks") or eng.stats().get("offload", {}).get("inflight_blocks"):
+    while eng.stats().get("offload", {}).get("queued_blocks") or eng.stats().get("offload", {}).get("inflight_blocks"):  # noqa: ASYNC110
         await anyio.sleep(0.02)
 
 
@@ -97,7 +97,8 @@ async def tier_ttfts(model: str, n: int, repeats: int, vocab: int, root: Path) -
     one_seq = (n // BLOCK + 2) * bytes_per_block
     for i, p in enumerate(prompts):
         disk = root / f"disk-{i}"
-        async with engine("generate-offload", model, disk, kv_budget_bytes=one_seq, host_blocks=64) as eng:
+        async with engine("generate-offload", model, disk, kv_budget_bytes=one_seq,
+                          host_bytes=64 * bytes_per_block) as eng:
             await ttft(eng, warm)
             t, c = await ttft(eng, p)
             rows["cold_offload"].append(t)
