@@ -23,6 +23,7 @@ from unikern.errors import ConfigError
 from unikern.stage import StageBase, StageContext, StageParams
 
 from .block_io import LAYOUT, BlockLayout
+from .disk_format import BlockFormatError
 from .disk_store import DiskStore, make_namespace
 
 log = structlog.get_logger("unikern")
@@ -97,6 +98,10 @@ class DiskTier:
         except OSError as exc:
             self.io_errors += 1
             log.warning("disk.read_failed", error=str(exc))
+            return False
+        except BlockFormatError:  # a checked file whose size is not this layout's
+            self.shape_mismatches += 1
+            self.store.delete(block_hash)
             return False
         if block is None:
             return False

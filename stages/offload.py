@@ -20,6 +20,7 @@ from typing import Any
 
 import anyio
 import numpy as np
+import structlog
 
 from unikern import messages as m
 from unikern.bridge_registry import shared_bridge
@@ -27,6 +28,8 @@ from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
 
 from .block_io import BlockLayout, copy_in, copy_out
 from .tiering import Job, OffloadQueue
+
+log = structlog.get_logger("unikern")
 
 
 class OffloadParams(StageParams, frozen=True):
@@ -120,8 +123,9 @@ class OffloadMoverStage(StageBase):
                 seconds = await self.thread.run(timed, block_ids[i : i + step], buffers[i : i + step])
                 self.mover.copy_seconds += seconds
                 self.mover.longest_call_seconds = max(self.mover.longest_call_seconds, seconds)
-        except Exception:  # the model thread is gone (shutdown) or the copy was refused
+        except Exception as exc:  # the model thread is gone (shutdown) or the copy was refused
             self.mover.copy_errors += 1
+            log.warning("offload.copy_failed", error=repr(exc))
             return False
         return True
 
@@ -135,7 +139,11 @@ class OffloadMoverStage(StageBase):
             return len(buffers)
 
         start = time.perf_counter()
-        num_loaded = await anyio.to_thread.run_sync(read_chain)
+        try:
+            num_loaded = await anyio.to_thread.run_sync(read_chain)
+        except Exception as exc:  # never fail the request: it recomputes instead
+            log.warning("offload.load_failed", error=repr(exc))
+            num_loaded = 0
         self.mover.read_seconds += time.perf_counter() - start
         self.mover.bytes_read += num_loaded * self.layout.nbytes
         block_ids = [ref.block_id for ref in job.blocks[:num_loaded]]
@@ -165,7 +173,11 @@ class OffloadMoverStage(StageBase):
                 while pending:
                     ref, buffer = pending[0]
                     start = time.perf_counter()
-                    written = await anyio.to_thread.run_sync(self.disk.write, ref.block_hash, buffer)
+                    try:
+                        written = await anyio.to_thread.run_sync(self.disk.write, ref.block_hash, buffer)
+                    except Exception as exc:  # a lost store is only a future miss
+                        log.warning("offload.store_failed", error=repr(exc))
+                        written = False
                     self.mover.write_seconds += time.perf_counter() - start
                     pending.pop(0)
                     self.disk.pending_writes -= 1

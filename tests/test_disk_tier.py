@@ -241,3 +241,17 @@ async def test_an_unusable_path_is_a_clear_start_up_error(cold, tmp_path):
     with pytest.raises(unikern.UnikernError, match="disk.path"):
         async with engine(cold.model, not_a_directory):
             pass
+
+
+async def test_a_failing_disk_read_is_a_miss_not_a_stuck_request(cold, tmp_path, monkeypatch):
+    from unikern.stages.disk_tier import DiskTier
+
+    def broken(self, block_hash, out):
+        raise RuntimeError("simulated bug in the read path")
+
+    monkeypatch.setattr(DiskTier, "read", broken)
+    root = copy_of(cold, tmp_path)
+    with anyio.fail_after(60):
+        result, stats, _ = await run_once(cold.model, root)
+    assert result.token_ids == cold.tokens and result.usage.cached_tokens == 0
+    assert stats["offload"]["load_failures"] == 7

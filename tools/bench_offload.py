@@ -1,6 +1,6 @@
 """Time to first token from each KV tier, disk throughput and compression, in one run.
 
-    python tools/bench_offload.py [--prompt-tokens 2048] [--repeats 3] [--json out.json]
+    python tools/bench_offload.py [--preset llama-5m] [--prompt-tokens 2048] [--repeats 3] [--json out.json]
 
 TTFT (a generate call to its first token event) of a 2048-token prompt:
   cold            nothing cached: the whole prompt is computed (the best of the plain
@@ -78,8 +78,19 @@ async def drain(eng) -> None:
         await anyio.sleep(0.02)
 
 
-async def tier_ttfts(model: str, n: int, repeats: int, vocab: int, root: Path) -> dict:
-    bytes_per_block = 2 * SPEC["num_layers"] * BLOCK * SPEC["num_kv_heads"] * 32 * 2
+def spec_for(preset: str | None) -> dict:
+    """The default 2-layer model, or a modelgen preset with room for the prompt, in bf16."""
+    from unikern.modelgen import PRESETS
+
+    if preset is None:
+        return dict(SPEC)
+    return {**PRESETS[preset], "max_position_embeddings": 4096, "dtype": "bfloat16"}
+
+
+async def tier_ttfts(spec: dict, model: str, n: int, repeats: int, root: Path) -> dict:
+    vocab = spec["vocab_size"]
+    head_dim = spec["hidden_size"] // spec["num_heads"]
+    bytes_per_block = 2 * spec["num_layers"] * BLOCK * spec["num_kv_heads"] * head_dim * 2
     rows: dict[str, list[float]] = {"cold_plain": [], "cold_offload": [], "device": [], "host": [], "disk": []}
     cached: dict[str, list[int]] = {k: [] for k in rows}
     warm = prompt(999, 32, vocab)
@@ -180,13 +191,14 @@ async def bench(args) -> dict:
 
     root = Path(tempfile.mkdtemp(prefix="unikern-bench-offload-"))
     try:
-        model = str(cached_model(SPEC))
-        result = {"model": SPEC, "prompt_tokens": args.prompt_tokens, "blas": current_platform().blas}
-        result["ttft"] = await tier_ttfts(model, args.prompt_tokens, args.repeats, SPEC["vocab_size"], root)
+        spec = spec_for(args.preset)
+        model = str(cached_model(spec))
+        result = {"model": spec, "prompt_tokens": args.prompt_tokens, "blas": current_platform().blas}
+        result["ttft"] = await tier_ttfts(spec, model, args.prompt_tokens, args.repeats, root)
         result["disk"] = {}
         for dtype in ("bfloat16", "float16"):
-            dmodel = str(cached_model({**SPEC, "dtype": dtype}))
-            blocks, (layout, copy_s) = await capture_blocks(dmodel, args.prompt_tokens, SPEC["vocab_size"], root / f"cap-{dtype}")
+            dmodel = str(cached_model({**spec, "dtype": dtype}))
+            blocks, (layout, copy_s) = await capture_blocks(dmodel, args.prompt_tokens, spec["vocab_size"], root / f"cap-{dtype}")
             row = disk_throughput(blocks, layout, root / f"tp-{dtype}", args.level)
             row["copy_out_s_per_block"] = copy_s
             row["block_bytes"] = layout.nbytes
@@ -217,6 +229,7 @@ def main() -> None:
     import anyio
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", help="a modelgen preset (run in bfloat16) instead of the 2-layer default")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--level", type=int, default=3, help="zstd level of the throughput rows")
