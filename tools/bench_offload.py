@@ -61,11 +61,15 @@ async def ttft(engine, tokens: list[int]) -> tuple[float, int]:
     return first, cached
 
 
+TOKEN_BUDGET: int | None = None  # schedule.max_num_batched_tokens; None: the pipeline's
+
+
 def engine(pipeline: str, model: str, disk: Path | None, **kv):
     import unikern
 
-    overrides = {"kv": {"kv_budget_bytes": 64 << 20, **kv},
-                 "schedule": {"max_num_batched_tokens": 512}}
+    overrides = {"kv": {"kv_budget_bytes": 64 << 20, **kv}}
+    if TOKEN_BUDGET is not None:
+        overrides["schedule"] = {"max_num_batched_tokens": TOKEN_BUDGET}
     if disk is not None:
         overrides["disk"] = {"path": str(disk)}
     return unikern.Engine.from_pipeline(pipeline, model=model, overrides=overrides)
@@ -193,7 +197,8 @@ async def bench(args) -> dict:
     try:
         spec = spec_for(args.preset)
         model = str(cached_model(spec))
-        result = {"model": spec, "prompt_tokens": args.prompt_tokens, "blas": current_platform().blas}
+        result = {"model": spec, "prompt_tokens": args.prompt_tokens, "blas": current_platform().blas,
+                  "token_budget": args.token_budget}
         result["ttft"] = await tier_ttfts(spec, model, args.prompt_tokens, args.repeats, root)
         result["disk"] = {}
         for dtype in ("bfloat16", "float16"):
@@ -211,7 +216,8 @@ async def bench(args) -> dict:
 def report(r: dict) -> None:
     t = r["ttft"]
     print(f"model {r['model']['family']} {r['model']['num_layers']} layers x {r['model']['hidden_size']}, "
-          f"{r['model']['dtype']}; prompt {r['prompt_tokens']} tokens; BLAS {r['blas']}")
+          f"{r['model']['dtype']}; prompt {r['prompt_tokens']} tokens; token budget "
+          f"{r['token_budget'] or 'of the pipeline'}; BLAS {r['blas']}")
     print(f"{'TTFT':<16}{'seconds':>10}{'cached':>8}{'cold / tier':>13}")
     for name, key in [("cold (plain)", "cold_plain"), ("cold (offload)", "cold_offload"),
                       ("device tier", "device"), ("host tier", "host"), ("disk, restart", "disk")]:
@@ -233,8 +239,11 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--level", type=int, default=3, help="zstd level of the throughput rows")
+    parser.add_argument("--token-budget", type=int, help="schedule.max_num_batched_tokens (prefill chunk)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    global TOKEN_BUDGET
+    TOKEN_BUDGET = args.token_budget
     result = anyio.run(bench, args)
     report(result)
     if args.json:
