@@ -28,7 +28,7 @@ from typing import Any
 from unikern.errors import ConfigError
 
 # Bump when the output of train_tokenizer or build_model changes, so caches rebuild.
-MODELGEN_VERSION = 2
+MODELGEN_VERSION = 3
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -47,8 +47,13 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
-# The Qwen2 / GPT-4 style split: digits one by one, punctuation runs, newline runs.
-PRETOKENIZE_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+# How text is split before BPE. "gpt2": ByteLevel's own regex, as Llama 3 / GPT-2 ship it.
+# "qwen2": Qwen's split (digits one by one, punctuation glued to the newlines after it) and
+# NFC, exactly what transformers' Qwen2Tokenizer rebuilds around the vocab whatever
+# tokenizer.json says, so qwen2 models must be trained with it to tokenize consistently.
+PRETOKENIZERS = ("gpt2", "qwen2")
+FAMILY_PRETOKENIZER = {"llama": "gpt2", "qwen2": "qwen2", "qwen3": "qwen2"}
+QWEN2_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                      r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -85,6 +90,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen3": dict(family="qwen3", hidden_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=1, intermediate_size=192, vocab_size=1024,
                        dtype="float32", tie_word_embeddings=False, seed=0),
+    # The benchmark sizes of DESIGN.md section 5: 4.98M and 81.8M parameters.
     "llama-5m": dict(family="llama", hidden_size=256, num_layers=4, num_heads=4,
                      num_kv_heads=2, intermediate_size=1024, vocab_size=2048,
                      dtype="float32", tie_word_embeddings=False, seed=0),
@@ -145,7 +151,8 @@ def tokenizer_config(model_max_length: int = 2048) -> dict[str, Any]:
     }
 
 
-def train_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = 1024, seed: int = 0) -> None:
+def train_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = 1024, seed: int = 0,
+                    *, pretokenizer: str = "gpt2") -> None:
     """Train a byte-level BPE tokenizer on stdlib source; write tokenizer(_config).json.
 
     Deterministic: the same arguments on the same interpreter write identical files.
@@ -164,14 +171,18 @@ def train_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = 1024, see
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ConfigError(f"vocab_size={vocab_size} is below the 256 bytes + "
                           f"{len(SPECIAL_TOKENS)} special tokens a byte-level BPE needs")
+    if pretokenizer not in PRETOKENIZERS:
+        raise ConfigError(f"unknown pretokenizer {pretokenizer!r}; choose one of "
+                          f"{list(PRETOKENIZERS)}")
     tokenizer = Tokenizer(models.BPE())
-    # Exactly what transformers' Qwen2Tokenizer rebuilds around the vocab and merges (it
-    # ignores tokenizer.json's pipeline), so every family tokenizes the same text alike.
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    if pretokenizer == "qwen2":
+        tokenizer.normalizer = normalizers.NFC()
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -192,11 +203,14 @@ def train_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = 1024, see
     _write_json(out / "tokenizer_config.json", tokenizer_config())
 
 
-def cached_tokenizer(vocab_size: int = 1024, seed: int = 0) -> Path:
-    """A trained tokenizer dir, trained only once per (vocab_size, seed, interpreter)."""
-    key = {"tokenizer": vocab_size, "seed": seed}
-    return _cached_dir(cache_root() / "tokenizers", key,
-                       lambda tmp: train_tokenizer(tmp, vocab_size, seed))
+def cached_tokenizer(vocab_size: int = 1024, seed: int = 0, *, pretokenizer: str = "gpt2") -> Path:
+    """A trained tokenizer dir, trained once per (vocab_size, seed, pretokenizer, interpreter)."""
+    key = {"tokenizer": vocab_size, "seed": seed, "pretokenizer": pretokenizer}
+
+    def train(tmp: Path) -> None:
+        train_tokenizer(tmp, vocab_size, seed, pretokenizer=pretokenizer)
+
+    return _cached_dir(cache_root() / "tokenizers", key, train)
 
 
 def build_model(
@@ -217,14 +231,18 @@ def build_model(
 ) -> Path:
     """Write a seeded random checkpoint plus tokenizer to `out_dir`; returns the dir.
 
-    Without `tokenizer_dir`, a tokenizer of `vocab_size` entries is trained (and cached).
+    Without `tokenizer_dir`, a tokenizer of `vocab_size` entries with the family's
+    pretokenizer (`FAMILY_PRETOKENIZER`) is trained and cached.
     """
     import torch
     import transformers
 
     _validate(family=family, hidden_size=hidden_size, num_heads=num_heads,
               num_kv_heads=num_kv_heads, dtype=dtype)
-    tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else cached_tokenizer(vocab_size)
+    if tokenizer_dir is None:
+        tok_dir = cached_tokenizer(vocab_size, pretokenizer=FAMILY_PRETOKENIZER[family])
+    else:
+        tok_dir = Path(tokenizer_dir)
     tokenizer_vocab = _tokenizer_vocab_size(tok_dir)
     if tokenizer_vocab > vocab_size:
         raise ConfigError(f"vocab_size={vocab_size} is smaller than the tokenizer's "
@@ -281,6 +299,8 @@ def normalize_spec(spec: Mapping[str, Any] | str) -> dict[str, Any]:
     missing = [k for k in _BUILD_KEYS if k not in full]
     if missing:
         raise ConfigError(f"model spec lacks {missing}")
+    _validate(family=full["family"], hidden_size=full["hidden_size"],
+              num_heads=full["num_heads"], num_kv_heads=full["num_kv_heads"], dtype=full["dtype"])
     return {k: full[k] for k in _BUILD_KEYS}
 
 

@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
+
 from unikern import modelgen
 from unikern.errors import ConfigError
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import transformers
 from mlx_lm.models.cache import make_prompt_cache
+
 from unikern import modelgen
 
 PROMPT = ("def fib(n):\n    if n < 2:\n        return n\n"
