@@ -14,6 +14,7 @@ from .scheduler import Scheduler
 class ScheduleParams(StageParams, frozen=True):
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens in one step: the chunked-prefill budget
+    max_prefill_chunk: int = 512  # tokens of one prompt in one step
     # decode steps run back to back when only decodes are running and nobody waits;
     # more hides per-step overhead, fewer lets new requests join sooner
     decode_lookahead: int = 8
@@ -22,6 +23,8 @@ class ScheduleParams(StageParams, frozen=True):
         problems = []
         if self.max_num_seqs < 1:
             problems.append(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_prefill_chunk < 1:
+            problems.append(f"max_prefill_chunk: must be >= 1, got {self.max_prefill_chunk}")
         if self.decode_lookahead < 1:
             problems.append(f"decode_lookahead: must be >= 1, got {self.decode_lookahead}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -49,6 +52,7 @@ class ScheduleStage(StageBase):
             eos_token_ids=tokenizer.eos_token_ids,
             context_length=loaded.context_length,
             decode_lookahead=self.params.decode_lookahead,
+            max_prefill_chunk=self.params.max_prefill_chunk,
         )
         self.in_flight: m.Step | None = None
         self.setup(ctx)

@@ -55,6 +55,7 @@ class Scheduler:
         eos_token_ids: Iterable[int],
         context_length: int,
         decode_lookahead: int = 1,
+        max_prefill_chunk: int | None = None,
     ) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
@@ -62,6 +63,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.context_length = context_length
         self.decode_lookahead = decode_lookahead
+        # one sequence's share of a step: long prompts go in chunks of this size while
+        # several short ones still fill the step (attention cost grows with chunk x context)
+        self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
@@ -127,7 +131,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            chunk = min(len(seq.tokens) - seq.num_computed, budget)
+            chunk = min(len(seq.tokens) - seq.num_computed, budget, self.max_prefill_chunk)
             if not self._ensure_blocks(seq, seq.num_computed + chunk, scheduled):
                 break  # seq itself was preempted; everything younger already is
             work.append(self._work(seq, chunk))
@@ -141,7 +145,7 @@ class Scheduler:
                 break
             self.waiting.remove(seq)
             self.running.append(seq)
-            chunk = min(len(seq.tokens) - seq.num_computed, budget)
+            chunk = min(len(seq.tokens) - seq.num_computed, budget, self.max_prefill_chunk)
             work.append(self._work(seq, chunk))
             scheduled.add(seq.request_id)
             budget -= chunk
