@@ -3,27 +3,46 @@
 Every line in gets an answer; a bad line gets an error event naming its line number and
 the worker keeps serving. End of input drains the requests in flight, then exits 0. A
 stage fault fails every request in flight and exits 1. SIGTERM/SIGINT stop reading,
-drain for up to `drain_seconds`, then cancel what is left.
+drain for up to `drain_seconds`, then cancel what is left; every request still gets its
+done (or error) event.
+
+Stdin is read on a daemon thread with `os.read`, so that stopping (a fault, a signal)
+never waits for the next input line, and a blocked read cannot hold a lock at exit.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
+from collections.abc import AsyncIterable, Iterator
 from typing import Any, BinaryIO
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import msgspec
 import structlog
 
 from . import messages as m
 from .engine import Engine
-from .errors import UnikernError
+from .errors import StageError, UnikernError
 from .protocol import CancelOp, GenerateOp, ProtocolError, StatsOp, decode_op, encode_event
 
 log = structlog.get_logger("unikern.worker")
 
 MAX_LINE_BYTES = 16 << 20
+# after the drain, cancelled requests get this long to report `cancelled`
+CANCEL_GRACE_SECONDS = 5.0
+# after a fault, request tasks get this long to write their error events
+FAULT_GRACE_SECONDS = 2.0
+
+
+class OversizeLine(msgspec.Struct, frozen=True):
+    """A line longer than MAX_LINE_BYTES: its bytes were dropped as they came."""
+
+    num_bytes: int
 
 
 class Worker:
@@ -34,6 +53,8 @@ class Worker:
         self.tasks_running = 0
         self.idle = anyio.Event()
         self.idle.set()
+        self.active: set[str] = set()  # ids of the requests this worker runs
+        self._reading = anyio.CancelScope()
 
     def emit(self, event: Any) -> None:
         self.out.write(encode_event(event))
@@ -45,17 +66,16 @@ class Worker:
     def stats_event(self) -> dict[str, Any]:
         return {"event": "stats", **self.engine.stats()}
 
-    async def serve(self, lines) -> int:
+    async def serve(self, lines: AsyncIterable[bytes | OversizeLine]) -> int:
         self.emit({"event": "ready", "model": self.engine.model, "pipeline": self.engine.spec.name})
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_signals, tg.cancel_scope)
             tg.start_soon(self._watch_fault, tg.cancel_scope)
-            number = 0
-            async for raw in lines:
-                number += 1
-                if self.engine.fault is not None:
-                    break
-                self.handle_line(raw, number, tg)
+            with self._reading:  # cancelled on a fault or a signal: stop reading
+                number = 0
+                async for raw in lines:
+                    number += 1
+                    self.handle_line(raw, number, tg)
             await self._drain(tg.cancel_scope)
         return 1 if self.engine.fault is not None else 0
 
@@ -63,7 +83,10 @@ class Worker:
         await self.idle.wait()
         scope.cancel()
 
-    def handle_line(self, raw: bytes, number: int, tg: anyio.abc.TaskGroup) -> None:
+    def handle_line(self, raw: bytes | OversizeLine, number: int, tg: anyio.abc.TaskGroup) -> None:
+        if isinstance(raw, OversizeLine):
+            self.error(f"the line is {raw.num_bytes} bytes; at most {MAX_LINE_BYTES}", line=number)
+            return
         line = raw.strip()
         if not line:
             return
@@ -100,9 +123,13 @@ class Worker:
                 stop=[op.stop] if isinstance(op.stop, str) else (op.stop or ()),
                 request_id=op.id,
             )
+        except StageError as exc:  # the pipeline has failed; the worker is stopping
+            self.error(str(exc), line=number, request_id=op.id, code="stage_failed")
+            return
         except UnikernError as exc:
             self.error(str(exc), line=number, request_id=op.id, code=getattr(exc, "code", "bad_request"))
             return
+        self.active.add(op.id)
         self.tasks_running += 1
         self.idle = anyio.Event() if self.tasks_running == 1 else self.idle
         tg.start_soon(self._run_request, events, op.id, number)
@@ -116,7 +143,12 @@ class Worker:
                     self.emit(event)
         except UnikernError as exc:
             self.error(str(exc), line=number, request_id=request_id, code=getattr(exc, "code", "stage_failed"))
+        except anyio.get_cancelled_exc_class():
+            # the last resort of shutdown: the request did not end within the grace period
+            self.error("the worker stopped before the request finished", line=number, request_id=request_id, code="shutdown")
+            raise
         finally:
+            self.active.discard(request_id)
             self.tasks_running -= 1
             if self.tasks_running == 0:
                 self.idle.set()
@@ -124,8 +156,9 @@ class Worker:
     async def _watch_fault(self, scope: anyio.CancelScope) -> None:
         while self.engine.fault is None:
             await anyio.sleep(0.05)
+        self._reading.cancel()
         # let request tasks write their error events, then stop
-        with anyio.move_on_after(2):
+        with anyio.move_on_after(FAULT_GRACE_SECONDS):
             await self.idle.wait()
         scope.cancel()
 
@@ -137,25 +170,68 @@ class Worker:
         with receiver as signals:
             async for signum in signals:
                 log.warning("signal received: draining", signal=signal.Signals(signum).name, seconds=self.drain_seconds)
+                self._reading.cancel()
                 with anyio.move_on_after(self.drain_seconds):
                     await self.idle.wait()
+                if self.active:
+                    log.warning("drain time is up: cancelling", requests=len(self.active))
+                    for rid in list(self.active):
+                        self.engine.cancel(rid)
+                    with anyio.move_on_after(CANCEL_GRACE_SECONDS):
+                        await self.idle.wait()
                 scope.cancel()
                 return
 
 
-async def _stdin_lines():
-    stdin = anyio.wrap_file(sys.stdin.buffer)
-    while True:
-        line = await stdin.readline()
-        if not line:
-            return
-        yield line
+def read_lines(fd: int, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes | OversizeLine]:
+    """Lines of a file descriptor, each at most `max_line_bytes` held in memory."""
+    pending = bytearray()
+    oversize = 0  # > 0 while dropping the rest of a line that is too long
+    while chunk := os.read(fd, 1 << 16):
+        start = 0
+        while start < len(chunk):
+            end = chunk.find(b"\n", start)
+            stop = len(chunk) if end < 0 else end + 1
+            if oversize:
+                oversize += stop - start
+            else:
+                pending += chunk[start:stop]
+                if len(pending) > max_line_bytes + 2:  # + "\r\n"; handle_line checks the rest
+                    oversize, pending = len(pending), bytearray()
+            start = stop
+            if end >= 0:
+                yield OversizeLine(oversize) if oversize else bytes(pending)
+                oversize, pending = 0, bytearray()
+    if oversize or pending:
+        yield OversizeLine(oversize) if oversize else bytes(pending)
+
+
+def open_stdin_lines(fd: int = 0) -> anyio.abc.ObjectReceiveStream[bytes | OversizeLine]:
+    """Stdin lines as a stream fed by a daemon thread (see the module docstring)."""
+    send, receive = anyio.create_memory_object_stream[Any](64)
+    token = anyio.lowlevel.current_token()
+
+    def pump() -> None:
+        try:
+            for line in read_lines(fd):
+                anyio.from_thread.run(send.send, line, token=token)
+        except (RuntimeError, OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the loop or the reader is gone, or stdin failed: end of input either way
+        finally:
+            try:
+                anyio.from_thread.run_sync(send.close, token=token)
+            except RuntimeError:
+                pass
+
+    threading.Thread(target=pump, name="unikern-stdin", daemon=True).start()
+    return receive
 
 
 async def run_worker(engine_factory, *, drain_seconds: float = 30.0) -> int:
     async with engine_factory() as engine:
         worker = Worker(engine, sys.stdout.buffer, drain_seconds)
-        code = await worker.serve(_stdin_lines())
+        with open_stdin_lines() as lines:
+            code = await worker.serve(lines)
         if engine.fault is not None:
             engine.fault = None  # reported already; exit with 1 instead of raising
             code = 1
