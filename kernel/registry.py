@@ -7,6 +7,7 @@ installs on purpose.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from importlib.metadata import entry_points
 from typing import Any
@@ -27,11 +28,16 @@ BUILTIN_STAGES: dict[str, str] = {
 ENTRY_POINT_GROUP = "unikern.stages"
 
 
+@functools.cache
+def _entry_point_stages() -> tuple[tuple[str, str], ...]:
+    return tuple((ep.name, ep.value) for ep in entry_points(group=ENTRY_POINT_GROUP))
+
+
 def stage_types() -> dict[str, str]:
     """Every known stage type name -> 'module:Class'."""
     types = dict(BUILTIN_STAGES)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        types.setdefault(ep.name, ep.value)
+    for name, value in _entry_point_stages():
+        types.setdefault(name, value)
     return types
 
 

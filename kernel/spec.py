@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import reprlib
 import typing
 from importlib import resources
 from pathlib import Path
@@ -51,7 +52,10 @@ def read_pipeline_text(pipeline: str) -> tuple[str, str]:
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
             raise ConfigError(f"pipeline file {pipeline!r} does not exist")
-        return path.read_text(encoding="utf-8"), str(path)
+        try:
+            return path.read_text(encoding="utf-8"), str(path)
+        except UnicodeDecodeError as exc:
+            raise PipelineErrors(str(path), [f"$: the file is not UTF-8 text (byte {exc.start})"]) from None
     names = builtin_pipelines()
     if pipeline not in names:
         raise ConfigError(
@@ -102,8 +106,10 @@ def parse_pipeline(
     problems: list[str] = []
     try:
         raw = msgspec.yaml.decode(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise PipelineErrors(source, [f"$: the text is not valid Unicode (character {exc.start})"]) from None
     except msgspec.DecodeError as exc:
-        raise PipelineErrors(source, [f"not valid YAML: {exc}"]) from None
+        raise PipelineErrors(source, [f"$: not valid YAML: {exc}"]) from None
     if not isinstance(raw, dict):
         raise PipelineErrors(source, [f"$: expected a mapping, got {type(raw).__name__}"])
 
@@ -176,7 +182,7 @@ def _convert_params(params_cls, fields, body, path) -> tuple[Any, list[str]]:
         except (msgspec.ValidationError, TypeError) as exc:
             choices = _choices(fields[key].type)
             hint = f"; valid values: {', '.join(map(str, choices))}" if choices else ""
-            problems.append(f"{path}.{key}: {_plain(exc)} (got {value!r}){hint}")
+            problems.append(f"{path}.{key}: {_plain(exc)} (got {_short_repr(value)}){hint}")
     if problems:
         return None, problems
     try:
@@ -191,6 +197,15 @@ def _choices(annotation: Any) -> tuple[Any, ...]:
     if typing.get_origin(annotation) is typing.Literal:
         return typing.get_args(annotation)
     return ()
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    """repr of a YAML value, cut short: aliases can make a tiny file expand enormously."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxdict = 3, 6, 6
+    short.maxstring = short.maxother = limit
+    text = short.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _plain(exc: Exception) -> str:

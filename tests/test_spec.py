@@ -203,7 +203,7 @@ def test_unknown_top_level_keys() -> None:
         ("stages: tokenize\n", "$.stages: expected a non-empty mapping"),
         ("name: x\n", "$.stages: expected a non-empty mapping"),
         ("- just\n- a list\n", "$: expected a mapping, got list"),
-        ("stages: {a: [\n", "not valid YAML"),
+        ("stages: {a: [\n", "$: not valid YAML"),
     ],
 )
 def test_non_mapping_stages(text: str, expected: str) -> None:
