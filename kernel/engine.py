@@ -45,6 +45,7 @@ class Engine:
         self._id_prefix = f"req-{os.getpid()}-{id(self) & 0xFFFF:x}"
         self._tg: anyio.abc.TaskGroup | None = None
         self.fault: StageError | None = None
+        self._faulted: anyio.Event | None = None
 
     @classmethod
     def from_pipeline(
@@ -61,6 +62,7 @@ class Engine:
     # ---- lifecycle -------------------------------------------------------------------
 
     async def __aenter__(self) -> Engine:
+        self._faulted = anyio.Event()
         egress_send, egress_receive = anyio.create_memory_object_stream[Any](INBOX_SIZE)
         self._router = Router(self.spec, egress_send, self._on_fault)
         self._router.resources["logits_processors"] = self._processors
@@ -112,6 +114,13 @@ class Engine:
                 else:
                     merged[section] = values
         return merged
+
+    async def wait_for_fault(self) -> StageError:
+        """Return once a stage has failed (never, while all is well)."""
+        assert self._faulted is not None, "the engine is not running"
+        await self._faulted.wait()
+        assert self.fault is not None
+        return self.fault
 
     def in_flight(self) -> int:
         return len(self._requests)
@@ -279,6 +288,8 @@ class Engine:
     def _on_fault(self, error: StageError) -> None:
         """A stage failed: every request in flight gets an error event naming it."""
         self.fault = error
+        if self._faulted is not None:
+            self._faulted.set()
         for rid in list(self._requests):
             self._deliver(m.ErrorEvent(id=rid, code="stage_failed", message=str(error)))
 

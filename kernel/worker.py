@@ -154,8 +154,7 @@ class Worker:
                 self.idle.set()
 
     async def _watch_fault(self, scope: anyio.CancelScope) -> None:
-        while self.engine.fault is None:
-            await anyio.sleep(0.05)
+        await self.engine.wait_for_fault()
         self._reading.cancel()
         # let request tasks write their error events, then stop
         with anyio.move_on_after(FAULT_GRACE_SECONDS):
