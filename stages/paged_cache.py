@@ -29,7 +29,8 @@ class BatchLayout:
     num_tokens: int  # T: the longest row
     offsets: mx.array | int  # per-row start position (an int when B == 1)
     write_slots: mx.array  # [B*T] pool slot of each fed position
-    read_slots: mx.array  # [B, L] pool slot of every position attended (0: the zero block)
+    read_slots: mx.array | None  # [B, L] pool slot of every position attended (0: the zero
+    # block); None when every row starts a prompt and attends only to this forward's keys
     mask: mx.array | str | None  # [B, 1, T, L] bool, "causal", or None
     last_index: list[int]  # per row: index of its last real token
     # one row whose blocks are consecutive ids: (first slot, start, end) so the pool is
@@ -67,6 +68,10 @@ class BatchLayout:
             start = rows[0][1]
             return cls(1, T, start, write_slots, read_slots, "causal" if T > 1 else None, last)
         starts = np.asarray([r[1] for r in rows], dtype=np.int32)
+        if T > 1 and not starts.any():
+            # every row starts a prompt: attention needs only this forward's own keys
+            # (padded keys sit after each row's real ones, so plain causal masking holds)
+            return cls(len(rows), T, mx.array(starts), write_slots, None, "causal", last)
         query_pos = starts[:, None] + np.arange(T, dtype=np.int32)[None]  # [B, T]
         mask = np.arange(L, dtype=np.int32)[None, None, :] <= query_pos[:, :, None]
         return cls(len(rows), T, mx.array(starts), write_slots, read_slots, mx.array(mask[:, None]), last)
@@ -86,7 +91,12 @@ class PagedLayerCache:
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         lay = self.layout
-        L = lay.span[2] if lay.span is not None else lay.read_slots.shape[1]
+        if lay.span is not None:
+            L = lay.span[2]
+        elif lay.read_slots is not None:
+            L = lay.read_slots.shape[1]
+        else:
+            L = lay.num_tokens
         if window_size is not None and L > window_size:
             raise NotImplementedError("sliding-window attention is not supported on the paged pool yet")
         if return_array and isinstance(lay.mask, str):
@@ -107,6 +117,8 @@ class PagedLayerCache:
         # [B, H, T, D] -> [H, B*T, D], scattered into the slot axis in place
         pool_k[:, lay.write_slots] = keys.transpose(1, 0, 2, 3).reshape(H, B * T, D)
         pool_v[:, lay.write_slots] = values.transpose(1, 0, 2, 3).reshape(H, B * T, D)
+        if lay.read_slots is None:  # fresh prompts: nothing earlier to read back
+            return keys, values
         # [H, B, L, D] -> [B, H, L, D]: each (row, head) stays one contiguous L x D matrix
         k = pool_k[:, lay.read_slots].transpose(1, 0, 2, 3)
         v = pool_v[:, lay.read_slots].transpose(1, 0, 2, 3)
