@@ -133,7 +133,7 @@ def plot(results: list[dict], out: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("generated tokens / s (aggregate)")
-    ax.set_title(f"{results[0]['model']}: unikern vs mlx-lm (stream_generate at 1, batch_generate above)")
+    ax.set_title(f"{results[0]['model']}: unikern vs mlx-lm\n(stream_generate at 1, batch_generate above)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
