@@ -79,3 +79,18 @@ def compare_greedy(ours: list[int], ref: Reference) -> tuple[bool, str]:
 def anyio_backend():
     """asyncio by default; tests that must hold under trio too parametrize this."""
     return "asyncio"
+
+
+async def complete_all(engine, prompts: list[list[int]], max_tokens: int) -> list:
+    """Send every prompt at once; results in prompt order."""
+    import anyio
+
+    results = [None] * len(prompts)
+
+    async def one(i):
+        results[i] = await engine.complete(prompt_tokens=prompts[i], max_tokens=max_tokens)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return results

@@ -10,21 +10,9 @@ import anyio
 import pytest
 
 import unikern
-from tests.conftest import compare_greedy, reference_greedy
+from tests.conftest import compare_greedy, complete_all, reference_greedy
 
 pytestmark = pytest.mark.anyio
-
-
-async def complete_all(engine, prompts, max_tokens):
-    results = [None] * len(prompts)
-
-    async def one(i):
-        results[i] = await engine.complete(prompt_tokens=prompts[i], max_tokens=max_tokens)
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(prompts)):
-            tg.start_soon(one, i)
-    return results
 
 
 async def test_shared_600_token_prefix_is_served_from_cache(tiny_llama):

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import anyio
 import pytest
 
 import unikern
-from tests.conftest import SMALL_KV, compare_greedy, reference_greedy
+from tests.conftest import SMALL_KV, compare_greedy, complete_all, reference_greedy
 
 pytestmark = pytest.mark.anyio
 
@@ -26,25 +25,13 @@ def prompts(n: int, vocab: int = 1024) -> list[list[int]]:
     return [[(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(lengths[i % len(lengths)])] for i in range(n)]
 
 
-async def run_concurrently(engine, batch, max_tokens):
-    results = [None] * len(batch)
-
-    async def one(i):
-        results[i] = await engine.complete(prompt_tokens=batch[i], max_tokens=max_tokens)
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(batch)):
-            tg.start_soon(one, i)
-    return results
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 async def test_greedy_parity_many_in_flight(family, model_dir):
     path = model_dir(FAMILIES[family])
     batch = prompts(14)
     overrides = {**SMALL_KV, "kv": {**SMALL_KV["kv"], "block_size": 64}, "schedule": {"max_num_batched_tokens": 128}}
     async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
-        results = await run_concurrently(engine, batch, max_tokens=24)
+        results = await complete_all(engine, batch, max_tokens=24)
         assert engine.stats()["kv"]["blocks_used"] == 0
     notes = []
     for prompt, result in zip(batch, results, strict=True):
@@ -63,5 +50,5 @@ async def test_unwritten_slots_never_reach_output(tiny_llama):
     for fill in ("zeros", "nan"):
         overrides = {"kv": {"kv_budget_bytes": 64 << 20, "block_size": 32, "unwritten_fill": fill}}
         async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as engine:
-            results[fill] = [r.token_ids for r in await run_concurrently(engine, batch, max_tokens=12)]
+            results[fill] = [r.token_ids for r in await complete_all(engine, batch, max_tokens=12)]
     assert results["nan"] == results["zeros"]
