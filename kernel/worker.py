@@ -37,6 +37,8 @@ MAX_LINE_BYTES = 16 << 20
 CANCEL_GRACE_SECONDS = 5.0
 # after a fault, request tasks get this long to write their error events
 FAULT_GRACE_SECONDS = 2.0
+# after a fault, input already sent is still answered (with errors) for this long
+FAULT_SETTLE_SECONDS = 0.25
 
 
 class OversizeLine(msgspec.Struct, frozen=True):
@@ -155,10 +157,12 @@ class Worker:
 
     async def _watch_fault(self, scope: anyio.CancelScope) -> None:
         await self.engine.wait_for_fault()
-        self._reading.cancel()
-        # let request tasks write their error events, then stop
+        # keep answering for a moment: lines already written to us get their error
+        # events, and request tasks write theirs; then stop reading and exit
         with anyio.move_on_after(FAULT_GRACE_SECONDS):
+            await anyio.sleep(FAULT_SETTLE_SECONDS)
             await self.idle.wait()
+        self._reading.cancel()
         scope.cancel()
 
     async def _watch_signals(self, scope: anyio.CancelScope) -> None:
