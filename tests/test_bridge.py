@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+
 from unikern.bridge import (
     Bridge,
     BridgeCopyError,

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
+
 from unikern import blas
 from unikern.errors import ConfigError, UnikernError
 from unikern.platform import Platform

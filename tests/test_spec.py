@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from unikern.errors import ConfigError
 from unikern.spec import (
     PipelineErrors,

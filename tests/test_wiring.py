@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+
 from unikern.wiring import WeightWiring, locked_bytes, unwire, wire_weights
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mlock path")
