@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-import anyio
 import msgspec
 import structlog
 from anyio.abc import TaskStatus
@@ -101,4 +100,4 @@ async def serve_inbox(ctx: StageContext, handle: Callable[[Any], Awaitable[None]
         await handle(message)
 
 
-__all__ = ["Stage", "StageBase", "StageContext", "StageParams", "serve_inbox", "anyio"]
+__all__ = ["Stage", "StageBase", "StageContext", "StageParams", "serve_inbox"]

@@ -2,8 +2,8 @@
 
 A logical block (prefix hashing, offload, disk files) is `block_size` consecutive slots;
 a kernel block is `kernel_block_size` slots, the unit sequence lengths are padded to in
-a batch. Both are views of the same array (a reshape of the slot axis), never copies,
-and a logical block table expands to kernel blocks as b * r + arange(r).
+a batch. Both are ranges of the same slot axis, never copies: a block table expands to
+slots as b * block_size + arange(block_size) (see paged_cache.BatchLayout).
 
 Head-major layout, measured on the CPU backend (B=32, L=160, 2 KV heads, dim 64):
 gathering slots into [B, H, L, D] and running mx.fast.scaled_dot_product_attention took
@@ -52,7 +52,6 @@ class KVPool:
         self.dtype = dtype
         self.block_size = block_size
         self.kernel_block_size = kernel_block_size
-        self.kernel_blocks_per_block = block_size // kernel_block_size
         self.num_blocks = num_blocks  # the budget: a ceiling
         self.slab_blocks = max(1, min(slab_blocks, num_blocks))
         self.fill_value = fill_value  # tests fill unwritten slots with NaN
@@ -114,10 +113,3 @@ class KVPool:
         self.capacity_blocks = target
         self.shrink_events += 1
         mx.clear_cache()
-
-    def kernel_table(self, blocks: tuple[int, ...], num_tokens: int) -> list[int]:
-        """Kernel block ids covering the first `num_tokens` slots of a sequence."""
-        r = self.kernel_blocks_per_block
-        needed = -(-num_tokens // self.kernel_block_size)
-        table = [b * r + j for b in blocks for j in range(r)]
-        return table[:needed]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 from pathlib import Path
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -49,6 +48,7 @@ import mlx.nn as nn  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
 import mlx_lm  # noqa: E402
 import numpy as np  # noqa: E402
+from build_model import import_modelgen  # noqa: E402  (tools/ is on sys.path when run as a script)
 from mlx.utils import tree_flatten, tree_map_with_path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,20 +59,6 @@ DEFAULT_SPEC = dict(family="llama", hidden_size=256, num_layers=2, num_heads=4, 
                     intermediate_size=1024, vocab_size=2048, tie_word_embeddings=False, seed=0)
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                "tokenizer_config.json")
-
-
-def import_modelgen():
-    """`unikern.modelgen`, also from a checkout that was never pip-installed."""
-    try:
-        from unikern import modelgen
-    except ImportError:
-        import types
-
-        package = types.ModuleType("unikern")
-        package.__path__ = [str(REPO / "kernel")]
-        sys.modules["unikern"] = package
-        from unikern import modelgen
-    return modelgen
 
 
 def token_stream(tokenizer_json: bytes, texts: list[str]) -> np.ndarray:
