@@ -25,7 +25,7 @@ import platform as _platform
 import struct
 import sys
 import threading
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import structlog
@@ -347,3 +347,39 @@ def _got_slot_offset(elf_path: str, symbol: str) -> int | None:
                 if r_info >> 32 == index:
                     return r_offset
     return None
+
+
+# --------------------------------------------------------------------------- threads
+
+
+class _ThreadControl:
+    """get/set of the preloaded library's thread count (OpenBLAS or MKL), found once."""
+
+    def __init__(self) -> None:
+        self.get: Any = None
+        self.set: Any = None
+        for handle in reversed(_state.handles):
+            for get, set_ in (("openblas_get_num_threads", "openblas_set_num_threads"),
+                              ("mkl_get_max_threads", "mkl_set_num_threads")):
+                if hasattr(handle, get) and hasattr(handle, set_):
+                    self.get, self.set = getattr(handle, get), getattr(handle, set_)
+                    self.get.restype = ctypes.c_int
+                    self.set.argtypes = [ctypes.c_int]
+                    return
+
+
+_threads: _ThreadControl | None = None
+
+
+def set_num_threads(n: int) -> int | None:
+    """Set the preloaded BLAS's thread count; return the previous one, or None (and do
+    nothing) when the BLAS under MLX has no such call (reference BLAS, Accelerate)."""
+    global _threads
+    if _threads is None:
+        _threads = _ThreadControl()
+    if _threads.set is None:
+        return None
+    previous = int(_threads.get())
+    if previous != n:
+        _threads.set(n)
+    return previous

@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from unikern import messages as m
-from unikern.bridge_registry import shared_bridge
+from unikern.bridge_registry import current_platform, shared_bridge
 from unikern.mlx_thread import ModelThread
 from unikern.models import DEFAULT_MODEL, resolve_model_path
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
@@ -26,6 +26,9 @@ class MLXExecuteParams(StageParams, frozen=True):
     seed: int = 0
     # keep the weights resident: mlock on Linux, the wired limit on Metal
     wire_weights: bool = True
+    # on MLX's CPU backend, run SwiGLU and the attention softmax in PyTorch, in place on
+    # MLX's buffers (see stages/cpu_kernels.py); float32 models only; ignored elsewhere
+    cpu_kernels: bool = True
 
 
 @dataclass
@@ -103,7 +106,11 @@ class MLXExecuteStage(StageBase):
             async def handle(step: m.Step) -> None:
                 nonlocal runner
                 if runner is None:
-                    runner = ModelRunner(loaded.model, ctx.resource("kv").pool, apply_processors)
+                    kernels = self.params.cpu_kernels and current_platform().backend == "cpu"
+                    runner = await thread.run(
+                        ModelRunner, loaded.model, ctx.resource("kv").pool, apply_processors, kernels
+                    )
+                    self.kernels = runner.kernels
                 seeds = {
                     w.request_id: w.params.seed if w.params.seed is not None else _seed_for(salt, w.request_id)
                     for w in step.work
@@ -124,6 +131,7 @@ class MLXExecuteStage(StageBase):
         return {
             "model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes},
             "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
+            "kernels": getattr(self, "kernels", {"enabled": False, "reason": "no step run yet"}),
         }
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from unikern import blas
 from unikern import messages as m
 
 from .cache_kinds import needs_zeroing
@@ -53,6 +54,12 @@ ProcessorHook = Callable[[list[tuple[int, str, list[int]]], mx.array], None]
 # prefill rows are grouped into one padded forward while the padding stays under this
 PREFILL_PADDING_LIMIT = 1.25
 
+# forwards of fewer tokens than this run their BLAS calls on one thread: a GEMM of a
+# few rows is too small to split, and waking the second thread cost more than it gave
+# (llama-5m decode, OpenBLAS on 2 cores: batch 1 10.3 vs 10.9 ms, batch 4 10.2 vs 11.5;
+# batch 16 and up is faster with both threads)
+SINGLE_THREAD_TOKENS = 16
+
 
 def split_head(model: Any) -> Callable[[mx.array], mx.array] | None:
     """The model's output head alone, if it is `model.model` followed by lm_head (or
@@ -83,17 +90,28 @@ def split_head(model: Any) -> Callable[[mx.array], mx.array] | None:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, pool: KVPool, processors: ProcessorHook | None = None) -> None:
+    def __init__(
+        self, model: Any, pool: KVPool, processors: ProcessorHook | None = None, cpu_kernels: bool = False
+    ) -> None:
         self.model = model
         self.pool = pool
         self.apply_processors = processors
         self.num_layers = pool.num_layers
         self.head = split_head(model)
+        self.kernels: dict[str, Any] = {"enabled": False, "reason": "off (cpu_kernels: false or not the CPU backend)"}
+        if cpu_kernels:
+            from .cpu_kernels import install
+
+            self.kernels = install(model, pool.dtype)
+
+    def _caches(self, layout: BatchLayout) -> list[PagedLayerCache]:
+        kernels = self.kernels["enabled"]
+        return [PagedLayerCache(self.pool, i, layout, kernels) for i in range(self.num_layers)]
 
     def _logits(self, rows: list[tuple[tuple[int, ...], int, int]], tokens: list[list[int]]) -> mx.array:
         """One forward over right-padded rows; logits [B, vocab] at each row's last token."""
         layout = BatchLayout.build(self.pool, rows)
-        caches = [PagedLayerCache(self.pool, i, layout) for i in range(self.num_layers)]
+        caches = self._caches(layout)
         T = layout.num_tokens
         inputs = mx.array([t + [0] * (T - len(t)) for t in tokens], dtype=mx.int32)
         if T == 1:
@@ -108,8 +126,17 @@ class ModelRunner:
     def run(self, step: m.Step, seeds: dict[str, int]) -> dict[str, list[int]]:
         highest = max((max(w.block_table) for w in step.work if w.block_table), default=-1)
         self.pool.ensure_capacity(highest + 1)
-        if step.num_steps > 1:
-            return self._run_lookahead(step, seeds)
+        small = sum(len(w.token_ids) for w in step.work) < SINGLE_THREAD_TOKENS
+        previous = blas.set_num_threads(1) if small else None
+        try:
+            if step.num_steps > 1:
+                return self._run_lookahead(step, seeds)
+            return self._run_once(step, seeds)
+        finally:
+            if previous is not None:
+                blas.set_num_threads(previous)
+
+    def _run_once(self, step: m.Step, seeds: dict[str, int]) -> dict[str, list[int]]:
         decodes = [w for w in step.work if len(w.token_ids) == 1]
         prefills = sorted((w for w in step.work if len(w.token_ids) > 1), key=lambda w: -len(w.token_ids))
         groups = [decodes] if decodes else []
@@ -157,8 +184,7 @@ class ModelRunner:
         sampled: list[mx.array] = []
         for i in range(step.num_steps):
             rows = [(w.block_table, w.start_pos + i, 1) for w in work]
-            layout = BatchLayout.build(self.pool, rows)
-            caches = [PagedLayerCache(self.pool, j, layout) for j in range(self.num_layers)]
+            caches = self._caches(BatchLayout.build(self.pool, rows))
             logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
             params = [(w.params, seeds.get(w.request_id, 0), w.num_generated + i) for w in work]
             inputs = sample_rows(logits, params)

@@ -74,16 +74,20 @@ class BatchLayout:
             return cls(len(rows), T, mx.array(starts), write_slots, None, "causal", last)
         query_pos = starts[:, None] + np.arange(T, dtype=np.int32)[None]  # [B, T]
         mask = np.arange(L, dtype=np.int32)[None, None, :] <= query_pos[:, :, None]
-        return cls(len(rows), T, mx.array(starts), write_slots, read_slots, mx.array(mask[:, None]), last)
+        mask = mx.array(mask[:, None])
+        return cls(len(rows), T, mx.array(starts), write_slots, read_slots, mask, last)
 
 
 class PagedLayerCache:
     """What one attention layer sees as its cache during one forward."""
 
-    def __init__(self, pool: KVPool, layer: int, layout: BatchLayout) -> None:
+    def __init__(self, pool: KVPool, layer: int, layout: BatchLayout, kernels: bool = False) -> None:
         self.pool = pool
         self.layer = layer
         self.layout = layout
+        self.head_major = False  # update_and_fetch returned [H, B, L, D] gathers, transposed
+        if kernels:  # the routed SDPA of cpu_kernels calls this instead of mx.fast's
+            self.cpu_attention = self.attention
 
     @property
     def offset(self) -> mx.array | int:
@@ -120,9 +124,42 @@ class PagedLayerCache:
         if lay.read_slots is None:  # fresh prompts: nothing earlier to read back
             return keys, values
         # [H, B, L, D] -> [B, H, L, D]: each (row, head) stays one contiguous L x D matrix
-        k = pool_k[:, lay.read_slots].transpose(1, 0, 2, 3)
-        v = pool_v[:, lay.read_slots].transpose(1, 0, 2, 3)
-        return k, v
+        k = pool_k[:, lay.read_slots]
+        v = pool_v[:, lay.read_slots]
+        self.head_major = True
+        return k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3)
+
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+        """SDPA for MLX's CPU backend (see cpu_kernels): grouped query heads share their
+        KV head's matrices instead of repeating them, the batched matmuls run over
+        (KV head, row) in the order the pool gathered them, and the softmax runs in
+        PyTorch on the scores' own buffer. q [B, H, T, D]; k, v as update_and_fetch
+        returned them; mask as make_mask gave it."""
+        from .cpu_kernels import MIN_ELEMENTS, softmax_
+
+        B, H, T, D = q.shape
+        Hk, L = k.shape[1], k.shape[2]
+        if B * H * T * L < MIN_ELEMENTS:  # small: MLX's own, lazily
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        r = H // Hk
+        q = (q * scale).reshape(B, Hk, r * T, D)
+        if self.head_major:  # back to the gather's own [Hk, B, L, D] order: no copy
+            q = q.transpose(1, 0, 2, 3)
+            k = k.transpose(1, 0, 2, 3)
+            v = v.transpose(1, 0, 2, 3)
+        scores = q @ k.swapaxes(-1, -2)  # [B, Hk, r*T, L] or [Hk, B, r*T, L]
+        if isinstance(mask, str):  # causal, aligned to the last query
+            mask = (mx.arange(L - T, L)[:, None] >= mx.arange(L)[None])[None, None]
+        if mask is not None:  # [B or 1, 1, T, L] -> broadcast over the grouped heads
+            mask = mask.reshape(mask.shape[0], 1, 1, T, L)
+            if self.head_major:
+                mask = mask.transpose(1, 0, 2, 3, 4)
+            shape = scores.shape
+            scores = mx.where(mask, scores.reshape(*shape[:2], r, T, L), -mx.inf).reshape(shape)
+        out = softmax_(scores) @ v  # [.., r*T, D]
+        if self.head_major:
+            out = out.transpose(1, 0, 2, 3)
+        return out.reshape(B, H, T, D)
 
     @property
     def state(self):  # mlx-lm reads cache.state in a few utilities; the pool is the state
