@@ -164,7 +164,16 @@ class Engine:
         finished = False
         try:
             await self._router.send(request)
-            async for event in receive:
+            while True:
+                try:  # events already queued are handed over without a trip through the loop
+                    event = receive.receive_nowait()
+                except anyio.WouldBlock:
+                    try:
+                        event = await receive.receive()
+                    except anyio.EndOfStream:
+                        return
+                except anyio.EndOfStream:
+                    return
                 if isinstance(event, (m.DoneEvent, m.ErrorEvent)):
                     finished = True
                 yield event
@@ -267,7 +276,11 @@ class Engine:
     async def _dispatch(self, egress) -> None:
         async with egress, self._router.egress:
             async for event in egress:
-                self._deliver(event)
+                if isinstance(event, m.EventBatch):
+                    for one in event.events:
+                        self._deliver(one)
+                else:
+                    self._deliver(event)
 
     def _deliver(self, event: Any) -> None:
         rid = event.id

@@ -161,6 +161,14 @@ class Finished(Message, frozen=True):
     usage: Usage
 
 
+class StepOutput(Message, frozen=True):
+    """What one step (or one abort) produced, in order: one message per step, not per
+    token, so 64 requests x 8 lookahead tokens cost one hop instead of 512."""
+
+    tokens: tuple[TokenOut, ...] = ()
+    finished: tuple[Finished, ...] = ()
+
+
 # ---- egress: what the engine facade hands to callers --------------------------------
 
 
@@ -187,3 +195,9 @@ class ErrorEvent(EventBase, frozen=True, tag="error"):
 
 
 Event = TokenEvent | DoneEvent | ErrorEvent
+
+
+class EventBatch(Message, frozen=True):
+    """Several events for the engine at once (one step's worth, from output)."""
+
+    events: tuple[Event, ...]

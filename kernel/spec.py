@@ -16,7 +16,7 @@ from .registry import resolve, stage_types
 
 # What the engine facade injects and what it collects: the pipeline's two open ends.
 INGRESS_TYPES: tuple[type, ...] = (m.Submit, m.Cancel)
-EGRESS_TYPES: tuple[type, ...] = (m.TokenEvent, m.DoneEvent, m.ErrorEvent)
+EGRESS_TYPES: tuple[type, ...] = (m.TokenEvent, m.DoneEvent, m.ErrorEvent, m.EventBatch)
 
 
 class StageSpec(msgspec.Struct, frozen=True):

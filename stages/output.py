@@ -54,8 +54,8 @@ class TextStream:
 
 class OutputStage(StageBase):
     Params = OutputParams
-    consumes = (m.TokenOut, m.Finished)
-    produces = (m.TokenEvent, m.DoneEvent, m.Abort)
+    consumes = (m.StepOutput,)
+    produces = (m.EventBatch, m.Abort)
     requires = ("tokenizer",)
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
@@ -64,27 +64,34 @@ class OutputStage(StageBase):
         stopped: set[str] = set()
         task_status.started()
 
-        async def handle(message: Any) -> None:
-            match message:
-                case m.TokenOut(request_id=rid, token_id=token_id, last=last):
-                    if rid in stopped:
-                        return
-                    stream = streams.get(rid)
-                    if stream is None:
-                        stream = streams[rid] = TextStream(tokenizer.detokenizer, message.stop)
-                    text = stream.add(token_id)
-                    if last:
-                        text += stream.finish()
-                    await ctx.send(m.TokenEvent(id=rid, token_id=token_id, text=text))
-                    if stream.stopped:
-                        stopped.add(rid)
-                        await ctx.send(m.Abort(rid, "stop"))
-                case m.Finished(request_id=rid, reason=reason, usage=usage):
-                    stream = streams.pop(rid, None)
-                    if rid in stopped:
-                        stopped.discard(rid)
-                        reason = "stop"
-                        usage = m.Usage(usage.prompt_tokens, stream.emitted_tokens, usage.cached_tokens)
-                    await ctx.send(m.DoneEvent(id=rid, finish_reason=reason, usage=usage))
+        async def handle(output: m.StepOutput) -> None:
+            events: list[m.Event] = []
+            aborts: list[str] = []
+            for token in output.tokens:
+                rid = token.request_id
+                if rid in stopped:
+                    continue
+                stream = streams.get(rid)
+                if stream is None:
+                    stream = streams[rid] = TextStream(tokenizer.detokenizer, token.stop)
+                text = stream.add(token.token_id)
+                if token.last:
+                    text += stream.finish()
+                events.append(m.TokenEvent(id=rid, token_id=token.token_id, text=text))
+                if stream.stopped:
+                    stopped.add(rid)
+                    aborts.append(rid)
+            for done in output.finished:
+                rid, reason, usage = done.request_id, done.reason, done.usage
+                stream = streams.pop(rid, None)
+                if rid in stopped:
+                    stopped.discard(rid)
+                    reason = "stop"
+                    usage = m.Usage(usage.prompt_tokens, stream.emitted_tokens, usage.cached_tokens)
+                events.append(m.DoneEvent(id=rid, finish_reason=reason, usage=usage))
+            if events:
+                await ctx.send(m.EventBatch(tuple(events)))
+            for rid in aborts:
+                await ctx.send(m.Abort(rid, "stop"))
 
         await serve_inbox(ctx, handle)

@@ -38,7 +38,7 @@ class ScheduleParams(StageParams, frozen=True):
 class ScheduleStage(StageBase):
     Params = ScheduleParams
     consumes = (m.Tokenized, m.Abort, m.StepDone)
-    produces = (m.Step, m.TokenOut, m.Finished, m.ErrorEvent)
+    produces = (m.Step, m.StepOutput, m.ErrorEvent)
     requires = ("kv", "model", "tokenizer")
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
@@ -59,11 +59,15 @@ class ScheduleStage(StageBase):
         task_status.started()
 
         async def handle(message: Any) -> None:
-            await self.handle(ctx, message)
+            output = await self.handle(ctx, message)
+            # the next step goes out before this one's tokens: the model computes while
+            # the event loop detokenizes and delivers
             if self.in_flight is None and self.scheduler.has_work():
                 self.in_flight = self.scheduler.schedule()
                 if self.in_flight is not None:
                     await ctx.send(self.in_flight)
+            if output is not None and (output.tokens or output.finished):
+                await ctx.send(output)
 
         await serve_inbox(ctx, handle)
 
@@ -75,7 +79,8 @@ class ScheduleStage(StageBase):
         if error is not None:
             await ctx.send(m.ErrorEvent(id=request.request_id, code="bad_request", message=error))
 
-    async def handle(self, ctx: StageContext, message: Any) -> None:
+    async def handle(self, ctx: StageContext, message: Any) -> m.StepOutput | None:
+        """Act on one message; returns the output to send once the next step is out."""
         sched = self.scheduler
         match message:
             case m.Tokenized():
@@ -83,16 +88,14 @@ class ScheduleStage(StageBase):
             case m.Abort(request_id=rid, reason=reason):
                 finished = sched.abort(rid, reason)
                 if finished is not None:
-                    await ctx.send(finished)
+                    return m.StepOutput(finished=(finished,))
             case m.StepDone(step_id=step_id, sampled=sampled):
                 step, self.in_flight = self.in_flight, None
                 if step is None or step.step_id != step_id:
                     raise RuntimeError(f"step {step_id} came back, but step {step and step.step_id} was in flight")
                 outcome = sched.on_step_done(step, sampled)
-                for token in outcome.tokens:
-                    await ctx.send(token)
-                for finished in outcome.finished:
-                    await ctx.send(finished)
+                return m.StepOutput(tuple(outcome.tokens), tuple(outcome.finished))
+        return None
 
     def stats(self) -> dict[str, Any]:
         sched = getattr(self, "scheduler", None)

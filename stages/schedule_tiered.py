@@ -36,7 +36,8 @@ class TieredScheduleStage(ScheduleStage):
         if load is not None:
             await ctx.send(load)
 
-    async def handle(self, ctx: StageContext, message: Any) -> None:
+    async def handle(self, ctx: StageContext, message: Any) -> m.StepOutput | None:
+        output = None
         match message:
             case m.BlocksLoaded():
                 for request_id, pins in self.planner.loaded(message):
@@ -46,12 +47,13 @@ class TieredScheduleStage(ScheduleStage):
                 self.planner.stored(message)
             case m.Abort(request_id=rid):
                 self.planner.cancel(rid)
-                await super().handle(ctx, message)
+                output = await super().handle(ctx, message)
             case _:
-                await super().handle(ctx, message)
+                output = await super().handle(ctx, message)
         store = self.planner.plan_store()
         if store is not None:
             await ctx.send(store)
+        return output
 
     def stats(self) -> dict[str, Any]:
         stats = super().stats()

@@ -21,7 +21,7 @@ from unikern.errors import ConfigError, StageError
 from unikern.faults import ENV_VAR, FaultyInbox, planned_fault, wrap_inbox
 
 # stage with an inbox in the built-in `generate` pipeline -> the message that fails:
-# tokenize takes Submits, schedule Tokenized + StepDone, execute Steps, output TokenOuts
+# tokenize takes Submits, schedule Tokenized + StepDone, execute Steps, output StepOutputs
 FAULT_AT = {"tokenize": 3, "schedule": 6, "execute": 4, "output": 12}
 NUM_REQUESTS = 4
 EXIT_WITHIN_S = 10.0  # after the first error event; measured 2-3 s on a busy 2-core box

@@ -243,17 +243,11 @@ def test_a_pipeline_cannot_name_a_python_import_path(type_name: str) -> None:
 # ---- graph --------------------------------------------------------------------------
 
 
-def test_a_pipeline_without_output_reports_tokenout_and_finished_unconsumed() -> None:
+def test_a_pipeline_without_output_reports_step_output_unconsumed() -> None:
     problems = problems_of(pipeline(drop=("output",)))
-    assert len(problems) == 2, problems
-    assert (
-        "$.stages: stage 'schedule' produces TokenOut, but no stage consumes it; stage types that do: output"
-        in problems
-    )
-    assert (
-        "$.stages: stage 'schedule' produces Finished, but no stage consumes it; stage types that do: output"
-        in problems
-    )
+    assert problems == [
+        "$.stages: stage 'schedule' produces StepOutput, but no stage consumes it; stage types that do: output"
+    ]
 
 
 def test_a_missing_resource_provider_is_reported() -> None:
@@ -283,8 +277,7 @@ def test_a_missing_tokenizer_reports_every_consequence() -> None:
 def test_two_consumers_of_one_message_are_refused() -> None:
     problems = problems_of(pipeline(extra="  output2:\n    type: output\n"))
     joined = "\n".join(problems)
-    assert "message TokenOut has several consumers: output, output2" in joined
-    assert "message Finished has several consumers: output, output2" in joined
+    assert "message StepOutput has several consumers: output, output2" in joined
 
 
 # ---- model= and overrides -----------------------------------------------------------
