@@ -13,7 +13,7 @@ from unikern import messages as m
 
 from .cache_kinds import needs_zeroing
 from .kv_pool import KVPool
-from .paged_cache import BatchLayout, PagedLayerCache
+from .paged_cache import BatchLayout, DecodeWindow, PagedLayerCache
 from .sampling import sample_rows
 
 
@@ -181,10 +181,16 @@ class ModelRunner:
         built (feeding step i's lazily sampled tokens) while step i computes."""
         work = step.work
         inputs = mx.array([w.token_ids[0] for w in work], dtype=mx.int32)
+        window = None
+        if len(work) > 1:  # one host-built table for all the steps (a single row uses slices)
+            window = DecodeWindow(self.pool, [(w.block_table, w.start_pos) for w in work], step.num_steps)
         sampled: list[mx.array] = []
         for i in range(step.num_steps):
-            rows = [(w.block_table, w.start_pos + i, 1) for w in work]
-            caches = self._caches(BatchLayout.build(self.pool, rows))
+            if window is not None:
+                layout = window.step(i)
+            else:
+                layout = BatchLayout.build(self.pool, [(w.block_table, w.start_pos + i, 1) for w in work])
+            caches = self._caches(layout)
             logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
             params = [(w.params, seeds.get(w.request_id, 0), w.num_generated + i) for w in work]
             inputs = sample_rows(logits, params)

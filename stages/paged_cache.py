@@ -78,6 +78,40 @@ class BatchLayout:
         return cls(len(rows), T, mx.array(starts), write_slots, read_slots, mask, last)
 
 
+class DecodeWindow:
+    """The layouts of `num_steps` back-to-back decode steps of the same rows, built on
+    the host once: every step reads the same slot table (long enough for the last
+    step), writes one column of a precomputed table, and derives its mask and offsets
+    on the device. Rebuilding the tables per step cost 1.1-1.25 ms at batch 64 on the
+    H200, as much as a quarter of the step."""
+
+    def __init__(self, pool: KVPool, rows: list[tuple[tuple[int, ...], int]], num_steps: int) -> None:
+        bs, kb = pool.block_size, pool.kernel_block_size
+        B = len(rows)
+        L = -(-max(start + num_steps for _, start in rows) // kb) * kb
+        read = np.zeros((B, L), dtype=np.int32)
+        write = np.empty((num_steps, B), dtype=np.int32)
+        offsets = np.arange(bs, dtype=np.int32)
+        for i, (blocks, start) in enumerate(rows):
+            slots = (np.asarray(blocks, dtype=np.int32)[:, None] * bs + offsets).reshape(-1)
+            read[i, : start + num_steps] = slots[: start + num_steps]
+            write[:, i] = slots[start : start + num_steps]
+        self.batch_size = B
+        self.read_slots = mx.array(read)
+        self.write_slots = mx.array(write)
+        self.starts = mx.array([start for _, start in rows], dtype=mx.int32)
+        self.positions = mx.arange(L, dtype=mx.int32)[None]
+
+    def step(self, i: int) -> BatchLayout:
+        offsets = self.starts + i
+        seen = self.positions <= offsets[:, None]  # [B, L]
+        # positions later steps will write read the zero block now, as padding does:
+        # their slots hold stale or never-written bytes, which masking alone cannot keep
+        # out of probs @ values (0 * NaN)
+        read = mx.where(seen, self.read_slots, 0)
+        return BatchLayout(self.batch_size, 1, offsets, self.write_slots[i], read, seen[:, None, None, :], [0] * self.batch_size)
+
+
 class PagedLayerCache:
     """What one attention layer sees as its cache during one forward."""
 

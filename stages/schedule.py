@@ -18,6 +18,8 @@ class ScheduleParams(StageParams, frozen=True):
     # decode steps run back to back when only decodes are running and nobody waits;
     # more hides per-step overhead, fewer lets new requests join sooner
     decode_lookahead: int = 8
+    # the same rows decoding step after step double it, up to this (1: never grow)
+    decode_lookahead_max: int = 32
 
     def validate(self) -> list[str]:
         problems = []
@@ -27,6 +29,8 @@ class ScheduleParams(StageParams, frozen=True):
             problems.append(f"max_prefill_chunk: must be >= 1, got {self.max_prefill_chunk}")
         if self.decode_lookahead < 1:
             problems.append(f"decode_lookahead: must be >= 1, got {self.decode_lookahead}")
+        if self.decode_lookahead_max < 1:
+            problems.append(f"decode_lookahead_max: must be >= 1, got {self.decode_lookahead_max}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             problems.append(
                 f"max_num_batched_tokens: must be >= max_num_seqs ({self.max_num_seqs}), "
@@ -52,6 +56,7 @@ class ScheduleStage(StageBase):
             eos_token_ids=tokenizer.eos_token_ids,
             context_length=loaded.context_length,
             decode_lookahead=self.params.decode_lookahead,
+            decode_lookahead_max=self.params.decode_lookahead_max,
             max_prefill_chunk=self.params.max_prefill_chunk,
         )
         self.in_flight: m.Step | None = None

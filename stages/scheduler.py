@@ -56,6 +56,7 @@ class Scheduler:
         context_length: int,
         decode_lookahead: int = 1,
         max_prefill_chunk: int | None = None,
+        decode_lookahead_max: int | None = None,
     ) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
@@ -63,6 +64,12 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.context_length = context_length
         self.decode_lookahead = decode_lookahead
+        # while the same rows keep decoding with nobody waiting, each lookahead step
+        # doubles the next one's length up to this: fewer fill/drain bubbles and engine
+        # round trips; any change in the batch starts again from decode_lookahead
+        self.decode_lookahead_max = max(decode_lookahead, decode_lookahead_max or decode_lookahead)
+        self._window = decode_lookahead
+        self._window_rows: tuple[str, ...] = ()
         # one sequence's share of a step: long prompts go in chunks of this size while
         # several short ones still fill the step (attention cost grows with chunk x context)
         self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
@@ -162,10 +169,17 @@ class Scheduler:
         is a plain decode, nobody waits to join, and each row still has that many
         tokens to go and blocks already free for them (lookahead never preempts)."""
         if self.decode_lookahead <= 1 or self.waiting:
+            self._window_rows = ()
             return 1
         if any(len(w.token_ids) != 1 or not w.sample or w.has_processors for w in work):
+            self._window_rows = ()
             return 1
-        steps = self.decode_lookahead
+        rows = tuple(w.request_id for w in work)
+        if rows == self._window_rows:
+            self._window = min(2 * self._window, self.decode_lookahead_max)
+        else:
+            self._window, self._window_rows = self.decode_lookahead, rows
+        steps = self._window
         for w in work:
             seq = self.by_id[w.request_id]
             steps = min(

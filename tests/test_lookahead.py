@@ -17,10 +17,11 @@ def next_token(request_id: str, context: list[int]) -> int:
     return EOS if token % 97 == 0 else token
 
 
-def run(lookahead: int, num_blocks: int = 64, block_size: int = 16):
+def run(lookahead: int, num_blocks: int = 64, block_size: int = 16, lookahead_max: int | None = None,
+        steps_seen: list[int] | None = None):
     blocks = BlockManager(num_blocks, block_size)
     sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64, eos_token_ids=[EOS],
-                      context_length=512, decode_lookahead=lookahead)
+                      context_length=512, decode_lookahead=lookahead, decode_lookahead_max=lookahead_max)
     contexts: dict[str, list[int]] = {}
     for i in range(6):
         prompt = tuple(range(5 + i, 25 + 3 * i))
@@ -34,6 +35,8 @@ def run(lookahead: int, num_blocks: int = 64, block_size: int = 16):
         if step is None:
             break
         multi_steps += step.num_steps > 1
+        if steps_seen is not None:
+            steps_seen.append(step.num_steps)
         sampled = {}
         for w in step.work:
             seq = sched.by_id[w.request_id]
@@ -72,3 +75,31 @@ def test_lookahead_never_preempts_for_its_blocks():
     out, reasons, _ = run(4, num_blocks=12, block_size=8)
     base, base_reasons, _ = run(1, num_blocks=12, block_size=8)
     assert out == base and reasons == base_reasons
+
+
+def test_lookahead_grows_while_the_batch_stays_the_same():
+    steps: list[int] = []
+    out, reasons, _ = run(2, num_blocks=256, lookahead_max=16, steps_seen=steps)
+    base, base_reasons, _ = run(1, num_blocks=256)
+    assert out == base and reasons == base_reasons
+    assert max(steps) > 2  # grew past where it started while no row joined or left
+    fixed: list[int] = []
+    run(2, num_blocks=256, steps_seen=fixed)
+    assert max(fixed) == 2  # without a maximum it stays where it started
+
+
+def test_lookahead_window_restarts_when_the_batch_changes():
+    blocks = BlockManager(256, 16)
+    sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64, eos_token_ids=[EOS],
+                      context_length=512, decode_lookahead=2, decode_lookahead_max=32)
+
+    def step_once():
+        step = sched.schedule()
+        sched.on_step_done(step, {w.request_id: [11] * step.num_steps for w in step.work if w.sample})
+        return step.num_steps
+
+    sched.add(m.Tokenized("a", tuple(range(5, 15)), m.SamplingParams(max_tokens=200)))
+    assert [step_once() for _ in range(5)] == [1, 2, 4, 8, 16]
+    sched.add(m.Tokenized("b", tuple(range(5, 15)), m.SamplingParams(max_tokens=200)))
+    assert step_once() == 1  # b's prefill (a waits for nobody, but the step is mixed)
+    assert [step_once() for _ in range(3)] == [2, 4, 8]

@@ -290,6 +290,14 @@ proto_parity() {
   grep -vE "\[(info|debug|warning)" "$LOGS/proto-parity.log" | tail -8 | tee -a "$SUMMARY"
 }
 
+offload_bench() {
+  say "disk warm-restart (tools/bench_offload.py --preset llama-80m, bf16)"
+  timeout "$PHASE_TIMEOUT" python3 "$REPO/tools/bench_offload.py" --preset llama-80m --prompt-tokens 2048 \
+    --repeats 3 --json "$RES/h200-offload.json" > "$LOGS/offload.log" 2>&1
+  echo "rc=$?" >> "$LOGS/offload.log"
+  grep -vE "^\s*$|\[(info|debug|warning)" "$LOGS/offload.log" | tail -25 | tee -a "$SUMMARY"
+}
+
 pack() {
   (cd "$RES" && tar -czf "$OUT/h200.tgz.tmp" . && mv "$OUT/h200.tgz.tmp" "$OUT/h200.tgz")
   cp "$SUMMARY" "$OUT/summary.txt"
@@ -324,6 +332,12 @@ case $cmd in
           variants) phase variants 200 variants ;;
           bench80) phase bench-80m 150 bench llama-80m ;;
           bench5) phase bench-5m 120 bench llama-5m ;;
+          bench80bf16) phase bench-80m-bf16 150 bench llama-80m-bf16 ;;
+          parity) phase parity 150 parity ;;
+          paritynotf32) phase parity-notf32 120 parity -notf32 MLX_ENABLE_TF32=0 llama-5m llama-80m ;;
+          offload) phase offload 150 offload_bench ;;
+          worker) phase worker 60 worker_stats ;;
+          profile) phase profile 200 profile ;;
           proto80) phase proto-bench-80m 150 proto_bench llama-80m ;;
           proto5) phase proto-bench-5m 120 proto_bench llama-5m ;;
           protobf16) phase proto-bench-80m-bf16 120 proto_bench llama-80m-bf16 ;;
