@@ -149,8 +149,10 @@ class PagedLayerCache:
         pool_v = pool.values[self.layer]
         if lay.span is not None:
             base, start, end = lay.span
-            pool_k[:, base + start : base + end] = keys[0]
-            pool_v[:, base + start : base + end] = values[0]
+            # a reshape of the (contiguous) RoPE output is a view; keys[0] would add a
+            # slice node to each of the 2 x layers writes of every token
+            pool_k[:, base + start : base + end] = keys.reshape(H, T, D)
+            pool_v[:, base + start : base + end] = values.reshape(H, T, D)
             return pool_k[None, :, base : base + end], pool_v[None, :, base : base + end]
         # [B, H, T, D] -> [H, B*T, D], scattered into the slot axis in place
         pool_k[:, lay.write_slots] = keys.transpose(1, 0, 2, 3).reshape(H, B * T, D)
