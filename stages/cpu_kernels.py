@@ -5,7 +5,8 @@ MLX's CPU backend evaluates `exp` one element at a time: on these 2-core machine
 `mx.exp` over 1.2M float32 takes ~23 ms and `silu(gate) * up` ~33 ms, against ~2.6 ms
 and ~1.3 ms for PyTorch's vectorized kernels on the same buffer (mx.compile fuses the
 loop but keeps the scalar exp: ~36 ms). In a float32 Llama of 5M parameters that
-activation alone is ~70% of every MLP and the attention softmax half of SDPA.
+activation alone is ~70% of every MLP, and moving the attention softmax saved about a
+quarter of each attention layer's ~17 ms in a prefill of 16 prompts x 72 tokens.
 
 Nothing is copied to get there: MLX computes the operands and evaluates them, PyTorch
 rewrites that very buffer in place through a zero-copy DLPack view (the shared bridge

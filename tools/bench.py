@@ -69,7 +69,11 @@ def bench(args) -> dict:
 
     model, tokenizer = load(path)
     vocab = len(tokenizer)
+    from unikern.spec import parse_overrides
+
     overrides = {"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": args.token_budget}}
+    for stage, values in parse_overrides(args.overrides).items():
+        overrides.setdefault(stage, {}).update(values)
     rows = []
 
     async def main():
@@ -112,6 +116,7 @@ def bench(args) -> dict:
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
         "max_tokens": args.max_tokens,
+        "overrides": args.overrides,
         "prompt_tokens": [args.prompt_min, args.prompt_max],
         "rows": rows,
     }
@@ -151,6 +156,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--blas", choices=["on", "off", "both"], default="on",
                         help="on: the preloaded BLAS; off: MLX's reference BLAS; both: one run each")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                        help="override a parameter of unikern's pipeline, e.g. schedule.decode_lookahead=32")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG plot here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
