@@ -184,3 +184,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # results are written: skip MLX's native teardown, which has aborted bench processes
+    # after their results (exit 134 on CUDA; see unikern.cli.entry)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
