@@ -107,14 +107,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The `unikern` command and `python -m unikern`: main(), then leave with os._exit.
+    """The `unikern` command and `python -m unikern`: main(), then `leave`."""
+    leave(main())
 
-    Everything of ours has finished by then (the engine's stages have stopped and every
-    request has ended), so the interpreter's own teardown only tears down MLX's and
-    PyTorch's native state, which took ~2 s, and about one worker exit in 30 after a
-    SIGTERM that cancelled requests aborted inside it ("terminate called without an
-    active exception", exit -6; measured at this and the previous commit alike)."""
-    code = main()
+
+def leave(code: int) -> None:
+    """Flush stdout/stderr and end the process with os._exit.
+
+    For a process whose own work is over (the engine's stages have stopped, every request
+    has ended, results are written): the interpreter's teardown would only tear down
+    MLX's and PyTorch's native state, which took ~2 s, and about one worker exit in 30
+    after a SIGTERM that cancelled requests aborted inside it ("terminate called without
+    an active exception", exit -6)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -165,13 +165,11 @@ class Engine:
         try:
             await self._router.send(request)
             while True:
-                try:  # events already queued are handed over without a trip through the loop
-                    event = receive.receive_nowait()
-                except anyio.WouldBlock:
-                    try:
+                try:
+                    try:  # events already queued are handed over without a trip through the loop
+                        event = receive.receive_nowait()
+                    except anyio.WouldBlock:
                         event = await receive.receive()
-                    except anyio.EndOfStream:
-                        return
                 except anyio.EndOfStream:
                     return
                 if isinstance(event, (m.DoneEvent, m.ErrorEvent)):

@@ -14,9 +14,16 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from . import cpu_kernels
 from .kv_pool import KVPool
 
 SCRATCH_BLOCK = 1  # reserved: padded query positions write their keys/values here
+
+
+def block_slots(blocks: tuple[int, ...], block_size: int) -> np.ndarray:
+    """A logical block table expanded to the pool slot of every position it covers."""
+    offsets = np.arange(block_size, dtype=np.int32)
+    return (np.asarray(blocks, dtype=np.int32)[:, None] * block_size + offsets).reshape(-1)
 
 
 @dataclass
@@ -56,9 +63,8 @@ class BatchLayout:
             L = -(-max(start + T for _, start, _ in rows) // kb) * kb
         read = np.zeros((len(rows), L), dtype=np.int32)
         write = np.full((len(rows), T), SCRATCH_BLOCK * bs, dtype=np.int32)
-        offsets = np.arange(bs, dtype=np.int32)
         for i, (blocks, start, n) in enumerate(rows):
-            slots = (np.asarray(blocks, dtype=np.int32)[:, None] * bs + offsets).reshape(-1)
+            slots = block_slots(blocks, bs)
             read[i, : start + n] = slots[: start + n]
             write[i, :n] = slots[start : start + n]
         last = [n - 1 for _, _, n in rows]
@@ -74,8 +80,7 @@ class BatchLayout:
             return cls(len(rows), T, mx.array(starts), write_slots, None, "causal", last)
         query_pos = starts[:, None] + np.arange(T, dtype=np.int32)[None]  # [B, T]
         mask = np.arange(L, dtype=np.int32)[None, None, :] <= query_pos[:, :, None]
-        mask = mx.array(mask[:, None])
-        return cls(len(rows), T, mx.array(starts), write_slots, read_slots, mask, last)
+        return cls(len(rows), T, mx.array(starts), write_slots, read_slots, mx.array(mask[:, None]), last)
 
 
 class DecodeWindow:
@@ -91,9 +96,8 @@ class DecodeWindow:
         L = -(-max(start + num_steps for _, start in rows) // kb) * kb
         read = np.zeros((B, L), dtype=np.int32)
         write = np.empty((num_steps, B), dtype=np.int32)
-        offsets = np.arange(bs, dtype=np.int32)
         for i, (blocks, start) in enumerate(rows):
-            slots = (np.asarray(blocks, dtype=np.int32)[:, None] * bs + offsets).reshape(-1)
+            slots = block_slots(blocks, bs)
             read[i, : start + num_steps] = slots[: start + num_steps]
             write[:, i] = slots[start : start + num_steps]
         self.batch_size = B
@@ -171,11 +175,9 @@ class PagedLayerCache:
         (KV head, row) in the order the pool gathered them, and the softmax runs in
         PyTorch on the scores' own buffer. q [B, H, T, D]; k, v as update_and_fetch
         returned them; mask as make_mask gave it."""
-        from .cpu_kernels import MIN_ELEMENTS, softmax_
-
         B, H, T, D = q.shape
         Hk, L = k.shape[1], k.shape[2]
-        if B * H * T * L < MIN_ELEMENTS:  # small: MLX's own, lazily
+        if B * H * T * L < cpu_kernels.MIN_ELEMENTS:  # small: MLX's own, lazily
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         r = H // Hk
         q = (q * scale).reshape(B, Hk, r * T, D)
@@ -192,7 +194,7 @@ class PagedLayerCache:
                 mask = mask.transpose(1, 0, 2, 3, 4)
             shape = scores.shape
             scores = mx.where(mask, scores.reshape(*shape[:2], r, T, L), -mx.inf).reshape(shape)
-        out = softmax_(scores) @ v  # [.., r*T, D]
+        out = cpu_kernels.softmax_(scores) @ v  # [.., r*T, D]
         if self.head_major:
             out = out.transpose(1, 0, 2, 3)
         return out.reshape(B, H, T, D)

@@ -124,7 +124,7 @@ def test_install_refuses_what_it_cannot_serve(tiny_llama):
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("kernels", [True, False])
-async def test_engine_with_and_without_kernels_matches_mlx_lm(tiny_llama, kernels):
+async def test_engine_with_and_without_kernels_matches_mlx_lm(tiny_llama, kernels, monkeypatch):
     # long prompts and 12 rows in flight: both the prefill and the batched decode cross
     # MIN_ELEMENTS, so the PyTorch activation and softmax run (checked below)
     batch = [[(11 * i + 3 * j) % 1000 + 5 for j in range(40 + 17 * i)] for i in range(12)]
@@ -139,15 +139,11 @@ async def test_engine_with_and_without_kernels_matches_mlx_lm(tiny_llama, kernel
 
         return wrapped
 
-    mp = pytest.MonkeyPatch()
-    mp.setattr(cpu_kernels, "silu_mul_", count("silu", silu))
-    mp.setattr(cpu_kernels, "softmax_", count("softmax", softmax))
-    try:
-        async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as engine:
-            results = await complete_all(engine, batch, max_tokens=16)
-            stats = engine.stats()
-    finally:
-        mp.undo()
+    monkeypatch.setattr(cpu_kernels, "silu_mul_", count("silu", silu))
+    monkeypatch.setattr(cpu_kernels, "softmax_", count("softmax", softmax))
+    async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as engine:
+        results = await complete_all(engine, batch, max_tokens=16)
+        stats = engine.stats()
     assert stats["kernels"]["enabled"] is kernels
     if kernels:
         assert stats["kernels"]["swiglu_layers"] == 4 and calls["silu"] > 0 and calls["softmax"] > 0

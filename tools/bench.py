@@ -184,8 +184,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # results are written: skip MLX's native teardown, which has aborted bench processes
-    # after their results (exit 134 on CUDA; see unikern.cli.entry)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from unikern.cli import leave
+
+    leave(0)  # results are written; MLX's native teardown has aborted here (exit 134 on CUDA)

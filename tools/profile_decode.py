@@ -61,11 +61,14 @@ def main() -> None:
             pass
         return time.perf_counter() - start
 
-    def runner_run(pool_blocks: int) -> float:
+    def make_runner(pool_blocks: int) -> ModelRunner:
         pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
                       dtype=geo.dtype, block_size=block_size, kernel_block_size=16,
                       num_blocks=pool_blocks + 2, slab_blocks=pool_blocks + 2)
-        runner = ModelRunner(model, pool, None, cpu_kernels=mx.default_device() == mx.cpu)
+        return ModelRunner(model, pool, None, cpu_kernels=mx.default_device() == mx.cpu)
+
+    def runner_run(pool_blocks: int) -> float:
+        runner = make_runner(pool_blocks)
         table = tuple(range(2, 2 + used_blocks))
         params = m.SamplingParams(max_tokens=args.tokens)
         start = time.perf_counter()
@@ -95,11 +98,9 @@ def main() -> None:
             paged_cache.PagedLayerCache.update_and_fetch = original
 
     def forward_only() -> float:
-        pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
-                      dtype=geo.dtype, block_size=block_size, kernel_block_size=16,
-                      num_blocks=used_blocks + 2, slab_blocks=used_blocks + 2)
+        runner = make_runner(used_blocks)
+        pool = runner.pool
         pool.ensure_capacity(used_blocks + 2)
-        runner = ModelRunner(model, pool, None, cpu_kernels=mx.default_device() == mx.cpu)
         table = tuple(range(2, 2 + used_blocks))
         token = mx.array([[5]], dtype=mx.int32)
         start = time.perf_counter()
