@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -29,6 +29,11 @@ class MLXExecuteParams(StageParams, frozen=True):
     # on MLX's CPU backend, run SwiGLU and the attention softmax in PyTorch, in place on
     # MLX's buffers (see stages/cpu_kernels.py); float32 models only; ignored elsewhere
     cpu_kernels: bool = True
+    # trace each lookahead decode step once per shape with mx.compile and replay it
+    # (model_runner.CompiledDecode). "auto": on a GPU backend only, since the CPU backend
+    # builds compiled kernels with the system C++ compiler at first use, and its CPU
+    # kernels (above) cannot be traced; "always" (a C++ compiler needed on CPU); "never"
+    compile_decode: Literal["auto", "always", "never"] = "auto"
 
 
 @dataclass
@@ -106,11 +111,17 @@ class MLXExecuteStage(StageBase):
             async def handle(step: m.Step) -> None:
                 nonlocal runner
                 if runner is None:
-                    kernels = self.params.cpu_kernels and current_platform().backend == "cpu"
+                    on_cpu = current_platform().backend == "cpu"
+                    compiled = {"always": True, "never": False}.get(self.params.compile_decode, not on_cpu)
                     runner = await thread.run(
-                        ModelRunner, loaded.model, ctx.resource("kv").pool, apply_processors, kernels
+                        ModelRunner,
+                        loaded.model,
+                        ctx.resource("kv").pool,
+                        apply_processors,
+                        self.params.cpu_kernels and on_cpu,
+                        compiled,
                     )
-                    self.kernels = runner.kernels
+                    self.runner = runner
                 seeds = {
                     w.request_id: w.params.seed if w.params.seed is not None else _seed_for(salt, w.request_id)
                     for w in step.work
@@ -128,10 +139,13 @@ class MLXExecuteStage(StageBase):
         loaded = getattr(self, "loaded", None)
         if loaded is None:
             return {}
+        runner = getattr(self, "runner", None)
+        compiled = runner.compiled if runner else None
         return {
             "model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes},
             "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
-            "kernels": getattr(self, "kernels", {"enabled": False, "reason": "no step run yet"}),
+            "kernels": runner.kernels if runner else {"enabled": False, "reason": "no step run yet"},
+            "compiled_decode": {"enabled": compiled is not None, "traces": compiled.traces if compiled else 0},
         }
 
 

@@ -2,7 +2,10 @@
 
 For each concurrency level the same prompts go through `mlx_lm.batch_generate` (or
 `mlx_lm.stream_generate` at concurrency 1) and through a unikern Engine; the table gives
-aggregate generated tokens per second and the unikern / mlx-lm ratio. Both sides run
+aggregate generated tokens per second (medians over the repeats), their ratio, and the
+median of the per-repeat ratios ("paired": a repeat runs mlx-lm then unikern, so drifts
+of a shared machine hit both alike) with its range. Each level runs once untimed on
+both sides first (new shapes: kernels built, decode steps traced). Both sides run
 under the same MLX and the same BLAS library (the one unikern preloads, or none with
 --blas off), because a ratio across BLAS libraries says nothing about the engine.
 
@@ -83,28 +86,40 @@ def bench(args) -> dict:
             for c in args.concurrency:
                 prompts = make_prompts(c, vocab, args.prompt_min, args.prompt_max, seed=c)
                 ours, theirs = [], []
+                # one untimed round per level on both sides: MLX builds its GPU kernels
+                # (and unikern traces its compiled decode step) for each new shape
+                run_mlx_lm(model, tokenizer, prompts, args.max_tokens)
+                await run_unikern(engine, prompts, args.max_tokens)
                 for _ in range(args.repeats):  # interleaved, so noise hits both sides alike
                     t, n = run_mlx_lm(model, tokenizer, prompts, args.max_tokens)
                     theirs.append(n / t)
                     t, n = await run_unikern(engine, prompts, args.max_tokens)
                     ours.append(n / t)
+                paired = sorted(o / t for o, t in zip(ours, theirs, strict=True))
                 row = {
                     "concurrency": c,
                     "mlx_lm_tok_s": statistics.median(theirs),
                     "unikern_tok_s": statistics.median(ours),
                     "reference": "stream_generate" if c == 1 else "batch_generate",
+                    "mlx_lm_all": theirs,
+                    "unikern_all": ours,
+                    # each repeat's two runs are adjacent in time: their ratio cancels the
+                    # slow drifts of a shared machine that the medians above do not
+                    "paired_ratio_median": statistics.median(paired),
+                    "paired_ratio_range": [paired[0], paired[-1]],
                 }
                 row["ratio"] = row["unikern_tok_s"] / row["mlx_lm_tok_s"]
                 rows.append(row)
                 print(
                     f"{c:>5} {row['reference']:>16} {row['mlx_lm_tok_s']:>10.1f} "
-                    f"{row['unikern_tok_s']:>10.1f} {row['ratio']:>7.2f}x",
+                    f"{row['unikern_tok_s']:>10.1f} {row['ratio']:>7.2f}x "
+                    f"{row['paired_ratio_median']:>7.2f}x ({paired[0]:.2f}-{paired[-1]:.2f})",
                     flush=True,
                 )
 
     print(f"model {args.model}, prompts {args.prompt_min}-{args.prompt_max} tokens, {args.max_tokens} new tokens each")
     print(f"BLAS under MLX: {current_platform().blas}")
-    print(f"{'conc':>5} {'reference':>16} {'mlx-lm':>10} {'unikern':>10} {'ratio':>8}   (tokens/s)")
+    print(f"{'conc':>5} {'reference':>16} {'mlx-lm':>10} {'unikern':>10} {'ratio':>8} {'paired':>8} (range)   (tokens/s)")
     anyio.run(main)
     import mlx.core as mx
     import mlx_lm

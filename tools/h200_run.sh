@@ -175,15 +175,26 @@ EOF
 
 model_dir() { python3 -c "import json; print(json.load(open('$T/model_paths.json'))['$1'])"; }
 
-bench() {  # NAME [extra bench args]
+bench() {  # NAME [extra bench args]; BENCH_TAG names the results apart, BENCH_ARGS replaces the defaults
   local name=$1; shift
-  local args=(--concurrency 1 16 64 --repeats 3)
+  local tag=$name${BENCH_TAG:-}
+  local args=(${BENCH_ARGS:---concurrency 1 16 64 --repeats 3})
   [ "$QUICK" = 1 ] && args=(--concurrency 1 4 --repeats 1 --max-tokens 8)
-  say "bench $name"
+  say "bench $tag ${args[*]} $*"
   timeout "$PHASE_TIMEOUT" python3 "$REPO/tools/bench.py" --model "$(model_dir "$name")" "${args[@]}" \
-    --json "$RES/h200-bench-$name.json" "$@" > "$LOGS/bench-$name.log" 2>&1
-  echo "rc=$?" >> "$LOGS/bench-$name.log"
-  grep -vE "^\s*$|\[(info|debug)" "$LOGS/bench-$name.log" | tail -8 | tee -a "$SUMMARY"
+    --json "$RES/h200-bench-$tag.json" "$@" > "$LOGS/bench-$tag.log" 2>&1
+  echo "rc=$?" >> "$LOGS/bench-$tag.log"
+  grep -vE "^\s*$|\[(info|debug)" "$LOGS/bench-$tag.log" | tail -8 | tee -a "$SUMMARY"
+}
+
+decode_profile() {  # tools/profile_decode.py: per-token cost, mlx-lm's loop against the runner's variants
+  say "profile_decode llama-80m"
+  local args=(--tokens 64 --repeats 5)
+  [ "$QUICK" = 1 ] && args=(--tokens 8 --repeats 1)
+  timeout "$PHASE_TIMEOUT" python3 "$REPO/tools/profile_decode.py" --model "$(model_dir llama-80m)" "${args[@]}" \
+    --json "$RES/h200-profile-decode.json" > "$LOGS/profile-decode.log" 2>&1
+  echo "rc=$?" >> "$LOGS/profile-decode.log"
+  grep -E "ms/token|rc=|Error" "$LOGS/profile-decode.log" | tee -a "$SUMMARY"
 }
 
 parity() {  # [TAG ENV=VALUE MODELS...]: all prompts in flight at once, and mlx-lm's batch_generate
@@ -330,6 +341,18 @@ case $cmd in
       for p in $H200_PHASES; do
         case $p in
           variants) phase variants 200 variants ;;
+          decode) phase profile-decode 150 decode_profile ;;
+          c1) BENCH_TAG=-c1 BENCH_ARGS="--concurrency 1 --repeats 21" phase bench-80m-c1 90 bench llama-80m ;;
+          c1nc) BENCH_TAG=-c1-nocompile BENCH_ARGS="--concurrency 1 --repeats 21" \
+            phase bench-80m-c1-nocompile 90 bench llama-80m --set execute.compile_decode=never ;;
+          c1long) BENCH_TAG=-c1-256 BENCH_ARGS="--concurrency 1 --repeats 7 --max-tokens 256" \
+            phase bench-80m-c1-256 90 bench llama-80m ;;
+          c1longnc) BENCH_TAG=-c1-256-nocompile BENCH_ARGS="--concurrency 1 --repeats 3 --max-tokens 256" \
+            phase bench-80m-c1-256-nocompile 90 bench llama-80m --set execute.compile_decode=never ;;
+          bench80nc) BENCH_TAG=-nocompile phase bench-80m-nocompile 150 bench llama-80m --set execute.compile_decode=never ;;
+          bench5nc) BENCH_TAG=-nocompile phase bench-5m-nocompile 120 bench llama-5m --set execute.compile_decode=never ;;
+          bench80bf16nc) BENCH_TAG=-nocompile phase bench-80m-bf16-nocompile 150 bench llama-80m-bf16 \
+            --set execute.compile_decode=never ;;
           bench80) phase bench-80m 150 bench llama-80m ;;
           bench5) phase bench-5m 120 bench llama-5m ;;
           bench80bf16) phase bench-80m-bf16 150 bench llama-80m-bf16 ;;

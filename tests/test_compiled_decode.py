@@ -1,0 +1,75 @@
+"""The compiled decode step (execute.compile_decode): the same tokens as mlx-lm, through
+a graph traced once per shape. On the CPU backend it runs only when asked ("always"),
+with the CPU kernels off, which is how these tests reach it."""
+
+from __future__ import annotations
+
+import pytest
+
+import unikern
+from tests.conftest import SMALL_KV, compare_greedy, complete_all, reference_greedy
+from unikern import messages as m
+from unikern.stages.kv_pool import KVPool
+from unikern.stages.model_runner import ModelGeometry, ModelRunner
+from unikern.stages.paged_cache import length_bucket
+
+
+@pytest.mark.parametrize("unit", [1, 16, 32])
+def test_length_buckets_are_few_and_tight(unit):
+    buckets = {length_bucket(n, unit) for n in range(1, 4097)}
+    for n in range(1, 4097):
+        b = length_bucket(n, unit)
+        assert b >= n and b % unit == 0
+        assert b <= max(-(-n // unit) * unit, 1.25 * n)  # at most a quarter more past 4 units
+    for lo in (128, 256, 512, 1024, 2048):  # 4 per doubling once past 4 units
+        if lo > 4 * unit:
+            assert len({b for b in buckets if lo < b <= 2 * lo}) == 4
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2"])  # float32 untied; bfloat16 tied
+async def test_engine_with_compiled_decode_matches_mlx_lm(family, model_dir):
+    path = model_dir(family)
+    # 10 rows in flight decode in lookahead windows; unwritten slots hold NaN, so a
+    # window reading a slot it should not would show in the tokens
+    batch = [[(11 * i + 3 * j) % 1000 + 5 for j in range(5 + 23 * i)] for i in range(10)]
+    overrides = {
+        "kv": {**SMALL_KV["kv"], "block_size": 32, "unwritten_fill": "nan"},
+        "execute": {"compile_decode": "always", "cpu_kernels": False},
+    }
+    async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
+        results = await complete_all(engine, batch, max_tokens=20)
+        stats = engine.stats()
+    assert stats["compiled_decode"]["enabled"] and stats["compiled_decode"]["traces"] > 0
+    for prompt, result in zip(batch, results, strict=True):
+        ok, note = compare_greedy(result.token_ids, reference_greedy(path, prompt, 20))
+        assert ok, f"{family}, prompt of {len(prompt)} tokens: {note}"
+
+
+def test_compiled_step_is_traced_once_per_shape_and_not_for_one_row(tiny_llama):
+    from mlx_lm import load
+
+    model, _ = load(tiny_llama)
+    geo = ModelGeometry(model)
+    pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
+                  dtype=geo.dtype, block_size=16, kernel_block_size=16, num_blocks=64, slab_blocks=64)
+    runner = ModelRunner(model, pool, compile_decode=True)
+    params = m.SamplingParams(max_tokens=64)
+    tables = {"a": tuple(range(2, 8)), "b": tuple(range(8, 14))}
+
+    def window(rows, start, steps):
+        work = tuple(m.SeqWork(r, (5,), start, tables[r], True, params, num_generated=1) for r in rows)
+        return runner.run(m.Step(1, work, steps), {})
+
+    window(["a"], 20, 8)
+    assert runner.compiled.traces == 0  # one row: the unmasked slice path
+    window(["a", "b"], 20, 8)
+    traced = runner.compiled.traces
+    assert traced == 1
+    first = window(["a", "b"], 20, 8)
+    again = window(["a", "b"], 24, 8)  # same row count and length bucket: replayed
+    assert runner.compiled.traces == traced and first == window(["a", "b"], 20, 8)
+    window(["a", "b"], 60, 8)  # a longer window: a new length bucket, traced once more
+    assert runner.compiled.traces == traced + 1
+    runner.compiled = None  # the same windows, op by op, give the same tokens
+    assert window(["a", "b"], 20, 8) == first and window(["a", "b"], 24, 8) == again
