@@ -256,6 +256,6 @@ class ModelRunner:
             inputs = sample_rows(logits, params)
             mx.async_eval(inputs)
             sampled.append(inputs)
-        mx.eval(sampled, self.pool.keys, self.pool.values)
-        columns = mx.stack(sampled, axis=1).tolist()
-        return {w.request_id: columns[r] for r, w in enumerate(work)}
+        columns = mx.stack(sampled, axis=1)  # one sync for the window's tokens and writes
+        mx.eval(columns, self.pool.keys, self.pool.values)
+        return {w.request_id: row for row, w in zip(columns.tolist(), work, strict=True)}

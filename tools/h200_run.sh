@@ -178,7 +178,7 @@ model_dir() { python3 -c "import json; print(json.load(open('$T/model_paths.json
 bench() {  # NAME [extra bench args]; BENCH_TAG names the results apart, BENCH_ARGS replaces the defaults
   local name=$1; shift
   local tag=$name${BENCH_TAG:-}
-  local args=(${BENCH_ARGS:---concurrency 1 16 64 --repeats 3})
+  local args=(${BENCH_ARGS:---concurrency 1 16 64 --repeats 5})
   [ "$QUICK" = 1 ] && args=(--concurrency 1 4 --repeats 1 --max-tokens 8)
   say "bench $tag ${args[*]} $*"
   timeout "$PHASE_TIMEOUT" python3 "$REPO/tools/bench.py" --model "$(model_dir "$name")" "${args[@]}" \
@@ -345,6 +345,8 @@ case $cmd in
           c1) BENCH_TAG=-c1 BENCH_ARGS="--concurrency 1 --repeats 21" phase bench-80m-c1 90 bench llama-80m ;;
           c1nc) BENCH_TAG=-c1-nocompile BENCH_ARGS="--concurrency 1 --repeats 21" \
             phase bench-80m-c1-nocompile 90 bench llama-80m --set execute.compile_decode=never ;;
+          c1la32) BENCH_TAG=-c1-lookahead32 BENCH_ARGS="--concurrency 1 --repeats 21" \
+            phase bench-80m-c1-lookahead32 90 bench llama-80m --set schedule.decode_lookahead=32 ;;
           c1long) BENCH_TAG=-c1-256 BENCH_ARGS="--concurrency 1 --repeats 7 --max-tokens 256" \
             phase bench-80m-c1-256 90 bench llama-80m ;;
           c1longnc) BENCH_TAG=-c1-256-nocompile BENCH_ARGS="--concurrency 1 --repeats 3 --max-tokens 256" \
