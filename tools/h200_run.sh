@@ -213,6 +213,21 @@ parity() {  # [TAG ENV=VALUE MODELS...]: all prompts in flight at once, and mlx-
   grep -vE "\[(info|debug|warning)" "$LOGS/parity_check$tag.log" | tail -30 | tee -a "$SUMMARY"
 }
 
+parity_diag() {  # the bf16 parity run alone, with the compiled decode step on and off, CUDA graphs off
+  local bf16; bf16=$(model_dir llama-80m-bf16)
+  local variant
+  for variant in "default|" "nocompile|--set execute.compile_decode=never" "nographs|MLX_USE_CUDA_GRAPHS=0" \
+                 "default-again|"; do
+    local tag=${variant%%|*} rest=${variant#*|} envset="" sets=""
+    case $rest in MLX_*) envset=$rest ;; *) sets=$rest ;; esac
+    say "parity bf16 alone: $tag ${envset}${sets}"
+    env PYTHONFAULTHANDLER=1 $envset timeout 60 python3 "$REPO/tools/parity_check.py" --model "$bf16" --prompts 16 \
+      --max-tokens 32 $sets --json "$RES/h200-parity-bf16-$tag.json" > "$LOGS/parity-bf16-$tag.log" 2>&1
+    echo "rc=$?" >> "$LOGS/parity-bf16-$tag.log"
+    grep -E "^parity|rc=|Error|error|terminate|File" "$LOGS/parity-bf16-$tag.log" | head -12 | tee -a "$SUMMARY"
+  done
+}
+
 pytest_parity() {
   say "pytest tests/test_parity.py"
   (cd "$REPO" && timeout "$PHASE_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -o filterwarnings=default \
@@ -359,6 +374,7 @@ case $cmd in
           bench5) phase bench-5m 120 bench llama-5m ;;
           bench80bf16) phase bench-80m-bf16 150 bench llama-80m-bf16 ;;
           parity) phase parity 150 parity ;;
+          paritydiag) phase parity-diag 240 parity_diag ;;
           paritynotf32) phase parity-notf32 120 parity -notf32 MLX_ENABLE_TF32=0 llama-5m llama-80m ;;
           offload) phase offload 150 offload_bench ;;
           worker) phase worker 60 worker_stats ;;

@@ -56,7 +56,7 @@ def compare(ours: list[int], ref: list[int], margins: list[float]) -> dict:
 
 
 def check(path: str, n: int, max_tokens: int, block_size: int, token_budget: int,
-          mlx_lm_batch: bool = False) -> dict:
+          mlx_lm_batch: bool = False, extra: list[str] = ()) -> dict:
     import anyio
     from mlx_lm import load
 
@@ -68,6 +68,10 @@ def check(path: str, n: int, max_tokens: int, block_size: int, token_budget: int
         "kv": {"kv_budget_bytes": 256 << 20, "block_size": block_size},
         "schedule": {"max_num_batched_tokens": token_budget},
     }
+    from unikern.spec import parse_overrides
+
+    for stage, values in parse_overrides(list(extra)).items():
+        overrides.setdefault(stage, {}).update(values)
     results: list = [None] * n
 
     async def main():
@@ -131,13 +135,16 @@ def main() -> int:
     parser.add_argument("--mlx-lm-batch", action="store_true",
                         help="also compare mlx_lm.batch_generate with stream_generate")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="STAGE.KEY=VALUE",
+                        help="a pipeline parameter for unikern's engine (repeatable)")
     args = parser.parse_args()
     from unikern.modelgen import cached_model
 
     report = []
     for name in args.model:
         path = name if Path(name).exists() else str(cached_model(name))
-        res = check(path, args.prompts, args.max_tokens, args.block_size, args.token_budget, args.mlx_lm_batch)
+        res = check(path, args.prompts, args.max_tokens, args.block_size, args.token_budget, args.mlx_lm_batch,
+                    args.overrides)
         res["name"] = name
         report.append(res)
         notes = [f"{r['prompt_tokens']}-token prompt: {r['result']} at step {r['step']} "
