@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import mlx.core as mx
+import structlog
 from mlx.utils import tree_flatten
 
 from unikern import messages as m
@@ -17,7 +18,9 @@ from unikern.models import DEFAULT_MODEL, resolve_model_path
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
 from unikern.wiring import WeightWiring
 
-from .model_runner import ModelGeometry, ModelRunner
+from .model_runner import ModelGeometry, ModelRunner, warm_up
+
+log = structlog.get_logger("unikern")
 
 
 class MLXExecuteParams(StageParams, frozen=True):
@@ -34,6 +37,10 @@ class MLXExecuteParams(StageParams, frozen=True):
     # builds compiled kernels with the system C++ compiler at first use, and its CPU
     # kernels (above) cannot be traced; "always" (a C++ compiler needed on CPU); "never"
     compile_decode: Literal["auto", "always", "never"] = "auto"
+    # before saying ready, run a prefill and decode windows on a private pool so MLX's
+    # GPU kernels are built at start, not in the first requests (model_runner.warm_up);
+    # "auto": on a GPU backend only (a fresh CUDA process spent 9-14 s in its first request)
+    warmup: Literal["auto", "always", "never"] = "auto"
 
 
 @dataclass
@@ -95,6 +102,12 @@ class MLXExecuteStage(StageBase):
             loaded.thread = thread
             self.loaded = loaded
             self.wired = await thread.run(wiring.wire, loaded.weights, self.params.wire_weights)
+            on_cpu = current_platform().backend == "cpu"
+            kernels = self.params.cpu_kernels and on_cpu
+            compiled = _switch(self.params.compile_decode, auto=not on_cpu)
+            if _switch(self.params.warmup, auto=not on_cpu):
+                self.warmup = await thread.run(warm_up, loaded.model, loaded.geometry, kernels, compiled)
+                log.info("execute.warmed_up", **self.warmup)
             ctx.provide("model", loaded)
             task_status.started()
             runner: ModelRunner | None = None
@@ -111,15 +124,8 @@ class MLXExecuteStage(StageBase):
             async def handle(step: m.Step) -> None:
                 nonlocal runner
                 if runner is None:
-                    on_cpu = current_platform().backend == "cpu"
-                    compiled = {"always": True, "never": False}.get(self.params.compile_decode, not on_cpu)
                     runner = await thread.run(
-                        ModelRunner,
-                        loaded.model,
-                        ctx.resource("kv").pool,
-                        apply_processors,
-                        self.params.cpu_kernels and on_cpu,
-                        compiled,
+                        ModelRunner, loaded.model, ctx.resource("kv").pool, apply_processors, kernels, compiled
                     )
                     self.runner = runner
                 seeds = {
@@ -146,7 +152,13 @@ class MLXExecuteStage(StageBase):
             "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
             "kernels": runner.kernels if runner else {"enabled": False, "reason": "no step run yet"},
             "compiled_decode": {"enabled": compiled is not None, "traces": compiled.traces if compiled else 0},
+            "warmup": getattr(self, "warmup", {"ran": False}),
         }
+
+
+def _switch(setting: str, *, auto: bool) -> bool:
+    """An "auto" | "always" | "never" parameter, with what auto means here."""
+    return {"always": True, "never": False}.get(setting, auto)
 
 
 def _seed_for(salt: int, request_id: str) -> int:

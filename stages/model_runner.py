@@ -3,6 +3,7 @@ of the step loop; always called on the execute stage's own thread."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -259,3 +260,31 @@ class ModelRunner:
         columns = mx.stack(sampled, axis=1)  # one sync for the window's tokens and writes
         mx.eval(columns, self.pool.keys, self.pool.values)
         return {w.request_id: row for row, w in zip(columns.tolist(), work, strict=True)}
+
+
+def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_decode: bool) -> dict[str, Any]:
+    """Run the step shapes a server meets first (a two-row prefill, a one-row decode
+    window, a two-row decode window) through a throwaway runner on a private pool of a
+    few blocks, so that MLX builds its GPU kernels, and the compiled step its fused
+    ones, before the engine says ready rather than inside the first requests. The
+    engine's own pool is not touched: it stays unallocated until a request writes it."""
+    block_size = 16
+    pool = KVPool(num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
+                  dtype=geometry.dtype, block_size=block_size, kernel_block_size=block_size, num_blocks=10,
+                  slab_blocks=10)
+    runner = ModelRunner(model, pool, None, cpu_kernels, compile_decode)
+    params = m.SamplingParams(max_tokens=16)
+    tables = {"a": (2, 3, 4, 5), "b": (6, 7, 8, 9)}
+    prompts = {"a": tuple(range(1, 25)), "b": tuple(range(1, 11))}  # ids every vocabulary has
+    start = time.perf_counter()
+    first = runner.run(m.Step(0, tuple(m.SeqWork(r, p, 0, tables[r], True, params) for r, p in prompts.items()), 1), {})
+
+    def window(rows: list[str], steps: int) -> m.Step:
+        work = tuple(
+            m.SeqWork(r, (first[r][0],), len(prompts[r]), tables[r], True, params, num_generated=1) for r in rows
+        )
+        return m.Step(1, work, steps)
+
+    runner.run(window(["a"], 4), {})
+    runner.run(window(["a", "b"], 4), {})
+    return {"ran": True, "steps": 3, "seconds": round(time.perf_counter() - start, 3)}

@@ -73,3 +73,19 @@ def test_compiled_step_is_traced_once_per_shape_and_not_for_one_row(tiny_llama):
     assert runner.compiled.traces == traced + 1
     runner.compiled = None  # the same windows, op by op, give the same tokens
     assert window(["a", "b"], 20, 8) == first and window(["a", "b"], 24, 8) == again
+
+
+@pytest.mark.anyio
+async def test_warmup_runs_before_ready_and_leaves_the_pool_unallocated(tiny_llama):
+    overrides = {**SMALL_KV, "execute": {"warmup": "always"}}
+    async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as engine:
+        before = engine.stats()
+        results = await complete_all(engine, [[5, 6, 7, 8]], max_tokens=6)
+        after = engine.stats()
+    assert before["warmup"]["ran"] and before["warmup"]["steps"] == 3
+    # the warm-up ran on its own pool: the engine's still holds nothing (lazy growth)
+    assert before["memory"]["kv_resident_bytes"] == 0
+    # the CPU kernels were installed by the warm-up's runner and again by the engine's: once
+    assert after["kernels"]["enabled"] and after["kernels"]["swiglu_layers"] == 4
+    ok, note = compare_greedy(results[0].token_ids, reference_greedy(tiny_llama, [5, 6, 7, 8], 6))
+    assert ok, note

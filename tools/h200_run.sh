@@ -228,6 +228,14 @@ parity_diag() {  # the bf16 parity run alone, with the compiled decode step on a
   done
 }
 
+first_request() {  # NAME: fresh workers (empty MLX kernel cache each), warm-up on and off
+  say "first requests of a fresh worker, $1: execute.warmup auto / never"
+  timeout "$PHASE_TIMEOUT" python3 "$REPO/tools/first_request.py" --model "$(model_dir "$1")" --variants auto never \
+    --fresh-cache --json "$RES/h200-first-request-$1.json" > "$LOGS/first-request-$1.log" 2>&1
+  echo "rc=$?" >> "$LOGS/first-request-$1.log"
+  grep -E "^warmup|rc=|Error" "$LOGS/first-request-$1.log" | tee -a "$SUMMARY"
+}
+
 pytest_parity() {
   say "pytest tests/test_parity.py"
   (cd "$REPO" && timeout "$PHASE_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -o filterwarnings=default \
@@ -374,6 +382,8 @@ case $cmd in
           bench5) phase bench-5m 120 bench llama-5m ;;
           bench80bf16) phase bench-80m-bf16 150 bench llama-80m-bf16 ;;
           parity) phase parity 150 parity ;;
+          firstreq80) phase first-request-80m 150 first_request llama-80m ;;
+          firstreqbf16) phase first-request-80m-bf16 150 first_request llama-80m-bf16 ;;
           paritydiag) phase parity-diag 240 parity_diag ;;
           paritynotf32) phase parity-notf32 120 parity -notf32 MLX_ENABLE_TF32=0 llama-5m llama-80m ;;
           offload) phase offload 150 offload_bench ;;
