@@ -359,7 +359,7 @@ case $cmd in
     setup "$@" || { pack; exit 1; }
     cp "$0" "$LOGS/h200_run.sh"
     if [ -n "${H200_PHASES:-}" ]; then  # e.g. H200_PHASES="variants proto80 proto5 protoparity"
-      phase env 90 env_report
+      [ -z "${H200_SKIP_ENV:-}" ] && phase env 90 env_report  # H200_SKIP_ENV=1: no versions/matmul report
       phase models 120 build_models
       for p in $H200_PHASES; do
         case $p in
@@ -382,7 +382,7 @@ case $cmd in
           bench5) phase bench-5m 120 bench llama-5m ;;
           bench80bf16) phase bench-80m-bf16 150 bench llama-80m-bf16 ;;
           parity) phase parity 150 parity ;;
-          firstreq80) phase first-request-80m 150 first_request llama-80m ;;
+          firstreq80) phase first-request-80m 100 first_request llama-80m ;;
           firstreqbf16) phase first-request-80m-bf16 150 first_request llama-80m-bf16 ;;
           paritydiag) phase parity-diag 240 parity_diag ;;
           paritynotf32) phase parity-notf32 120 parity -notf32 MLX_ENABLE_TF32=0 llama-5m llama-80m ;;
