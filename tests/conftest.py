@@ -7,17 +7,16 @@ recursion depth mismatch"."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import hypothesis  # noqa: F401  (imported early: see below)
 import pytest
+
+from unikern.reference import Reference, compare, greedy_reference
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Keep test pools small: a few MiB of KV, whatever the machine's RAM.
 SMALL_KV = {"kv": {"kv_budget_bytes": 64 << 20}}
-
-NEAR_TIE = 1e-3
 
 
 @pytest.fixture(scope="session")
@@ -35,44 +34,28 @@ def tiny_llama(model_dir) -> str:
     return model_dir("tiny-llama")
 
 
-@dataclass
-class Reference:
-    tokens: list[int]
-    margins: list[float]  # mlx-lm's own top-1 minus top-2 logit at each step
-
-
 _REFERENCE_MODELS: dict[str, tuple] = {}
 
 
 def reference_greedy(path: str, prompt_tokens: list[int], max_tokens: int) -> Reference:
-    """What `mlx_lm.stream_generate` produces greedily, with its top-2 margin per step."""
-    import mlx.core as mx
-    from mlx_lm import load, stream_generate
+    """mlx-lm's greedy tokens and top-2 margins for a model directory (loaded once)."""
+    from mlx_lm import load
 
     if path not in _REFERENCE_MODELS:
         _REFERENCE_MODELS[path] = load(path)
-    model, tokenizer = _REFERENCE_MODELS[path]
-    tokens, margins = [], []
-    for response in stream_generate(model, tokenizer, mx.array(prompt_tokens), max_tokens=max_tokens):
-        top2 = mx.topk(response.logprobs.astype(mx.float32), 2)
-        margins.append(abs(float(top2[1] - top2[0])))
-        tokens.append(response.token)
-        if response.finish_reason is not None:
-            break
-    return Reference(tokens, margins)
+    return greedy_reference(*_REFERENCE_MODELS[path], prompt_tokens, max_tokens)
 
 
 def compare_greedy(ours: list[int], ref: Reference) -> tuple[bool, str]:
-    """Token-for-token equality; a first difference at a near-tie step of mlx-lm's own
-    logits is allowed and reported (DESIGN.md, correctness reference)."""
-    for i, (a, b) in enumerate(zip(ours, ref.tokens, strict=False)):
-        if a != b:
-            if ref.margins[i] < NEAR_TIE:
-                return True, f"near-tie at step {i} (margin {ref.margins[i]:.2e}): {a} vs {b}"
-            return False, f"step {i}: ours {a}, mlx-lm {b} (margin {ref.margins[i]:.3f})"
-    if len(ours) != len(ref.tokens):
-        return False, f"lengths differ: ours {len(ours)}, mlx-lm {len(ref.tokens)}"
-    return True, ""
+    """(passed, note): a near-tie difference passes with a note (unikern.reference)."""
+    row = compare(ours, ref)
+    if row["result"] == "exact":
+        return True, ""
+    if row["result"] == "near-tie":
+        return True, f"near-tie at step {row['step']} (margin {row['margin']:.2e}): {row['ours']} vs {row['mlx_lm']}"
+    if "why" in row:
+        return False, f"lengths differ: ours {row['ours_len']}, mlx-lm {row['mlx_lm_len']}"
+    return False, f"step {row['step']}: ours {row['ours']}, mlx-lm {row['mlx_lm']} (margin {row['margin']:.3f})"
 
 
 @pytest.fixture

@@ -52,3 +52,13 @@ async def test_unwritten_slots_never_reach_output(tiny_llama):
         async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as engine:
             results[fill] = [r.token_ids for r in await complete_all(engine, batch, max_tokens=12)]
     assert results["nan"] == results["zeros"]
+
+
+def test_the_comparison_rule():
+    from unikern.reference import NEAR_TIE, Reference, compare
+
+    ref = Reference([5, 6, 7], [0.5, NEAR_TIE / 2, 0.5])
+    assert compare([5, 6, 7], ref)["result"] == "exact"
+    assert compare([5, 9, 1], ref) == {"result": "near-tie", "step": 1, "margin": NEAR_TIE / 2, "ours": 9, "mlx_lm": 6}
+    assert compare([4, 6, 7], ref)["result"] == "mismatch"  # a clear top-1 differs: fail
+    assert compare([5, 6], ref)["why"] == "lengths differ"

@@ -21,38 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-NEAR_TIE = 1e-3
-
 
 def prompts(n: int, vocab: int) -> list[list[int]]:
     # lengths cross kernel (16) and logical (64 here) block edges
     lengths = [3, 9, 15, 16, 17, 31, 47, 64, 100, 129, 200, 257, 300, 5]
     return [[(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(lengths[i % len(lengths)])] for i in range(n)]
-
-
-def reference(model, tokenizer, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    import mlx.core as mx
-    from mlx_lm import stream_generate
-
-    tokens, margins = [], []
-    for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens):
-        top2 = mx.topk(r.logprobs.astype(mx.float32), 2)
-        margins.append(abs(float(top2[1] - top2[0])))
-        tokens.append(r.token)
-        if r.finish_reason is not None:
-            break
-    return tokens, margins
-
-
-def compare(ours: list[int], ref: list[int], margins: list[float]) -> dict:
-    for i, (a, b) in enumerate(zip(ours, ref, strict=False)):
-        if a != b:
-            kind = "near-tie" if margins[i] < NEAR_TIE else "mismatch"
-            return {"result": kind, "step": i, "margin": margins[i], "ours": a, "mlx_lm": b}
-    if len(ours) != len(ref):
-        return {"result": "mismatch", "step": min(len(ours), len(ref)), "why": "lengths differ",
-                "ours_len": len(ours), "mlx_lm_len": len(ref)}
-    return {"result": "exact", "min_margin": min(margins) if margins else None}
 
 
 def check(path: str, n: int, max_tokens: int, block_size: int, token_budget: int,
@@ -61,6 +34,7 @@ def check(path: str, n: int, max_tokens: int, block_size: int, token_budget: int
     from mlx_lm import load
 
     import unikern
+    from unikern.reference import compare, greedy_reference
 
     model, tokenizer = load(path)
     batch = prompts(n, len(tokenizer))
@@ -94,12 +68,12 @@ def check(path: str, n: int, max_tokens: int, block_size: int, token_budget: int
         theirs = batch_generate(model, tokenizer, batch, max_tokens=max_tokens, return_token_ids=True).token_ids
     rows, batch_rows = [], []
     for i, (prompt, result) in enumerate(zip(batch, results, strict=True)):
-        ref, margins = reference(model, tokenizer, prompt, max_tokens)
-        row = compare(result.token_ids, ref, margins)
+        ref = greedy_reference(model, tokenizer, prompt, max_tokens)
+        row = compare(result.token_ids, ref)
         row["prompt_tokens"] = len(prompt)
         rows.append(row)
         if theirs is not None:
-            other = compare(list(theirs[i]), ref, margins)
+            other = compare(list(theirs[i]), ref)
             other["prompt_tokens"] = len(prompt)
             other["same_as_unikern"] = list(theirs[i]) == list(result.token_ids)
             batch_rows.append(other)
