@@ -152,7 +152,11 @@ class MLXExecuteStage(StageBase):
             "model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes},
             "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
             "kernels": runner.kernels if runner else {"enabled": False, "reason": "no step run yet"},
-            "compiled_decode": {"enabled": compiled is not None, "traces": compiled.traces if compiled else 0},
+            "compiled_decode": {
+                "enabled": compiled is not None,
+                "traces": compiled.traces if compiled else 0,
+                "cache_resets": compiled.resets if compiled else 0,
+            },
             "warmup": getattr(self, "warmup", {"ran": False}),
         }
 

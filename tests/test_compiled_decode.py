@@ -89,3 +89,30 @@ async def test_warmup_runs_before_ready_and_leaves_the_pool_unallocated(tiny_lla
     assert after["kernels"]["enabled"] and after["kernels"]["swiglu_layers"] == 4
     ok, note = compare_greedy(results[0].token_ids, reference_greedy(tiny_llama, [5, 6, 7, 8], 6))
     assert ok, note
+
+
+def test_the_trace_cache_starts_over_past_its_bound(tiny_llama, monkeypatch):
+    from mlx_lm import load
+
+    from unikern.stages.model_runner import CompiledDecode
+
+    monkeypatch.setattr(CompiledDecode, "max_traces", 3)
+    model, _ = load(tiny_llama)
+    geo = ModelGeometry(model)
+    pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
+                  dtype=geo.dtype, block_size=16, kernel_block_size=16, num_blocks=64, slab_blocks=64)
+    runner = ModelRunner(model, pool, compile_decode=True)
+    params = m.SamplingParams(max_tokens=64)
+
+    def window(rows: int, runner=runner):
+        work = tuple(m.SeqWork(f"r{j}", (5,), 20, tuple(range(2 + 4 * j, 6 + 4 * j)), True, params, num_generated=1)
+                     for j in range(rows))
+        return runner.run(m.Step(1, work, 4), {})
+
+    # three shapes fill the cache; the 4-row window's next step starts it over and traces
+    # its own shape again
+    first = [window(rows) for rows in (2, 3, 4)]
+    assert runner.compiled.traces == 4 and runner.compiled.resets == 1
+    assert window(2) == first[0] and runner.compiled.traces == 5  # dropped with the reset: traced again
+    runner.compiled = None
+    assert [window(rows) for rows in (2, 3, 4)] == first  # the uncompiled path agrees
