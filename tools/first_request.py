@@ -10,46 +10,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
+
+from load import WorkerClient  # tools/ is on sys.path when run as a script
 
 
 def one_worker(model: str, warmup: str, requests: list[dict], fresh_cache: bool) -> dict:
-    env = dict(os.environ)
-    if fresh_cache:
-        env["MLX_PTX_CACHE_DIR"] = tempfile.mkdtemp(prefix="mlx-ptx-")
-    cmd = [sys.executable, "-m", "unikern", "worker", "--model", model, "--set", f"execute.warmup={warmup}"]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env=env)
-    result: dict = {"warmup": warmup, "requests": []}
-    for line in proc.stdout:
-        event = json.loads(line)
-        if event.get("event") == "ready":
-            result["ready_s"] = time.perf_counter() - start
-            break
-    for request in requests:  # one at a time: each one's latency alone
-        sent = time.perf_counter()
-        proc.stdin.write(json.dumps(request) + "\n")
-        proc.stdin.flush()
-        first = None
-        for line in proc.stdout:
-            event = json.loads(line)
-            if event.get("id") != request["id"]:
-                continue
-            if event["event"] == "token" and first is None:
-                first = time.perf_counter() - sent
-            if event["event"] in ("done", "error"):
-                result["requests"].append({"id": request["id"], "first_token_s": first,
-                                           "done_s": time.perf_counter() - sent, "event": event["event"]})
-                break
-    proc.stdin.close()
-    result["exit_code"] = proc.wait(timeout=120)
-    return result
+    env = {"MLX_PTX_CACHE_DIR": tempfile.mkdtemp(prefix="mlx-ptx-")} if fresh_cache else None
+    client = WorkerClient(model, sets=[f"execute.warmup={warmup}"], env=env)
+    try:
+        client.wait_ready(timeout=600)
+        ready_s = next(e["_t"] for e in client.events if e["event"] == "ready")
+        timings = []
+        for request in requests:  # one at a time: each one's latency alone
+            rid = request["id"]
+            client.send_json(request)
+            client.wait_done([rid], timeout=120)
+            sent = client.sent_at[rid]
+            first = client.first_token_at.get(rid)
+            timings.append({"id": rid, "first_token_s": None if first is None else first - sent,
+                            "done_s": client.ended_at[rid] - sent, "event": client.terminal[rid]["event"]})
+        client.close_stdin()
+        code = client.wait_exit(120)
+    finally:
+        client.close()
+    return {"warmup": warmup, "ready_s": ready_s, "requests": timings, "exit_code": code}
 
 
 def main() -> None:
