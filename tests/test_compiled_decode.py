@@ -46,14 +46,19 @@ async def test_engine_with_compiled_decode_matches_mlx_lm(family, model_dir):
         assert ok, f"{family}, prompt of {len(prompt)} tokens: {note}"
 
 
-def test_compiled_step_is_traced_once_per_shape_and_not_for_one_row(tiny_llama):
+def compiled_runner(path: str) -> ModelRunner:
+    """A runner with the compiled step on, over a 64-block pool of 16-token blocks."""
     from mlx_lm import load
 
-    model, _ = load(tiny_llama)
+    model, _ = load(path)
     geo = ModelGeometry(model)
     pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
                   dtype=geo.dtype, block_size=16, kernel_block_size=16, num_blocks=64, slab_blocks=64)
-    runner = ModelRunner(model, pool, compile_decode=True)
+    return ModelRunner(model, pool, compile_decode=True)
+
+
+def test_compiled_step_is_traced_once_per_shape_and_not_for_one_row(tiny_llama):
+    runner = compiled_runner(tiny_llama)
     params = m.SamplingParams(max_tokens=64)
     tables = {"a": tuple(range(2, 8)), "b": tuple(range(8, 14))}
 
@@ -92,16 +97,10 @@ async def test_warmup_runs_before_ready_and_leaves_the_pool_unallocated(tiny_lla
 
 
 def test_the_trace_cache_starts_over_past_its_bound(tiny_llama, monkeypatch):
-    from mlx_lm import load
-
     from unikern.stages.model_runner import CompiledDecode
 
     monkeypatch.setattr(CompiledDecode, "max_traces", 3)
-    model, _ = load(tiny_llama)
-    geo = ModelGeometry(model)
-    pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
-                  dtype=geo.dtype, block_size=16, kernel_block_size=16, num_blocks=64, slab_blocks=64)
-    runner = ModelRunner(model, pool, compile_decode=True)
+    runner = compiled_runner(tiny_llama)
     params = m.SamplingParams(max_tokens=64)
 
     def window(rows: int, runner=runner):
