@@ -105,9 +105,9 @@ class MLXExecuteStage(StageBase):
             self.wired = await thread.run(wiring.wire, loaded.weights, self.params.wire_weights)
             on_cpu = current_platform().backend == "cpu"
             kernels = self.params.cpu_kernels and on_cpu
-            compiled = _switch(self.params.compile_decode, auto=not on_cpu)
+            compile_decode = _switch(self.params.compile_decode, auto=not on_cpu)
             if _switch(self.params.warmup, auto=not on_cpu):
-                self.warmup = await thread.run(warm_up, loaded.model, loaded.geometry, kernels, compiled)
+                self.warmup = await thread.run(warm_up, loaded.model, loaded.geometry, kernels, compile_decode)
                 log.info("execute.warmed_up", **self.warmup)
             ctx.provide("model", loaded)
             task_status.started()
@@ -126,7 +126,7 @@ class MLXExecuteStage(StageBase):
                 nonlocal runner
                 if runner is None:
                     runner = await thread.run(
-                        ModelRunner, loaded.model, ctx.resource("kv").pool, apply_processors, kernels, compiled
+                        ModelRunner, loaded.model, ctx.resource("kv").pool, apply_processors, kernels, compile_decode
                     )
                     self.runner = runner
                 seeds = {
