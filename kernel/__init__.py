@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-try:  # load an optimized BLAS before anything imports mlx (see unikern.blas)
-    from . import blas as _blas
+try:  # load an optimized BLAS before anything imports mlx (see unikern.platform.blas)
+    from unikern.platform import blas as _blas
 
     _blas.preload()
 except ImportError:  # pragma: no cover - blas.py arrives with the platform layer
     pass
 
-from .engine import Completion, Engine
-from .errors import ConfigError, RequestError, StageError, UnikernError
-from .messages import DoneEvent, ErrorEvent, TokenEvent, Usage
+from unikern.engine import Completion, Engine
+from unikern.errors import ConfigError, RequestError, StageError, UnikernError
+from unikern.messages import DoneEvent, ErrorEvent, TokenEvent, Usage
 
 __all__ = [
     "Completion",

@@ -1,3 +1,3 @@
-from .cli import entry
+from unikern.frontends.cli import entry
 
 entry()

@@ -14,11 +14,11 @@ import msgspec
 import psutil
 from anyio.streams.memory import MemoryObjectSendStream
 
-from . import messages as m
-from .bridge_registry import bridge_stats, current_platform
-from .errors import RequestError, StageError, UnikernError
-from .router import INBOX_SIZE, Router
-from .spec import PipelineSpec, load_pipeline
+from unikern import messages as m
+from unikern.errors import RequestError, StageError, UnikernError
+from unikern.platform import bridge_stats, current_platform
+from unikern.router import INBOX_SIZE, Router
+from unikern.spec import PipelineSpec, load_pipeline
 
 LogitsProcessor = Callable[[list[int], Any], Any]
 

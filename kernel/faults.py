@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import ConfigError
+from unikern.errors import ConfigError
 
 ENV_VAR = "UNIKERN_INJECT_FAULT"
 MESSAGE = "injected fault"

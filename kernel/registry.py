@@ -12,17 +12,17 @@ import importlib
 from importlib.metadata import entry_points
 from typing import Any
 
-from .errors import ConfigError
+from unikern.errors import ConfigError
 
 BUILTIN_STAGES: dict[str, str] = {
     "tokenize": "unikern.stages.tokenize:TokenizeStage",
-    "schedule": "unikern.stages.schedule:ScheduleStage",
-    "kv_manager": "unikern.stages.kv_manager:KVManagerStage",
-    "mlx_execute": "unikern.stages.mlx_execute:MLXExecuteStage",
+    "schedule": "unikern.stages.schedule.stage:ScheduleStage",
+    "kv_manager": "unikern.stages.kv.service:KVManagerStage",
+    "mlx_execute": "unikern.stages.execute.stage:MLXExecuteStage",
     "output": "unikern.stages.output:OutputStage",
-    "schedule_tiered": "unikern.stages.schedule_tiered:TieredScheduleStage",
-    "offload_mover": "unikern.stages.offload:OffloadMoverStage",
-    "disk_tier": "unikern.stages.disk_tier:DiskTierStage",
+    "schedule_tiered": "unikern.stages.schedule.tiered:TieredScheduleStage",
+    "offload_mover": "unikern.stages.tiers.mover:OffloadMoverStage",
+    "disk_tier": "unikern.stages.tiers.disk.service:DiskTierStage",
 }
 
 ENTRY_POINT_GROUP = "unikern.stages"

@@ -11,10 +11,10 @@ import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
-from .errors import ConfigError, StageError
-from .faults import planned_fault, wrap_inbox
-from .spec import EGRESS_TYPES, PipelineSpec, start_order
-from .stage import StageContext
+from unikern.errors import ConfigError, StageError
+from unikern.faults import planned_fault, wrap_inbox
+from unikern.spec import EGRESS_TYPES, PipelineSpec, start_order
+from unikern.stage import StageContext
 
 log = structlog.get_logger("unikern")
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import msgspec
 
-from . import messages as m
-from .errors import ConfigError
-from .registry import resolve, stage_types
+from unikern import messages as m
+from unikern.errors import ConfigError
+from unikern.registry import resolve, stage_types
 
 # What the engine facade injects and what it collects: the pipeline's two open ends.
 INGRESS_TYPES: tuple[type, ...] = (m.Submit, m.Cancel)

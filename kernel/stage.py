@@ -10,7 +10,7 @@ import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from .errors import StageError
+from unikern.errors import StageError
 
 
 class StageParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

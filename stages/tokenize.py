@@ -6,8 +6,8 @@ from typing import Any
 
 from unikern import messages as m
 from unikern.errors import RequestError
-from unikern.models import DEFAULT_MODEL, resolve_model_path
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
+from unikern.stages.models import DEFAULT_MODEL, resolve_model_path
 
 
 class TokenizeParams(StageParams, frozen=True):

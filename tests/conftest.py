@@ -11,7 +11,7 @@ import os
 import hypothesis  # noqa: F401  (imported early: see below)
 import pytest
 
-from unikern.reference import Reference, compare, greedy_reference
+from unikern.testing.reference import Reference, compare, greedy_reference
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -21,7 +21,7 @@ SMALL_KV = {"kv": {"kv_budget_bytes": 64 << 20}}
 
 @pytest.fixture(scope="session")
 def model_dir():
-    from unikern.modelgen import cached_model
+    from unikern.testing.modelgen import cached_model
 
     def build(preset_or_spec):
         return str(cached_model(preset_or_spec))
@@ -47,7 +47,7 @@ def reference_greedy(path: str, prompt_tokens: list[int], max_tokens: int) -> Re
 
 
 def compare_greedy(ours: list[int], ref: Reference) -> tuple[bool, str]:
-    """(passed, note): a near-tie difference passes with a note (unikern.reference)."""
+    """(passed, note): a near-tie difference passes with a note (unikern.testing.reference)."""
     row = compare(ours, ref)
     if row["result"] == "exact":
         return True, ""

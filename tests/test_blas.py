@@ -33,7 +33,7 @@ def run_python(code: str, **env: str) -> dict:
 
 PRELOAD_THEN_GEMM = """
     import json
-    from unikern import blas
+    from unikern.platform import blas
     first = blas.preload()
     second = blas.preload()
     import mlx.core as mx
@@ -71,7 +71,7 @@ def test_explicit_path_from_env() -> None:
 RAISES = """
     import json
     try:
-        from unikern import blas
+        from unikern.platform import blas
         blas.preload()
     except Exception as exc:
         print(json.dumps({"type": type(exc).__name__, "error": str(exc)}))
@@ -104,7 +104,7 @@ def test_too_late_reports_what_mlx_really_bound() -> None:
         import ctypes, json
         import mlx.core as mx
         ctypes.CDLL({OPENBLAS!r}, mode=ctypes.RTLD_GLOBAL)
-        from unikern import blas
+        from unikern.platform import blas
         chosen = blas.preload()
         print(json.dumps({{"library": chosen.library, "source": chosen.source}}))
         """

@@ -21,7 +21,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from unikern.stages.block_manager import HASH_BYTES, BlockManager, block_hash
+from unikern.stages.kv.blocks import HASH_BYTES, BlockManager, block_hash
 
 BS = 4  # tokens per block in these tests
 NS = b"model-a/layout-1"
@@ -50,7 +50,7 @@ HASH_CASES = [
 
 CHILD = """
 import json, sys
-from unikern.stages.block_manager import BlockManager, block_hash
+from unikern.stages.kv.blocks import BlockManager, block_hash
 cases = json.loads(sys.argv[1])
 out = [block_hash(bytes.fromhex(p) if p else None, t, ns.encode()).hex() for p, t, ns in cases]
 bm = BlockManager(8, 4, namespace=b"model-a/layout-1")

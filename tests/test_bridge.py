@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from unikern.bridge import (
+from unikern.errors import RequestError
+from unikern.platform.bridge import (
     Bridge,
     BridgeCopyError,
     BridgeError,
     apply_torch_logits_processors,
     mlx_buffer,
 )
-from unikern.errors import RequestError
 
 
 def evaluated(a: mx.array) -> mx.array:

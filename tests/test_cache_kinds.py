@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models import mamba
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
-from unikern.stages.cache_kinds import needs_zeroing, new_state
+from unikern.stages.kv.cache_kinds import needs_zeroing, new_state
 
 
 def tiny_mamba():
@@ -62,7 +62,7 @@ def test_attention_pool_takes_the_fill_it_is_given():
 
 
 def test_paged_pool_refuses_state_cache_models():
-    from unikern.stages.model_runner import ModelGeometry
+    from unikern.stages.execute.runner import ModelGeometry
 
     with pytest.raises(NotImplementedError, match="must start zeroed"):
         ModelGeometry(tiny_mamba())

@@ -42,7 +42,7 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from unikern.modelgen import cached_model
+    from unikern.testing.modelgen import cached_model
 
     return Path(cached_model("tiny-llama"))
 

@@ -10,10 +10,10 @@ import pytest
 
 import unikern
 from tests.conftest import SMALL_KV, compare_greedy, complete_all, reference_greedy
-from unikern.bridge import mlx_buffer
-from unikern.bridge_registry import shared_bridge
-from unikern.stages import cpu_kernels
-from unikern.stages.paged_cache import PagedLayerCache
+from unikern.platform import shared_bridge
+from unikern.platform.bridge import mlx_buffer
+from unikern.stages.execute import cpu_kernels
+from unikern.stages.execute.paged_cache import PagedLayerCache
 
 
 def test_silu_mul_writes_gate_in_place_without_copies():

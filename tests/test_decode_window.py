@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from unikern.stages.kv_pool import KVPool
-from unikern.stages.paged_cache import BatchLayout, DecodeWindow
+from unikern.stages.execute.paged_cache import BatchLayout, DecodeWindow
+from unikern.stages.kv.pool import KVPool
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from unikern.errors import UnikernError
-from unikern.stages import disk_format
-from unikern.stages.disk_format import (
+from unikern.stages.tiers.disk import format as disk_format
+from unikern.stages.tiers.disk.format import (
     FIXED_HEADER,
     FORMAT_VERSION,
     MAGIC,

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from unikern.errors import ConfigError
-from unikern.stages.disk_format import encode_block
-from unikern.stages.disk_store import DiskStore, InvalidKeyError, make_namespace
+from unikern.stages.tiers.disk.format import encode_block
+from unikern.stages.tiers.disk.store import DiskStore, InvalidKeyError, make_namespace
 
 NAMESPACE = "tiny-bfloat16-16-0123456789abcdef0123"
 SHAPE = (2, 2, 16, 2, 8)  # layers, k/v, tokens, heads, head dim

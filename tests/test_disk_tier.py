@@ -18,7 +18,7 @@ import pytest
 
 import unikern
 from tests.conftest import compare_greedy, reference_greedy
-from unikern.stages.disk_store import SUFFIX, TMP_PREFIX, DiskStore
+from unikern.stages.tiers.disk.store import SUFFIX, TMP_PREFIX, DiskStore
 
 pytestmark = pytest.mark.anyio
 
@@ -43,8 +43,8 @@ def engine(model: str, disk_path: Path, **disk) -> unikern.Engine:
 
 async def pool_bytes(eng: unikern.Engine, hashes: list[bytes]) -> dict[bytes, bytes]:
     """The pool's bytes of each cached block named by `hashes`, read on the model thread."""
-    from unikern.bridge_registry import shared_bridge
-    from unikern.stages.block_io import BlockLayout, copy_out
+    from unikern.platform import shared_bridge
+    from unikern.stages.tiers.block_io import BlockLayout, copy_out
 
     kv = eng._router.stages["kv"].kv
     ids = [kv.blocks.hash_to_block[h] for h in hashes]
@@ -96,7 +96,7 @@ class Cold:
 
 @pytest.fixture(scope="module")
 def cold(tmp_path_factory) -> Cold:
-    from unikern.modelgen import cached_model
+    from unikern.testing.modelgen import cached_model
 
     c = Cold()
     c.model = str(cached_model(SPEC))
@@ -254,7 +254,7 @@ async def test_an_unusable_path_is_a_clear_start_up_error(cold, tmp_path):
 
 
 async def test_a_failing_disk_read_is_a_miss_not_a_stuck_request(cold, tmp_path, monkeypatch):
-    from unikern.stages.disk_tier import DiskTier
+    from unikern.stages.tiers.disk.service import DiskTier
 
     def broken(self, block_hash, out):
         raise RuntimeError("simulated bug in the read path")

@@ -175,7 +175,7 @@ async def test_eos_finishes_with_stop(model_dir):
 async def test_torch_logits_processor_applies_to_its_request_only(tiny_llama):
     """A PyTorch processor banning tokens is honoured for one request in a batch and not
     the others, through a zero-copy view (no copy counted)."""
-    from unikern.bridge_registry import bridge_stats
+    from unikern.platform import bridge_stats
 
     async with engine(tiny_llama) as eng:
         free = await eng.complete(prompt="def f(x):", max_tokens=8)

@@ -89,7 +89,7 @@ async def test_an_engine_whose_stage_fails_raises_stage_error(tiny_llama: str, m
 @pytest.fixture(scope="module")
 def faulted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """Per stage: the worker's events, when its first error came, and when it exited."""
-    from unikern.modelgen import cached_model
+    from unikern.testing.modelgen import cached_model
 
     model = str(cached_model("tiny-llama"))
     tmp = tmp_path_factory.mktemp("faults")

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from tools import fuzz
 from tools.load import WorkerClient
 from unikern.errors import ConfigError
-from unikern.protocol import CancelOp, GenerateOp, ProtocolError, StatsOp, decode_op
+from unikern.frontends.protocol import CancelOp, GenerateOp, ProtocolError, StatsOp, decode_op
+from unikern.frontends.worker import OversizeLine, read_lines
 from unikern.spec import PipelineErrors, load_pipeline, parse_pipeline
-from unikern.worker import OversizeLine, read_lines
 
 BOUNDED = settings(max_examples=200, deadline=None, suppress_health_check=fuzz.HEALTH, database=None)
 

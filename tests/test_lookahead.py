@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 
 from unikern import messages as m
-from unikern.stages.block_manager import BlockManager
-from unikern.stages.scheduler import Scheduler
+from unikern.stages.kv.blocks import BlockManager
+from unikern.stages.schedule.policy import Scheduler
 
 EOS = 999
 

@@ -11,8 +11,8 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
-from unikern import modelgen
 from unikern.errors import ConfigError
+from unikern.testing import modelgen
 
 TINY_PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 MULTIBYTE_TEXT = "héllo 世界 🙂"

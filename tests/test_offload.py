@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from tests.conftest import compare_greedy, reference_greedy
 from tests.test_scheduler import Run, never_eos
 from unikern import messages as m
-from unikern.stages.block_manager import BlockManager
-from unikern.stages.scheduler import Scheduler
-from unikern.stages.tiering import OffloadQueue, TierPlanner
+from unikern.stages.kv.blocks import BlockManager
+from unikern.stages.schedule.policy import Scheduler
+from unikern.stages.schedule.tier_planner import TierPlanner
+from unikern.stages.tiers.queue import OffloadQueue
 
 BS = 4
 NS = b"test"
@@ -322,9 +323,9 @@ def test_block_copies_are_byte_exact_zero_copy_and_keep_the_pool_in_place(dtype)
     import mlx.core as mx
     import numpy as np
 
-    from unikern.bridge import Bridge, mlx_buffer
-    from unikern.stages.block_io import BlockLayout, copy_in, copy_out
-    from unikern.stages.kv_pool import KVPool
+    from unikern.platform.bridge import Bridge, mlx_buffer
+    from unikern.stages.kv.pool import KVPool
+    from unikern.stages.tiers.block_io import BlockLayout, copy_in, copy_out
 
     pool = KVPool(num_layers=2, num_kv_heads=2, head_dim=8, dtype=getattr(mx, dtype), block_size=4,
                   kernel_block_size=2, num_blocks=16, slab_blocks=4)

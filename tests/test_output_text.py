@@ -12,7 +12,7 @@ from unikern.stages.output import TextStream
 def tok():
     from mlx_lm.utils import load_tokenizer
 
-    from unikern.modelgen import cached_model
+    from unikern.testing.modelgen import cached_model
 
     return load_tokenizer(cached_model("tiny-llama"))
 

@@ -55,7 +55,7 @@ async def test_unwritten_slots_never_reach_output(tiny_llama):
 
 
 def test_the_comparison_rule():
-    from unikern.reference import NEAR_TIE, Reference, compare
+    from unikern.testing.reference import NEAR_TIE, Reference, compare
 
     ref = Reference([5, 6, 7], [0.5, NEAR_TIE / 2, 0.5])
     assert compare([5, 6, 7], ref)["result"] == "exact"

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from unikern import blas
 from unikern.errors import ConfigError, UnikernError
-from unikern.platform import Platform
+from unikern.platform import blas
+from unikern.platform.facts import Platform
 
 GIB = 1 << 30
 

@@ -18,7 +18,7 @@ import torch
 import transformers
 from mlx_lm.models.cache import make_prompt_cache
 
-from unikern import modelgen
+from unikern.testing import modelgen
 
 PROMPT = ("def fib(n):\n    if n < 2:\n        return n\n"
           "    return fib(n - 1) + fib(n - 2)  # héllo 世界")

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from unikern import messages as m
-from unikern.stages.block_manager import BlockManager
-from unikern.stages.scheduler import Scheduler
+from unikern.stages.kv.blocks import BlockManager
+from unikern.stages.schedule.policy import Scheduler
 
 EOS = 0
 VOCAB = 64  # EOS comes up about once in 64 samples

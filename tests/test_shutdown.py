@@ -71,7 +71,7 @@ def _exit_since(client: WorkerClient, sent: float, timeout: float) -> tuple[int 
 
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
-    from unikern.modelgen import cached_model
+    from unikern.testing.modelgen import cached_model
 
     model = str(cached_model("tiny-llama"))
     tmp: Path = tmp_path_factory.mktemp("shutdown")

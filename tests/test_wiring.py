@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
-from unikern.wiring import WeightWiring, locked_bytes, unwire, wire_weights
+from unikern.platform.pinning import WeightWiring, locked_bytes, unwire, wire_weights
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mlock path")
 
@@ -124,8 +124,8 @@ def test_metal_sets_the_wired_limit_and_restores_it() -> None:
 CHILD = """
 import json, ctypes, os
 import mlx.core as mx
-from unikern.bridge import mlx_buffer
-from unikern.wiring import wire_weights
+from unikern.platform.bridge import mlx_buffer
+from unikern.platform.pinning import wire_weights
 weights = [mx.random.normal((4096, 1024))]  # 16 MiB, over the 8 MiB default limit
 mx.eval(*weights)
 report = wire_weights(weights)

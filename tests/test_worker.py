@@ -313,7 +313,7 @@ class Transcript:
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> Transcript:
-    from unikern.modelgen import cached_model
+    from unikern.testing.modelgen import cached_model
 
     model_dir = Path(cached_model("tiny-llama"))
     config = json.loads((model_dir / "config.json").read_text())

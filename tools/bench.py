@@ -64,8 +64,8 @@ def bench(args) -> dict:
     import anyio
 
     import unikern
-    from unikern.bridge_registry import current_platform
-    from unikern.modelgen import cached_model
+    from unikern.platform import current_platform
+    from unikern.testing.modelgen import cached_model
 
     path = str(cached_model(args.model)) if not Path(args.model).exists() else args.model
     from mlx_lm import load
@@ -199,6 +199,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from unikern.cli import leave
+    from unikern.frontends.cli import leave
 
     leave(0)  # results are written; MLX's native teardown has aborted here (exit 134 on CUDA)

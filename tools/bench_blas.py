@@ -15,7 +15,7 @@ import sys
 # Runs inside the child: preload (or not), then time `x @ w` for each row count.
 CHILD = r"""
 import json, sys, time
-from unikern import blas
+from unikern.platform import blas
 chosen = blas.preload()
 import mlx.core as mx
 rows_list, size, min_seconds = json.loads(sys.argv[1])

@@ -26,7 +26,13 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from unikern.stages.disk_format import Codec, decode_block, encode_block, shuffle, unshuffle_into
+from unikern.stages.tiers.disk.format import (
+    Codec,
+    decode_block,
+    encode_block,
+    shuffle,
+    unshuffle_into,
+)
 
 SYNTHETIC_SHAPE = (4, 2, 256, 4, 64)
 KEY = bytes(range(32))

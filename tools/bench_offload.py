@@ -84,7 +84,7 @@ async def drain(eng) -> None:
 
 def spec_for(preset: str | None) -> dict:
     """The default 2-layer model, or a modelgen preset with room for the prompt, in bf16."""
-    from unikern.modelgen import PRESETS
+    from unikern.testing.modelgen import PRESETS
 
     if preset is None:
         return dict(SPEC)
@@ -143,8 +143,8 @@ async def tier_ttfts(spec: dict, model: str, n: int, repeats: int, root: Path) -
 
 async def capture_blocks(model: str, n: int, vocab: int, root: Path) -> tuple[list, object]:
     """KV blocks a real forward pass of an n-token prompt leaves in the pool."""
-    from unikern.bridge_registry import shared_bridge
-    from unikern.stages.block_io import BlockLayout, copy_out
+    from unikern.platform import shared_bridge
+    from unikern.stages.tiers.block_io import BlockLayout, copy_out
 
     async with engine("generate-offload", model, root) as eng:
         tokens = prompt(7, n, vocab)
@@ -166,7 +166,7 @@ async def capture_blocks(model: str, n: int, vocab: int, root: Path) -> tuple[li
 
 
 def disk_throughput(blocks, layout, root: Path, level: int) -> dict:
-    from unikern.stages.disk_store import DiskStore
+    from unikern.stages.tiers.disk.store import DiskStore
 
     store = DiskStore(root, "bench", 1 << 34, level=level)
     raw = sum(b.nbytes for _, b in blocks)
@@ -190,8 +190,8 @@ def disk_throughput(blocks, layout, root: Path, level: int) -> dict:
 
 
 async def bench(args) -> dict:
-    from unikern.bridge_registry import current_platform
-    from unikern.modelgen import cached_model
+    from unikern.platform import current_platform
+    from unikern.testing.modelgen import cached_model
 
     root = Path(tempfile.mkdtemp(prefix="unikern-bench-offload-"))
     try:

@@ -7,7 +7,7 @@
     python tools/build_model.py --list
 
 Flags given with --preset override that preset's fields. Without --out, the model is
-built into (or found in) the cache `unikern.modelgen.cached_model` uses, and its path
+built into (or found in) the cache `unikern.testing.modelgen.cached_model` uses, and its path
 is printed.
 """
 
@@ -27,16 +27,16 @@ FIELDS = {  # spec key -> type, for the explicit flags
 
 
 def import_modelgen():
-    """`unikern.modelgen`, also from a checkout that was never pip-installed."""
+    """`unikern.testing.modelgen`, also from a checkout that was never pip-installed."""
     try:
-        from unikern import modelgen
+        from unikern.testing import modelgen
     except ImportError:
         import types
 
         package = types.ModuleType("unikern")
         package.__path__ = [str(REPO / "kernel")]
         sys.modules["unikern"] = package
-        from unikern import modelgen
+        from unikern.testing import modelgen
     return modelgen
 
 

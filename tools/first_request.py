@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--fresh-cache", action="store_true", help="an empty MLX_PTX_CACHE_DIR per worker")
     parser.add_argument("--json")
     args = parser.parse_args()
-    from unikern.modelgen import cached_model
+    from unikern.testing.modelgen import cached_model
 
     model = args.model if Path(args.model).exists() else str(cached_model(args.model))
     requests = [

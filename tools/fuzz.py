@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from unikern.errors import ConfigError
-from unikern.protocol import CancelOp, GenerateOp, ProtocolError, StatsOp, decode_op
+from unikern.frontends.protocol import CancelOp, GenerateOp, ProtocolError, StatsOp, decode_op
 from unikern.spec import PipelineErrors, PipelineSpec, parse_overrides, parse_pipeline
 
 # ---- protocol lines -----------------------------------------------------------------
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = args.model
         if model is None:
-            from unikern.modelgen import cached_model
+            from unikern.testing.modelgen import cached_model
 
             model = str(cached_model("tiny-llama"))
         summary = run_bad_lines(model, num_bad=args.worker_lines, num_valid=max(args.worker_lines // 10, 10), seed=args.seed, sets=[])

@@ -162,7 +162,7 @@ print(f'matmul 4096^3 float32 with MLX_ENABLE_TF32=0: {2 * 4096**3 * 20 / (time.
 build_models() {
   timeout "$PHASE_TIMEOUT" python3 - <<'EOF' 2>&1 | tee -a "$SUMMARY"
 import json, os, time
-from unikern.modelgen import PRESETS, cached_model, parameter_count
+from unikern.testing.modelgen import PRESETS, cached_model, parameter_count
 paths = {}
 for name, spec in [("llama-5m", "llama-5m"), ("llama-80m", "llama-80m"),
                    ("llama-80m-bf16", dict(PRESETS["llama-80m"], dtype="bfloat16"))]:
@@ -453,9 +453,9 @@ def forward_bench(path: str, batches: list[int], ctx: int, steps: int) -> list[d
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from unikern.stages.kv_pool import KVPool
-    from unikern.stages.model_runner import ModelGeometry
-    from unikern.stages.paged_cache import BatchLayout, PagedLayerCache
+    from unikern.stages.kv.pool import KVPool
+    from unikern.stages.execute.runner import ModelGeometry
+    from unikern.stages.execute.paged_cache import BatchLayout, PagedLayerCache
 
     model, _ = load(path)
     geo = ModelGeometry(model)
@@ -542,7 +542,7 @@ def patch_overlap() -> None:
     """PROTOTYPE, not in the repo: on StepDone, plan and send the next step *before* the
     sampled tokens fan out, so the event loop's per-token work overlaps the GPU's step."""
     from unikern import messages as m
-    from unikern.stages import schedule as sch
+    from unikern.stages.schedule import stage as sch
 
     if getattr(sch.ScheduleStage, "_overlap_patched", False):
         return
@@ -570,7 +570,7 @@ def patch_overlap() -> None:
 
 
 def unpatch_overlap() -> None:
-    from unikern.stages import schedule as sch
+    from unikern.stages.schedule import stage as sch
 
     if getattr(sch.ScheduleStage, "_overlap_patched", False):
         sch.ScheduleStage.handle = sch.ScheduleStage._original_handle
@@ -596,7 +596,7 @@ def engine_split(path: str, concurrency: int, max_tokens: int, profile: bool, kv
     import anyio
 
     import unikern
-    from unikern.stages import model_runner as mr
+    from unikern.stages.execute import runner as mr
 
     acc = {"calls": 0, "steps": 0, "tokens": 0, "runner_s": 0.0, "lookahead_calls": 0}
     original = mr.ModelRunner.run

@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = args.model
     if model is None:
-        from unikern.modelgen import cached_model
+        from unikern.testing.modelgen import cached_model
 
         model = str(cached_model("tiny-llama"))
     bad = args.bad if args.bad is not None else (2000 if args.mode == "bad-lines" else args.requests // 10)

@@ -34,7 +34,7 @@ def check(path: str, n: int, max_tokens: int, block_size: int, token_budget: int
     from mlx_lm import load
 
     import unikern
-    from unikern.reference import compare, greedy_reference
+    from unikern.testing.reference import compare, greedy_reference
 
     model, tokenizer = load(path)
     batch = prompts(n, len(tokenizer))
@@ -112,7 +112,7 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="STAGE.KEY=VALUE",
                         help="a pipeline parameter for unikern's engine (repeatable)")
     args = parser.parse_args()
-    from unikern.modelgen import cached_model
+    from unikern.testing.modelgen import cached_model
 
     report = []
     for name in args.model:

@@ -34,19 +34,19 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
 
-    import unikern.blas
+    import unikern.platform.blas
 
-    unikern.blas.preload()  # before mlx loads, as the engine does
+    unikern.platform.blas.preload()  # before mlx loads, as the engine does
 
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
     from unikern import messages as m
-    from unikern.modelgen import cached_model
-    from unikern.stages import paged_cache
-    from unikern.stages.kv_pool import KVPool
-    from unikern.stages.model_runner import ModelGeometry, ModelRunner
+    from unikern.stages.execute import paged_cache
+    from unikern.stages.execute.runner import ModelGeometry, ModelRunner
+    from unikern.stages.kv.pool import KVPool
+    from unikern.testing.modelgen import cached_model
 
     path = args.model if Path(args.model).exists() else str(cached_model(args.model))
     model, _ = load(path)

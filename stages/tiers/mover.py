@@ -23,11 +23,10 @@ import numpy as np
 import structlog
 
 from unikern import messages as m
-from unikern.bridge_registry import shared_bridge
+from unikern.platform import shared_bridge
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
-
-from .block_io import BlockLayout, copy_in, copy_out
-from .tiering import Job, OffloadQueue
+from unikern.stages.tiers.block_io import BlockLayout, copy_in, copy_out
+from unikern.stages.tiers.queue import Job, OffloadQueue
 
 log = structlog.get_logger("unikern")
 

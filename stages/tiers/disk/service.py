@@ -21,10 +21,9 @@ import structlog
 
 from unikern.errors import ConfigError
 from unikern.stage import StageBase, StageContext, StageParams
-
-from .block_io import LAYOUT, BlockLayout
-from .disk_format import BlockFormatError
-from .disk_store import DiskStore, make_namespace
+from unikern.stages.tiers.block_io import LAYOUT, BlockLayout
+from unikern.stages.tiers.disk.format import BlockFormatError
+from unikern.stages.tiers.disk.store import DiskStore, make_namespace
 
 log = structlog.get_logger("unikern")
 

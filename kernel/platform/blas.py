@@ -30,7 +30,7 @@ from typing import Any, Literal
 import msgspec
 import structlog
 
-from .errors import ConfigError
+from unikern.errors import ConfigError
 
 __all__ = ["BlasInfo", "info", "preload", "ENV_VAR"]
 

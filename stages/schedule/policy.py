@@ -9,8 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from unikern import messages as m
-
-from .block_manager import BlockManager, block_hash
+from unikern.stages.kv.blocks import BlockManager, block_hash
 
 
 @dataclass

@@ -34,7 +34,7 @@ import structlog
 from mlx_lm.models.activations import swiglu
 
 if TYPE_CHECKING:
-    from unikern.bridge import Bridge
+    from unikern.platform.bridge import Bridge
 
 log = structlog.get_logger()
 
@@ -49,7 +49,7 @@ _ROUTED = "__unikern_routed__"
 
 
 def _bridge() -> Bridge:
-    from unikern.bridge_registry import shared_bridge
+    from unikern.platform import shared_bridge
 
     return shared_bridge()
 

@@ -12,13 +12,12 @@ import structlog
 from mlx.utils import tree_flatten
 
 from unikern import messages as m
-from unikern.bridge_registry import current_platform, shared_bridge
-from unikern.mlx_thread import ModelThread
-from unikern.models import DEFAULT_MODEL, resolve_model_path
+from unikern.platform import current_platform, shared_bridge
+from unikern.platform.pinning import WeightWiring
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
-from unikern.wiring import WeightWiring
-
-from .model_runner import ModelGeometry, ModelRunner, warm_up
+from unikern.stages.execute.runner import ModelGeometry, ModelRunner, warm_up
+from unikern.stages.execute.thread import ModelThread
+from unikern.stages.models import DEFAULT_MODEL, resolve_model_path
 
 log = structlog.get_logger("unikern")
 
@@ -116,7 +115,7 @@ class MLXExecuteStage(StageBase):
             processors = ctx.optional_resource("logits_processors", {})  # the Engine's, per request
 
             def apply_processors(rows: list[tuple[int, str, list[int]]], logits: mx.array) -> None:
-                from unikern.bridge import apply_torch_logits_processors
+                from unikern.platform.bridge import apply_torch_logits_processors
 
                 apply_torch_logits_processors(
                     logits, [(i, processors.get(rid, ()), history) for i, rid, history in rows], shared_bridge()

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from unikern.errors import ConfigError, UnikernError
-from unikern.stages.disk_format import (
+from unikern.stages.tiers.disk.format import (
     MAX_HEADER_BYTES,
     CorruptBlockError,
     DecodedBlock,

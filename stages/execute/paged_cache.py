@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import cpu_kernels
-from .kv_pool import KVPool
+from unikern.stages.execute import cpu_kernels
+from unikern.stages.kv.pool import KVPool
 
 SCRATCH_BLOCK = 1  # reserved: padded query positions write their keys/values here
 

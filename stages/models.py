@@ -5,7 +5,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from .errors import ConfigError
+from unikern.errors import ConfigError
 
 DEFAULT_MODEL = "default"
 

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from unikern.bridge import Bridge, BridgeCopyError, mlx_buffer
-
-from .kv_pool import KVPool
+from unikern.platform.bridge import Bridge, BridgeCopyError, mlx_buffer
+from unikern.stages.kv.pool import KVPool
 
 LAYOUT = "head-major-v1"  # names the payload layout in the disk namespace
 _BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}

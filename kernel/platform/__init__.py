@@ -1,4 +1,6 @@
-"""Process-wide singletons the stages share: the platform facts and the bridge counters."""
+"""The platform layer: what machine this is (`facts`), the BLAS under MLX's CPU backend,
+the zero-copy bridge to PyTorch and numpy, and weight pinning. The process-wide
+instances the stages share live here."""
 
 from __future__ import annotations
 
@@ -6,13 +8,13 @@ import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .bridge import Bridge
-    from .platform import Platform
+    from unikern.platform.bridge import Bridge
+    from unikern.platform.facts import Platform
 
 
 @functools.cache
 def current_platform() -> Platform:
-    from .platform import Platform
+    from unikern.platform.facts import Platform
 
     return Platform.detect()
 
@@ -20,7 +22,7 @@ def current_platform() -> Platform:
 @functools.cache
 def shared_bridge() -> Bridge:
     """One Bridge per process, so `stats.bridge` counts every view the engine made."""
-    from .bridge import Bridge
+    from unikern.platform.bridge import Bridge
 
     return Bridge()
 

@@ -25,10 +25,17 @@ import anyio.lowlevel
 import msgspec
 import structlog
 
-from . import messages as m
-from .engine import Engine
-from .errors import StageError, UnikernError
-from .protocol import CancelOp, GenerateOp, ProtocolError, StatsOp, decode_op, encode_event
+from unikern import messages as m
+from unikern.engine import Engine
+from unikern.errors import StageError, UnikernError
+from unikern.frontends.protocol import (
+    CancelOp,
+    GenerateOp,
+    ProtocolError,
+    StatsOp,
+    decode_op,
+    encode_event,
+)
 
 log = structlog.get_logger("unikern.worker")
 

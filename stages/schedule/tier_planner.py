@@ -7,21 +7,15 @@ evict them), fresh blocks are allocated and pinned for the disk blocks, and one
 LoadBlocks asks the mover to fill them. When they are in, the loaded blocks are
 committed to the prefix cache and the request becomes admissible, holding its pins
 until admission, where they turn into prefix hits. Committed blocks not yet on disk are
-pinned and sent to be stored; the pin is dropped once the mover has copied them out.
-
-`OffloadQueue` is the mover side: loads (a request is waiting) before stores, and a
-bound on blocks in flight.
-"""
+pinned and sent to be stored; the pin is dropped once the mover has copied them out."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from unikern import messages as m
-
-from .block_manager import BlockManager
+from unikern.stages.kv.blocks import BlockManager
 
 
 @dataclass
@@ -132,53 +126,3 @@ class TierPlanner:
     def stored(self, done: m.BlocksStored) -> None:
         self.blocks.free([ref.block_id for ref in done.blocks])
         self.storing.difference_update(ref.block_hash for ref in done.blocks)
-
-
-# ---- the mover's queue ------------------------------------------------------------------
-
-
-@dataclass
-class Job:
-    kind: str  # "load" or "store"
-    blocks: tuple[m.BlockRef, ...]
-    request_id: str = ""
-
-
-@dataclass
-class OffloadQueue:
-    """Loads first (a request waits on them), then stores in arrival order, with at most
-    `max_inflight_blocks` blocks being moved at once (a single larger job runs alone)."""
-
-    max_inflight_blocks: int
-    max_store_batch: int = 8
-    loads: deque[Job] = field(default_factory=deque)
-    stores: deque[m.BlockRef] = field(default_factory=deque)
-    inflight_blocks: int = 0
-
-    def push(self, message: m.LoadBlocks | m.StoreBlocks) -> None:
-        if isinstance(message, m.LoadBlocks):
-            self.loads.append(Job("load", message.blocks, message.request_id))
-        else:
-            self.stores.extend(message.blocks)
-
-    def pending_blocks(self) -> int:
-        return sum(len(j.blocks) for j in self.loads) + len(self.stores)
-
-    def next_job(self) -> Job | None:
-        """The next job that fits under the bound (and count it in flight), or None."""
-        room = self.max_inflight_blocks - self.inflight_blocks
-        if self.loads:
-            job = self.loads[0]
-            if len(job.blocks) > room and self.inflight_blocks:
-                return None  # loads keep their priority: stores wait behind them
-            self.loads.popleft()
-        elif self.stores and room > 0:
-            n = min(room, self.max_store_batch, len(self.stores))
-            job = Job("store", tuple(self.stores.popleft() for _ in range(n)))
-        else:
-            return None
-        self.inflight_blocks += len(job.blocks)
-        return job
-
-    def done(self, job: Job) -> None:
-        self.inflight_blocks -= len(job.blocks)

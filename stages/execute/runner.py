@@ -9,13 +9,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from unikern import blas
 from unikern import messages as m
-
-from .cache_kinds import needs_zeroing
-from .kv_pool import KVPool
-from .paged_cache import BatchLayout, DecodeWindow, PagedLayerCache, window_layout
-from .sampling import sample_rows
+from unikern.platform import blas
+from unikern.stages.execute.paged_cache import (
+    BatchLayout,
+    DecodeWindow,
+    PagedLayerCache,
+    window_layout,
+)
+from unikern.stages.execute.sampling import sample_rows
+from unikern.stages.kv.cache_kinds import needs_zeroing
+from unikern.stages.kv.pool import KVPool
 
 
 class ModelGeometry:
@@ -164,7 +168,7 @@ class ModelRunner:
         self.head = split_head(model)
         self.kernels: dict[str, Any] = {"enabled": False, "reason": "off (cpu_kernels: false or not the CPU backend)"}
         if cpu_kernels:
-            from .cpu_kernels import install
+            from unikern.stages.execute.cpu_kernels import install
 
             self.kernels = install(model, pool.dtype)
         # the CPU kernels evaluate arrays mid-forward, which a traced function cannot

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from . import blas
-from .errors import ConfigError, UnikernError
+from unikern.errors import ConfigError, UnikernError
+from unikern.platform import blas
 
 __all__ = ["Backend", "Platform"]
 

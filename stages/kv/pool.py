@@ -24,7 +24,7 @@ import math
 
 import mlx.core as mx
 
-from .cache_kinds import new_state
+from unikern.stages.kv.cache_kinds import new_state
 
 
 class KVPool:

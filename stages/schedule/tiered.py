@@ -11,9 +11,8 @@ from typing import Any
 
 from unikern import messages as m
 from unikern.stage import StageContext
-
-from .schedule import ScheduleStage
-from .tiering import TierPlanner
+from unikern.stages.schedule.stage import ScheduleStage
+from unikern.stages.schedule.tier_planner import TierPlanner
 
 
 class TieredScheduleStage(ScheduleStage):

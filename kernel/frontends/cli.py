@@ -9,8 +9,8 @@ from typing import Any
 
 import anyio
 
-from . import logs
-from .errors import ConfigError, UnikernError
+from unikern.errors import ConfigError, UnikernError
+from unikern.frontends import logs
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -40,15 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_factory(args: argparse.Namespace):
-    from .engine import Engine
-    from .spec import load_pipeline, parse_overrides
+    from unikern.engine import Engine
+    from unikern.spec import load_pipeline, parse_overrides
 
     spec = load_pipeline(args.pipeline, model=args.model, overrides=parse_overrides(args.overrides))
     return lambda: Engine(spec)
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from .messages import DoneEvent, ErrorEvent, TokenEvent
+    from unikern.messages import DoneEvent, ErrorEvent, TokenEvent
 
     factory = _engine_factory(args)
     async with factory() as engine:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(getattr(args, "log_level", "warning"))
     try:
         if args.command == "validate":
-            from .spec import load_pipeline
+            from unikern.spec import load_pipeline
 
             load_pipeline(args.pipeline)
             print("ok")
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             return anyio.run(_run, args)
         if args.command == "worker":
-            from .worker import run_worker
+            from unikern.frontends.worker import run_worker
 
             factory = _engine_factory(args)
             return anyio.run(lambda: run_worker(factory, drain_seconds=args.drain_seconds))

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
-from .errors import RequestError, UnikernError
+from unikern.errors import RequestError, UnikernError
 
 if TYPE_CHECKING:
     import mlx.core as mx

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 
-from .bridge import mlx_buffer
+from unikern.platform.bridge import mlx_buffer
 
 if TYPE_CHECKING:
     import mlx.core as mx

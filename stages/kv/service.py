@@ -7,12 +7,11 @@ from typing import Any, Literal
 
 import anyio
 
-from unikern.bridge_registry import current_platform
 from unikern.errors import ConfigError
+from unikern.platform import current_platform
 from unikern.stage import StageBase, StageContext, StageParams
-
-from .block_manager import BlockManager
-from .kv_pool import KVPool
+from unikern.stages.kv.blocks import BlockManager
+from unikern.stages.kv.pool import KVPool
 
 MiB = 1 << 20
 RESERVED_BLOCKS = 2  # block 0: always zero (padded reads); block 1: scratch (padded writes)

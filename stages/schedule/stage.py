@@ -7,8 +7,7 @@ from typing import Any
 
 from unikern import messages as m
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
-
-from .scheduler import Scheduler
+from unikern.stages.schedule.policy import Scheduler
 
 
 class ScheduleParams(StageParams, frozen=True):

@@ -1,0 +1,1 @@
+"""The compressed disk tier: the service, its file store and the checked file format."""
