@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -18,6 +17,7 @@ from unikern import messages as m
 from unikern.errors import RequestError, StageError, UnikernError
 from unikern.platform import bridge_stats, current_platform
 from unikern.router import INBOX_SIZE, Router
+from unikern.sampling_params import sampling_params
 from unikern.spec import PipelineSpec, load_pipeline
 
 LogitsProcessor = Callable[[list[int], Any], Any]
@@ -40,7 +40,6 @@ class Engine:
         self.spec = spec
         self._router: Router | None = None
         self._requests: dict[str, MemoryObjectSendStream[Any] | object] = {}
-        self._processors: dict[str, Sequence[LogitsProcessor]] = {}
         self._ids = itertools.count()
         self._id_prefix = f"req-{os.getpid()}-{id(self) & 0xFFFF:x}"
         self._tg: anyio.abc.TaskGroup | None = None
@@ -65,7 +64,6 @@ class Engine:
         self._faulted = anyio.Event()
         egress_send, egress_receive = anyio.create_memory_object_stream[Any](INBOX_SIZE)
         self._router = Router(self.spec, egress_send, self._on_fault)
-        self._router.resources["logits_processors"] = self._processors
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
@@ -134,33 +132,27 @@ class Engine:
         prompt_tokens: Sequence[int] | None = None,
         messages: Sequence[dict[str, Any]] | None = None,
         max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
         logits_processors: Sequence[LogitsProcessor] | None = None,
         request_id: str | None = None,
+        **sampling: Any,
     ) -> AsyncIterator[m.TokenEvent | m.DoneEvent | m.ErrorEvent]:
         """An async iterator of token events, then one done (or error) event. The request
         is checked here, at the call; it starts when iteration starts. Close the
-        iterator (or leave the scope) to cancel it."""
+        iterator (or leave the scope) to cancel it. `sampling` takes the fields of
+        `SamplingParams` (temperature, top_p, top_k, min_p, seed, stop, penalties,
+        logit_bias, logprobs, top_logprobs, response_format)."""
         request = self._make_request(
-            prompt, prompt_tokens, messages, max_tokens, temperature, top_p, seed, stop,
-            logits_processors, request_id,
+            prompt, prompt_tokens, messages, max_tokens, sampling, logits_processors, request_id
         )
-        return self._stream(request, logits_processors)
+        return self._stream(request)
 
-    async def _stream(
-        self, request: m.Submit, logits_processors: Sequence[LogitsProcessor] | None
-    ) -> AsyncIterator[m.TokenEvent | m.DoneEvent | m.ErrorEvent]:
+    async def _stream(self, request: m.Submit) -> AsyncIterator[m.TokenEvent | m.DoneEvent | m.ErrorEvent]:
         rid = request.request_id
         max_tokens = request.params.max_tokens
         if rid in self._requests:
             raise RequestError(f"request id {rid!r} is already in flight", code="duplicate_id")
         send, receive = anyio.create_memory_object_stream[Any](max_tokens + 8)
         self._requests[rid] = send
-        if logits_processors:
-            self._processors[rid] = tuple(logits_processors)
         finished = False
         try:
             await self._router.send(request)
@@ -229,8 +221,7 @@ class Engine:
         return request_id in self._requests
 
     def _make_request(
-        self, prompt, prompt_tokens, messages, max_tokens, temperature, top_p, seed, stop,
-        logits_processors, request_id,
+        self, prompt, prompt_tokens, messages, max_tokens, sampling, logits_processors, request_id
     ) -> m.Submit:
         if self._router is None:
             raise UnikernError("the engine is not running: use `async with Engine.from_pipeline(...)`")
@@ -241,32 +232,17 @@ class Engine:
             raise RequestError(
                 f"give exactly one of prompt, prompt_tokens or messages (got {', '.join(given) or 'none'})"
             )
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-        if not (isinstance(temperature, (int, float)) and 0.0 <= temperature <= 100.0 and math.isfinite(temperature)):
-            raise RequestError(f"temperature must be a number in [0, 100], got {temperature!r}")
-        if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
-            raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")
-        if seed is not None and (not isinstance(seed, int) or seed < 0 or seed >= 2**63):
-            raise RequestError(f"seed must be an integer in [0, 2**63), got {seed!r}")
-        if isinstance(stop, str):
-            stop = (stop,)
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise RequestError(f"stop must be a list of non-empty strings, got {stop!r}")
+        params = sampling_params(max_tokens=max_tokens, **sampling)
         rid = request_id if request_id is not None else f"{self._id_prefix}-{next(self._ids)}"
         if rid in self._requests:
             raise RequestError(f"request id {rid!r} is already in flight", code="duplicate_id")
-        params = m.SamplingParams(
-            temperature=float(temperature), top_p=float(top_p), seed=seed,
-            max_tokens=max_tokens, stop=tuple(stop),
-        )
         return m.Submit(
             request_id=rid,
             params=params,
             prompt=prompt,
             prompt_tokens=tuple(prompt_tokens) if prompt_tokens is not None else None,
             messages=tuple(dict(x) for x in messages) if messages is not None else None,
-            has_processors=bool(logits_processors),
+            processors=tuple(logits_processors or ()),
         )
 
     # ---- egress ----------------------------------------------------------------------
@@ -286,7 +262,6 @@ class Engine:
         last = isinstance(event, (m.DoneEvent, m.ErrorEvent))
         if last:
             self._requests.pop(rid, None)
-            self._processors.pop(rid, None)
         if stream is None or stream is _NO_ROUTE:
             return
         try:

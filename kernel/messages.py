@@ -19,11 +19,24 @@ class Message(msgspec.Struct, frozen=True, tag=True):
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
+    """Everything that decides how one request's tokens are drawn and reported; the
+    meaning of each field is mlx-lm's (`make_sampler`, `make_logits_processors`)."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    logprobs: bool = False  # report the chosen token's log-probability
+    top_logprobs: int = 0  # and this many alternatives (0-20)
+    # {"type": "json_object" | "json_schema" | "regex" | "grammar", ...}; None: free text
+    response_format: dict[str, Any] | None = None
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -41,12 +54,14 @@ class Submit(Message, frozen=True):
     prompt: str | None = None
     prompt_tokens: tuple[int, ...] | None = None
     messages: tuple[dict[str, Any], ...] | None = None
-    # per-request logits processors live outside the message (see Engine); this flag
-    # tells the execute stage to look them up
-    has_processors: bool = False
+    # per-request callables on the step's logits: travel by reference with the request
+    # (messages never leave the process), applied on the model thread
+    processors: tuple[Any, ...] = ()
 
 
 class Cancel(Message, frozen=True):
+    """Routed through tokenize, like Submit, so that it can never overtake its request."""
+
     request_id: str
 
 
@@ -57,7 +72,7 @@ class Tokenized(Message, frozen=True):
     request_id: str
     prompt_tokens: tuple[int, ...]
     params: SamplingParams
-    has_processors: bool = False
+    processors: tuple[Any, ...] = ()
 
 
 class Abort(Message, frozen=True):
@@ -82,7 +97,7 @@ class SeqWork(msgspec.Struct, frozen=True):
     params: SamplingParams
     # generated so far (needed by seeded sampling and logits processors)
     num_generated: int = 0
-    has_processors: bool = False
+    processors: tuple[Any, ...] = ()
     # prompt + generated tokens, only for requests with logits processors
     history: tuple[int, ...] = ()
 
@@ -176,10 +191,18 @@ class EventBase(msgspec.Struct, frozen=True, tag_field="event"):
     """Base of the events callers see; `event` is the tag, as in the worker protocol."""
 
 
-class TokenEvent(EventBase, frozen=True, tag="token"):
+class TopLogprob(msgspec.Struct, frozen=True):
+    token_id: int
+    logprob: float
+
+
+class TokenEvent(EventBase, frozen=True, tag="token", omit_defaults=True):
     id: str
     token_id: int
     text: str
+    # only for requests that asked (SamplingParams.logprobs / top_logprobs)
+    logprob: float | None = None
+    top_logprobs: tuple[TopLogprob, ...] | None = None
 
 
 class DoneEvent(EventBase, frozen=True, tag="done"):

@@ -18,8 +18,9 @@ from unikern.stage import StageContext
 
 log = structlog.get_logger("unikern")
 
-# Per-stage inbox bound. Large enough that the schedule <-> output loop can never fill
-# both directions at once under the engine's admission limit, small enough to bound memory.
+# Per-stage inbox bound: a flood of Submits turns into backpressure on the caller's send.
+# schedule <-> output is a cycle (StepOutput one way, an Abort per matched stop string the
+# other); the schedule stage's admission bound (max_waiting) keeps it from filling.
 INBOX_SIZE = 4096
 
 
@@ -53,6 +54,7 @@ class Router:
             for message_type in stage.consumes:
                 self._routes[message_type] = send
         self._scope: anyio.CancelScope | None = None
+        self.all_started = anyio.Event()
         self._fault_plan = planned_fault()  # a test hook (kernel/faults.py); None normally
 
     def _route(self, message: Any) -> MemoryObjectSendStream[Any]:
@@ -75,6 +77,7 @@ class Router:
                 async with anyio.create_task_group() as tg:
                     for name in self.order:
                         await tg.start(self._run_stage, name)
+                    self.all_started.set()
                     log.debug("pipeline started", pipeline=self.spec.name, order=self.order)
                     task_status.started()
         finally:
@@ -100,6 +103,7 @@ class Router:
             self.send_nowait,
             self.resources,
             self._fail,
+            self.all_started,
         )
         started = False
 

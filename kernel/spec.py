@@ -22,13 +22,20 @@ EGRESS_TYPES: tuple[type, ...] = (m.TokenEvent, m.DoneEvent, m.ErrorEvent, m.Eve
 class StageSpec(msgspec.Struct, frozen=True):
     type: str
     params: dict[str, Any]
+    kind: str = "stage"  # or "service", from the type's class
 
 
 class PipelineSpec(msgspec.Struct, frozen=True):
     name: str
     description: str
-    stages: dict[str, StageSpec]
+    stages: dict[str, StageSpec]  # every member, stages and services, in file order
     source: str
+    # the HTTP front door's settings (host, port, limits): one file describes a deployment
+    server: dict[str, Any] = {}
+
+    @property
+    def services(self) -> list[str]:
+        return [name for name, spec in self.stages.items() if spec.kind == "service"]
 
     def stage_classes(self) -> dict[str, Any]:
         return {name: resolve(stage.type) for name, stage in self.stages.items()}
@@ -113,7 +120,7 @@ def parse_pipeline(
     if not isinstance(raw, dict):
         raise PipelineErrors(source, [f"$: expected a mapping, got {type(raw).__name__}"])
 
-    allowed_top = {"name", "description", "stages"}
+    allowed_top = {"name", "description", "stages", "services", "server"}
     for key in raw:
         if key not in allowed_top:
             problems.append(f"$.{key}: unknown field; valid fields: {', '.join(sorted(allowed_top))}")
@@ -129,6 +136,18 @@ def parse_pipeline(
     if not isinstance(raw_stages, dict) or not raw_stages:
         problems.append("$.stages: expected a non-empty mapping of stage name -> {type: ..., ...}")
         raise PipelineErrors(source, problems)
+    raw_services = raw.get("services") or {}
+    if not isinstance(raw_services, dict):
+        problems.append("$.services: expected a mapping of service name -> {type: ..., ...}")
+        raw_services = {}
+    for both in sorted(set(raw_services) & set(raw_stages)):
+        problems.append(f"$.services.{both}: the name {both!r} is also a stage; member names are unique")
+    section = {name: "services" for name in raw_services}
+    raw_stages = {**raw_stages, **{k: v for k, v in raw_services.items() if k not in raw_stages}}
+    server = raw.get("server") or {}
+    if not isinstance(server, dict):
+        problems.append(f"$.server: expected a mapping of server settings, got {type(server).__name__}")
+        server = {}
 
     overrides = dict(overrides or {})
     for stage_name in overrides:
@@ -141,7 +160,7 @@ def parse_pipeline(
     classes: dict[str, Any] = {}
     valid_types = ", ".join(sorted(stage_types()))
     for stage_name, body in raw_stages.items():
-        path = f"$.stages.{stage_name}"
+        path = f"$.{section.get(stage_name, 'stages')}.{stage_name}"
         if not isinstance(body, dict):
             problems.append(f"{path}: expected a mapping with a `type`, got {type(body).__name__}")
             continue
@@ -156,6 +175,11 @@ def parse_pipeline(
             problems.append(f"{path}.type: unknown stage type {type_name!r}; valid types: {valid_types}")
             continue
         classes[stage_name] = cls  # the graph is checked even if params are wrong
+        kind = getattr(cls, "kind", "stage")
+        if section.get(stage_name) == "services" and kind != "service":
+            problems.append(
+                f"{path}.type: {type_name!r} is a stage (it consumes messages); list it under `stages`"
+            )
         body.update(overrides.get(stage_name, {}))
         fields = {f.name: f for f in msgspec.structs.fields(cls.Params)}
         if model is not None and "model" in fields:
@@ -163,11 +187,11 @@ def parse_pipeline(
         params, stage_problems = _convert_params(cls.Params, fields, body, path)
         problems += stage_problems
         if params is not None:
-            stages[stage_name] = StageSpec(type=str(type_name), params=body)
+            stages[stage_name] = StageSpec(type=str(type_name), params=body, kind=kind)
     problems += _check_graph(classes)
     if problems:
         raise PipelineErrors(source, problems)
-    return PipelineSpec(name=name, description=description, stages=stages, source=source)
+    return PipelineSpec(name=name, description=description, stages=stages, source=source, server=server)
 
 
 def _convert_params(params_cls, fields, body, path) -> tuple[Any, list[str]]:
@@ -239,7 +263,9 @@ def _check_graph(classes: dict[str, Any]) -> list[str]:
             )
     provided = {key: name for name, cls in classes.items() for key in cls.provides}
     for name, cls in classes.items():
-        for key in cls.requires:
+        if getattr(cls, "kind", "stage") == "service" and (cls.consumes or cls.produces):
+            problems.append(f"$.services.{name}: a service consumes and produces no messages")
+        for key in (*cls.requires, *getattr(cls, "uses", ())):
             if key not in provided:
                 problems.append(
                     f"$.stages.{name}: requires resource {key!r}, which no stage provides"

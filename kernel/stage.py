@@ -1,10 +1,12 @@
-"""The stage interface and the context the kernel hands each stage."""
+"""The two kinds of pipeline member and the context the kernel hands each: a stage
+consumes and produces messages; a service provides a shared resource and consumes none."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
+import anyio
 import msgspec
 import structlog
 from anyio.abc import TaskStatus
@@ -21,16 +23,25 @@ class StageParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         return []
 
 
+Kind = Literal["stage", "service"]
+
+
 @runtime_checkable
 class Stage(Protocol):
-    """A unit of the pipeline. Stages never call each other: they consume and produce
-    messages, and share big buffers only as named resources through the context."""
+    """A member of the pipeline. Members never call each other: stages consume and
+    produce messages; services (kind "service") consume none and lend a resource.
+    `requires` orders start-up (a member starts after the providers of what it
+    requires); `uses` names resources needed only once every member has started
+    (`await ctx.all_started()`), which is how the execute stage reaches the KV pool
+    whose service needs the model that execute provides."""
 
+    kind: ClassVar[Kind]
     Params: ClassVar[type[StageParams]]
     consumes: ClassVar[tuple[type, ...]]
     produces: ClassVar[tuple[type, ...]]
     provides: ClassVar[tuple[str, ...]]
     requires: ClassVar[tuple[str, ...]]
+    uses: ClassVar[tuple[str, ...]]
 
     def __init__(self, name: str, params: Any) -> None: ...
 
@@ -51,14 +62,20 @@ class StageContext:
         send_nowait: Callable[[Any], None],
         resources: dict[str, Any],
         fail: Callable[[str, BaseException], None],
+        started: anyio.Event | None = None,
     ) -> None:
         self.name = name
+        self._all_started = started or anyio.Event()
         self.inbox = inbox
         self.send = send
         self.send_nowait = send_nowait
         self._resources = resources
         self.fail = fail
         self.log = structlog.get_logger("unikern").bind(stage=name)
+
+    async def all_started(self) -> None:
+        """Wait until every member of the pipeline has started (its resources exist)."""
+        await self._all_started.wait()
 
     def provide(self, key: str, value: Any) -> None:
         if key in self._resources:
@@ -80,11 +97,13 @@ class StageContext:
 class StageBase:
     """Convenience base: stores name and params and gives an empty stats()."""
 
+    kind: ClassVar[Kind] = "stage"
     Params: ClassVar[type[StageParams]] = StageParams
     consumes: ClassVar[tuple[type, ...]] = ()
     produces: ClassVar[tuple[type, ...]] = ()
     provides: ClassVar[tuple[str, ...]] = ()
     requires: ClassVar[tuple[str, ...]] = ()
+    uses: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, name: str, params: Any) -> None:
         self.name = name
@@ -94,10 +113,18 @@ class StageBase:
         return {}
 
 
+class ServiceBase(StageBase):
+    """A service: provides resources, consumes and produces no messages. Its `run`
+    sets up, provides, calls task_status.started(), then keeps its upkeep (or sleeps)
+    until the pipeline stops; cleanup goes in a `finally`."""
+
+    kind: ClassVar[Kind] = "service"
+
+
 async def serve_inbox(ctx: StageContext, handle: Callable[[Any], Awaitable[None]]) -> None:
     """Run `handle` on every message until the inbox closes."""
     async for message in ctx.inbox:
         await handle(message)
 
 
-__all__ = ["Stage", "StageBase", "StageContext", "StageParams", "serve_inbox"]
+__all__ = ["ServiceBase", "Stage", "StageBase", "StageContext", "StageParams", "serve_inbox"]

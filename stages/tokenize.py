@@ -114,7 +114,7 @@ class TokenizeStage(StageBase):
                         await ctx.send(m.ErrorEvent(id=message.request_id, code=exc.code, message=str(exc)))
                         return
                     await ctx.send(
-                        m.Tokenized(message.request_id, tokens, message.params, message.has_processors)
+                        m.Tokenized(message.request_id, tokens, message.params, message.processors)
                     )
                 case m.Cancel():
                     await ctx.send(m.Abort(message.request_id, "cancelled"))

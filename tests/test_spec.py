@@ -130,7 +130,7 @@ def test_every_problem_is_reported_at_once() -> None:
     problems = problems_of(text, overrides={"ghost": {"x": 1}})
     assert len(problems) == 6, problems
     joined = "\n".join(problems)
-    assert "$.bogus_key: unknown field; valid fields: description, name, stages" in joined
+    assert "$.bogus_key: unknown field; valid fields: description, name, server, services, stages" in joined
     assert "$.description: expected a string, got list" in joined
     assert (
         f"$.stages.mystery.type: unknown stage type 'nosuch'; valid types: {VALID_TYPES}" in joined
@@ -191,8 +191,8 @@ def test_one_bad_parameter_is_one_problem() -> None:
 def test_unknown_top_level_keys() -> None:
     problems = problems_of(pipeline(top="stagez: {}\nversion: 2\n"))
     assert problems == [
-        "$.stagez: unknown field; valid fields: description, name, stages",
-        "$.version: unknown field; valid fields: description, name, stages",
+        "$.stagez: unknown field; valid fields: description, name, server, services, stages",
+        "$.version: unknown field; valid fields: description, name, server, services, stages",
     ]
 
 
@@ -253,7 +253,8 @@ def test_a_pipeline_without_output_reports_step_output_unconsumed() -> None:
 def test_a_missing_resource_provider_is_reported() -> None:
     problems = problems_of(pipeline(drop=("kv",)))
     assert problems == [
-        "$.stages.schedule: requires resource 'kv', which no stage provides (provided: model, tokenizer)"
+        "$.stages.schedule: requires resource 'kv', which no stage provides (provided: model, tokenizer)",
+        "$.stages.execute: requires resource 'kv', which no stage provides (provided: model, tokenizer)",
     ]
 
 
@@ -372,3 +373,46 @@ def test_problems_in_a_file_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(PipelineErrors) as info:
         load_pipeline(str(path))
     assert str(info.value).startswith(f"{path}: 1 problem(s):")
+
+
+# ---- services: members that lend a resource and consume no messages ------------------
+
+
+def test_services_may_be_listed_in_their_own_section() -> None:
+    text = pipeline(drop=("kv",), extra="services:\n" + STAGES["kv"])
+    spec = parse_pipeline(text)
+    assert spec.stages["kv"].kind == "service"
+    assert spec.services == ["kv"]
+    assert start_order(spec.stage_classes()).index("kv") < start_order(spec.stage_classes()).index("schedule")
+
+
+def test_a_service_keeps_its_kind_when_listed_under_stages() -> None:
+    spec = parse_pipeline(pipeline())
+    assert {n for n, s in spec.stages.items() if s.kind == "service"} == {"kv"}
+
+
+def test_a_stage_listed_as_a_service_is_refused() -> None:
+    text = pipeline(drop=("output",), extra="services:\n" + STAGES["output"])
+    problems = problems_of(text)
+    assert "$.services.output.type: 'output' is a stage (it consumes messages); list it under `stages`" in problems
+
+
+def test_a_member_name_in_both_sections_is_refused() -> None:
+    text = pipeline(extra="services:\n" + STAGES["kv"])
+    assert "$.services.kv: the name 'kv' is also a stage; member names are unique" in problems_of(text)
+
+
+def test_the_server_section_is_kept_for_the_http_front_door() -> None:
+    spec = parse_pipeline(pipeline(top="server: {port: 8123}\n"))
+    assert spec.server == {"port": 8123}
+    assert problems_of(pipeline(top="server: 3\n")) == ["$.server: expected a mapping of server settings, got int"]
+
+
+def test_uses_is_checked_but_does_not_order_start_up() -> None:
+    spec = parse_pipeline(pipeline())
+    classes = spec.stage_classes()
+    assert classes["execute"].uses == ("kv",)
+    order = start_order(classes)
+    assert order.index("execute") < order.index("kv")  # kv requires the model execute provides
+    problems = problems_of(pipeline(drop=("kv", "schedule")))
+    assert any("$.stages.execute: requires resource 'kv'" in p for p in problems)

@@ -24,6 +24,25 @@ class GenerateOp(msgspec.Struct, tag="generate", tag_field="op", forbid_unknown_
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     stop: list[Annotated[str, Meta(min_length=1)]] | Annotated[str, Meta(min_length=1)] | None = None
+    top_k: Annotated[int, Meta(ge=0, lt=2**31)] = 0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
+    response_format: dict[str, Any] | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """The fields Engine.generate takes as sampling keywords."""
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS}
+
+
+SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "seed", "stop", "top_k", "min_p", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "response_format",
+)
 
 
 class CancelOp(msgspec.Struct, tag="cancel", tag_field="op", forbid_unknown_fields=True):

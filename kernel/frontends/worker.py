@@ -125,12 +125,8 @@ class Worker:
                 op.prompt,
                 prompt_tokens=op.prompt_tokens,
                 messages=[msgspec.structs.asdict(x) for x in op.messages] if op.messages is not None else None,
-                max_tokens=op.max_tokens,
-                temperature=op.temperature,
-                top_p=op.top_p,
-                seed=op.seed,
-                stop=[op.stop] if isinstance(op.stop, str) else (op.stop or ()),
                 request_id=op.id,
+                **op.sampling(),
             )
         except StageError as exc:  # the pipeline has failed; the worker is stopping
             self.error(str(exc), line=number, request_id=op.id, code="stage_failed")

@@ -54,7 +54,8 @@ class ModelGeometry:
         self.dtype = cache[0].keys.dtype
 
 
-ProcessorHook = Callable[[list[tuple[int, str, list[int]]], mx.array], None]
+# (row of the logits, the row's processors, its tokens so far) for each row that has any
+ProcessorHook = Callable[[list[tuple[int, tuple[Any, ...], list[int]]], mx.array], None]
 
 # prefill rows are grouped into one padded forward while the padding stays under this
 PREFILL_PADDING_LIMIT = 1.25
@@ -235,11 +236,11 @@ class ModelRunner:
             mx.eval(self.pool.keys, self.pool.values)
             return {}
         stacked = logits_rows[0] if len(logits_rows) == 1 else mx.concatenate(logits_rows)
-        if self.apply_processors is not None and any(w.has_processors for w in order):
+        if self.apply_processors is not None and any(w.processors for w in order):
             # one evaluated float32 buffer; processors mask it in place through a view
             stacked = stacked.astype(mx.float32)
             mx.eval(stacked)
-            rows = [(i, w.request_id, list(w.history)) for i, w in enumerate(order) if w.has_processors]
+            rows = [(i, w.processors, list(w.history)) for i, w in enumerate(order) if w.processors]
             self.apply_processors(rows, stacked)
         params = [(w.params, seeds.get(w.request_id, 0), w.num_generated) for w in order]
         tokens = sample_rows(stacked, params)

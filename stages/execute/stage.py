@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten
 
 from unikern import messages as m
 from unikern.platform import current_platform, shared_bridge
+from unikern.platform.bridge import apply_torch_logits_processors
 from unikern.platform.pinning import WeightWiring
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
 from unikern.stages.execute.runner import ModelGeometry, ModelRunner, warm_up
@@ -93,6 +94,7 @@ class MLXExecuteStage(StageBase):
     consumes = (m.Step,)
     produces = (m.StepDone,)
     provides = ("model",)
+    uses = ("kv",)  # the pool, whose service starts after the model exists
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
         thread = ModelThread()
@@ -110,24 +112,17 @@ class MLXExecuteStage(StageBase):
                 log.info("execute.warmed_up", **self.warmup)
             ctx.provide("model", loaded)
             task_status.started()
-            runner: ModelRunner | None = None
+
+            def apply_processors(rows: list[tuple[int, tuple[Any, ...], list[int]]], logits: mx.array) -> None:
+                apply_torch_logits_processors(logits, rows, shared_bridge())
+
+            await ctx.all_started()
+            pool = ctx.resource("kv").pool
+            runner = await thread.run(ModelRunner, loaded.model, pool, apply_processors, kernels, compile_decode)
+            self.runner = runner
             salt = self.params.seed
-            processors = ctx.optional_resource("logits_processors", {})  # the Engine's, per request
-
-            def apply_processors(rows: list[tuple[int, str, list[int]]], logits: mx.array) -> None:
-                from unikern.platform.bridge import apply_torch_logits_processors
-
-                apply_torch_logits_processors(
-                    logits, [(i, processors.get(rid, ()), history) for i, rid, history in rows], shared_bridge()
-                )
 
             async def handle(step: m.Step) -> None:
-                nonlocal runner
-                if runner is None:
-                    runner = await thread.run(
-                        ModelRunner, loaded.model, ctx.resource("kv").pool, apply_processors, kernels, compile_decode
-                    )
-                    self.runner = runner
                 seeds = {
                     w.request_id: w.params.seed if w.params.seed is not None else _seed_for(salt, w.request_id)
                     for w in step.work

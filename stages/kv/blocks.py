@@ -70,9 +70,9 @@ class BlockManager:
         self.host_misses = 0
         self.host_evictions = 0
         self.device_evictions = 0  # cached blocks leaving the device budget (to host or gone)
-        # (block id, hash) of every block commit_full_block registers, when a consumer
-        # (the disk tier) drains it; None: not recorded
-        self.committed_log: list[tuple[int, bytes]] | None = None
+        # (block id, hash) of every block commit_full_block registers, while a consumer
+        # (the tier planner) tracks commits; None: not recorded
+        self._committed: list[tuple[int, bytes]] | None = None
 
     # ---- queries ----------------------------------------------------------------------
 
@@ -218,8 +218,18 @@ class BlockManager:
             return  # an identical block is already cached; this one stays private
         self.block_hashes[block_id] = block_hash_
         self.hash_to_block[block_hash_] = block_id
-        if self.committed_log is not None:
-            self.committed_log.append((block_id, block_hash_))
+        if self._committed is not None:
+            self._committed.append((block_id, block_hash_))
+
+    def track_commits(self) -> None:
+        """Start recording committed blocks for `drain_commits`."""
+        if self._committed is None:
+            self._committed = []
+
+    def drain_commits(self) -> list[tuple[int, bytes]]:
+        """(block id, hash) of the blocks committed since the last drain."""
+        drained, self._committed = self._committed or [], [] if self._committed is not None else None
+        return drained
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference from each block; tail blocks go to the LRU end first so a

@@ -1,4 +1,5 @@
-"""kv_manager: owns the paged KV pool and its books, lent to schedule and execute."""
+"""kv_manager: the KV service. Owns the paged pool and its books and lends them (the `kv`
+resource) to schedule, execute and the mover; gives idle memory back."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import anyio
 
 from unikern.errors import ConfigError
 from unikern.platform import current_platform
-from unikern.stage import StageBase, StageContext, StageParams
+from unikern.stage import ServiceBase, StageContext, StageParams
 from unikern.stages.kv.blocks import BlockManager
 from unikern.stages.kv.pool import KVPool
 
@@ -60,7 +61,7 @@ class KVResource:
     budget_bytes: int
 
 
-class KVManagerStage(StageBase):
+class KVManagerStage(ServiceBase):
     Params = KVManagerParams
     requires = ("model",)
     provides = ("kv",)

@@ -18,7 +18,7 @@ class Sequence:
     tokens: list[int]  # prompt, then generated tokens
     num_prompt_tokens: int
     params: m.SamplingParams
-    has_processors: bool = False
+    processors: tuple = ()  # per-request callables on the logits (Submit.processors)
     num_computed: int = 0  # tokens whose KV is in the pool
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of full, committed blocks
@@ -97,7 +97,7 @@ class Scheduler:
             list(request.prompt_tokens),
             prompt_len,
             request.params,
-            request.has_processors,
+            request.processors,
             pinned=list(pinned),
         )
         self.by_id[seq.request_id] = seq
@@ -170,7 +170,7 @@ class Scheduler:
         if self.decode_lookahead <= 1 or self.waiting:
             self._window_rows = ()
             return 1
-        if any(len(w.token_ids) != 1 or not w.sample or w.has_processors for w in work):
+        if any(len(w.token_ids) != 1 or not w.sample or w.processors for w in work):
             self._window_rows = ()
             return 1
         rows = tuple(w.request_id for w in work)
@@ -212,8 +212,8 @@ class Scheduler:
             sample=start + chunk == len(seq.tokens),
             params=seq.params,
             num_generated=seq.num_generated,
-            has_processors=seq.has_processors,
-            history=tuple(seq.tokens) if seq.has_processors and start + chunk == len(seq.tokens) else (),
+            processors=seq.processors,
+            history=tuple(seq.tokens) if seq.processors and start + chunk == len(seq.tokens) else (),
         )
 
     def _admit(self, seq: Sequence) -> bool:

@@ -41,7 +41,7 @@ class TierPlanner:
         self.loading: dict[bytes, str] = {}  # hash -> request loading it
         self.storing: set[bytes] = set()
         self.stats = TierStats()
-        blocks.committed_log = []
+        blocks.track_commits()
 
     # ---- loads ------------------------------------------------------------------------
 
@@ -110,9 +110,8 @@ class TierPlanner:
     def plan_store(self) -> m.StoreBlocks | None:
         """Pin and send every newly committed block that is not on disk yet."""
         blocks = self.blocks
-        log, blocks.committed_log = blocks.committed_log, []
         refs = []
-        for block_id, h in log or ():
+        for block_id, h in blocks.drain_commits():
             if h in self.storing or blocks.block_hashes[block_id] != h or self.on_disk(h):
                 continue
             refs.append(m.BlockRef(block_id, h))

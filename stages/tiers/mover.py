@@ -167,7 +167,7 @@ class OffloadMoverStage(StageBase):
             if not copied:
                 return
             pending = list(zip(job.blocks, buffers, strict=True))
-            self.disk.pending_writes += len(pending)
+            self.disk.queue_writes(len(pending))
             try:
                 while pending:
                     ref, buffer = pending[0]
@@ -179,12 +179,12 @@ class OffloadMoverStage(StageBase):
                         written = False
                     self.mover.write_seconds += time.perf_counter() - start
                     pending.pop(0)
-                    self.disk.pending_writes -= 1
+                    self.disk.drop_writes(1)
                     if written:
                         self.mover.blocks_stored += 1
                         self.mover.bytes_written += buffer.nbytes
             finally:
-                self.disk.pending_writes -= len(pending)  # given up at shutdown
+                self.disk.drop_writes(len(pending))  # given up at shutdown
 
     def stats(self) -> dict[str, Any]:
         queue = getattr(self, "queue", None)

@@ -20,7 +20,7 @@ import numpy as np
 import structlog
 
 from unikern.errors import ConfigError
-from unikern.stage import StageBase, StageContext, StageParams
+from unikern.stage import ServiceBase, StageContext, StageParams
 from unikern.stages.tiers.block_io import LAYOUT, BlockLayout
 from unikern.stages.tiers.disk.format import BlockFormatError
 from unikern.stages.tiers.disk.store import DiskStore, make_namespace
@@ -71,7 +71,15 @@ class DiskTier:
         self.layout = layout
         self.io_errors = 0
         self.shape_mismatches = 0
-        self.pending_writes = 0  # copied out of the pool, not yet on disk (the mover counts)
+        self.pending_writes = 0  # copied out of the pool, not yet on disk
+
+    def queue_writes(self, num_blocks: int) -> None:
+        """A writer holds this many more block copies that are not on disk yet."""
+        self.pending_writes += num_blocks
+
+    def drop_writes(self, num_blocks: int) -> None:
+        """That many queued copies were written, or given up."""
+        self.pending_writes -= num_blocks
 
     def contains(self, block_hash: bytes) -> bool:
         return self.store.contains(block_hash)
@@ -132,7 +140,7 @@ def open_disk_tier(params: DiskTierParams, model_id: str, layout: BlockLayout) -
     return DiskTier(store, layout)
 
 
-class DiskTierStage(StageBase):
+class DiskTierStage(ServiceBase):
     Params = DiskTierParams
     requires = ("model", "kv")
     provides = ("disk",)
