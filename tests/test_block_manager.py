@@ -21,7 +21,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from unikern.stages.kv.blocks import HASH_BYTES, BlockManager, block_hash
+from unikern.stages.kv.blocks import HASH_BYTES, BlockManager, OutOfBlocks, block_hash
 
 BS = 4  # tokens per block in these tests
 NS = b"model-a/layout-1"
@@ -166,7 +166,7 @@ def test_shared_blocks_freed_by_one_holder_stay_allocated():
     assert [bm.ref_counts[b] for b in blocks_b] == [1, 1, 1]
     for _ in range(bm.num_free):
         assert bm.allocate_one() not in blocks_b
-    with pytest.raises(MemoryError):
+    with pytest.raises(OutOfBlocks):
         bm.allocate_one()
 
 
@@ -276,7 +276,7 @@ def test_prompt_that_does_not_fit_raises_and_changes_nothing():
     # needs its 2 cached blocks back plus 2 fresh ones: only the 2 cached are free
     before = (list(bm.ref_counts), dict(bm.hash_to_block), free_lists(bm), bm.hits, bm.misses)
     assert not bm.can_allocate(2, blocks_a)
-    with pytest.raises(MemoryError):
+    with pytest.raises(OutOfBlocks):
         bm.allocate_prompt(a + [1, 2, 3, 4, 5], 12)
     assert before == (list(bm.ref_counts), dict(bm.hash_to_block), free_lists(bm), bm.hits, bm.misses)
     assert held not in blocks_a
@@ -326,7 +326,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         before = (list(bm.ref_counts), dict(bm.hash_to_block), free_lists(bm))
         try:
             blocks, cached = bm.allocate_prompt(tokens, max_cached)
-        except MemoryError:
+        except OutOfBlocks:
             needed = bm.blocks_needed(len(tokens)) - len(expected_hit)
             assert not bm.can_allocate(needed, expected_hit)
             assert before == (list(bm.ref_counts), dict(bm.hash_to_block), free_lists(bm))
@@ -342,7 +342,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(target=held)
     def allocate_one(self):
         if self.bm.num_free == 0:
-            with pytest.raises(MemoryError):
+            with pytest.raises(OutOfBlocks):
                 self.bm.allocate_one()
             return multiple()
         block = self.bm.allocate_one()

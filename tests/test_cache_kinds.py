@@ -62,7 +62,7 @@ def test_attention_pool_takes_the_fill_it_is_given():
 
 
 def test_paged_pool_refuses_state_cache_models():
-    from unikern.stages.execute.runner import ModelGeometry
+    from unikern.stages.execute.model import ModelGeometry
 
     with pytest.raises(NotImplementedError, match="must start zeroed"):
         ModelGeometry(tiny_mamba())

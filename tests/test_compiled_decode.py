@@ -9,8 +9,9 @@ import pytest
 import unikern
 from tests.conftest import SMALL_KV, compare_greedy, complete_all, reference_greedy
 from unikern import messages as m
+from unikern.stages.execute.model import ModelGeometry
 from unikern.stages.execute.paged_cache import length_bucket
-from unikern.stages.execute.runner import ModelGeometry, ModelRunner
+from unikern.stages.execute.runner import ModelRunner
 from unikern.stages.kv.pool import KVPool
 
 
@@ -97,7 +98,7 @@ async def test_warmup_runs_before_ready_and_leaves_the_pool_unallocated(tiny_lla
 
 
 def test_the_trace_cache_starts_over_past_its_bound(tiny_llama, monkeypatch):
-    from unikern.stages.execute.runner import CompiledDecode
+    from unikern.stages.execute.compiled import CompiledDecode
 
     monkeypatch.setattr(CompiledDecode, "max_traces", 3)
     runner = compiled_runner(tiny_llama)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tests.conftest import compare_greedy, reference_greedy
 from tests.test_scheduler import Run, never_eos
 from unikern import messages as m
-from unikern.stages.kv.blocks import BlockManager
+from unikern.stages.kv.blocks import BlockManager, OutOfBlocks
 from unikern.stages.schedule.policy import Scheduler
 from unikern.stages.schedule.tier_planner import TierPlanner
 from unikern.stages.tiers.queue import OffloadQueue
@@ -101,7 +101,7 @@ def test_prompt_that_does_not_fit_raises_and_leaves_host_blocks_alone():
     a = list(range(8))
     blocks_a = committed_prompt(bm, a)
     held = [bm.allocate_one(), bm.allocate_one()]  # a on host now
-    with pytest.raises(MemoryError):
+    with pytest.raises(OutOfBlocks):
         bm.allocate_prompt(a + [9], 8)  # 2 host hits + 1 fresh: no device room
     assert all(bm.is_on_host(b) for b in blocks_a)
     check_books(bm)
@@ -121,7 +121,7 @@ def test_random_use_keeps_the_books(data):
             t = data.draw(tokens)
             try:
                 blocks, _ = bm.allocate_prompt(t, len(t) - 1)
-            except MemoryError:
+            except OutOfBlocks:
                 continue
             if action == "commit_free":
                 for block_id, h in zip(blocks, bm.prefix_hashes(t), strict=False):

@@ -454,7 +454,7 @@ def forward_bench(path: str, batches: list[int], ctx: int, steps: int) -> list[d
     from mlx_lm.models.cache import make_prompt_cache
 
     from unikern.stages.kv.pool import KVPool
-    from unikern.stages.execute.runner import ModelGeometry
+    from unikern.stages.execute.model import ModelGeometry
     from unikern.stages.execute.paged_cache import BatchLayout, PagedLayerCache
 
     model, _ = load(path)

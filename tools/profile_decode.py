@@ -44,7 +44,8 @@ def main() -> None:
 
     from unikern import messages as m
     from unikern.stages.execute import paged_cache
-    from unikern.stages.execute.runner import ModelGeometry, ModelRunner
+    from unikern.stages.execute.model import ModelGeometry
+    from unikern.stages.execute.runner import ModelRunner
     from unikern.stages.kv.pool import KVPool
     from unikern.testing.modelgen import cached_model
 

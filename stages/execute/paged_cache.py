@@ -47,40 +47,45 @@ class BatchLayout:
     @classmethod
     def build(cls, pool: KVPool, rows: list[tuple[tuple[int, ...], int, int]]) -> BatchLayout:
         """rows: (logical block table, start position, number of new tokens)."""
-        bs = pool.block_size
-        kb = pool.kernel_block_size
-        T = max(n for _, _, n in rows)
         if len(rows) == 1:
-            blocks, start, n = rows[0]
-            used = blocks[: -(-(start + n) // bs)]
-            if all(b == used[0] + i for i, b in enumerate(used)):
-                base = used[0] * bs
-                mask = "causal" if n > 1 else None
-                return cls(1, n, start, None, None, mask, [n - 1], (base, start, start + n))
-        if len(rows) == 1:
-            L = rows[0][1] + T
-        else:
-            L = -(-max(start + T for _, start, _ in rows) // kb) * kb
-        read = np.zeros((len(rows), L), dtype=np.int32)
-        write = np.full((len(rows), T), SCRATCH_BLOCK * bs, dtype=np.int32)
+            span = _span(rows[0], pool.block_size)
+            if span is not None:
+                return span
+        bs, kb = pool.block_size, pool.kernel_block_size
+        B, T = len(rows), max(n for _, _, n in rows)
+        starts = np.asarray([start for _, start, _ in rows], dtype=np.int32)
+        # a lone row ends exactly at L, so a causal mask aligned to its last query holds;
+        # several rows pad L to the kernel block and need a mask per row
+        L = int(starts[0]) + T if B == 1 else -(-int((starts + T).max()) // kb) * kb
+        read = np.zeros((B, L), dtype=np.int32)
+        write = np.full((B, T), SCRATCH_BLOCK * bs, dtype=np.int32)
         for i, (blocks, start, n) in enumerate(rows):
             slots = block_slots(blocks, bs)
             read[i, : start + n] = slots[: start + n]
             write[i, :n] = slots[start : start + n]
         last = [n - 1 for _, _, n in rows]
-        read_slots = mx.array(read)
         write_slots = mx.array(write.reshape(-1))
-        if len(rows) == 1:
-            start = rows[0][1]
-            return cls(1, T, start, write_slots, read_slots, "causal" if T > 1 else None, last)
-        starts = np.asarray([r[1] for r in rows], dtype=np.int32)
+        offsets: mx.array | int = int(starts[0]) if B == 1 else mx.array(starts)
+        if B == 1:
+            return cls(1, T, offsets, write_slots, mx.array(read), "causal" if T > 1 else None, last)
         if T > 1 and not starts.any():
             # every row starts a prompt: attention needs only this forward's own keys
             # (padded keys sit after each row's real ones, so plain causal masking holds)
-            return cls(len(rows), T, mx.array(starts), write_slots, None, "causal", last)
+            return cls(B, T, offsets, write_slots, None, "causal", last)
         query_pos = starts[:, None] + np.arange(T, dtype=np.int32)[None]  # [B, T]
         mask = np.arange(L, dtype=np.int32)[None, None, :] <= query_pos[:, :, None]
-        return cls(len(rows), T, mx.array(starts), write_slots, read_slots, mx.array(mask[:, None]), last)
+        return cls(B, T, offsets, write_slots, mx.array(read), mx.array(mask[:, None]), last)
+
+
+def _span(row: tuple[tuple[int, ...], int, int], block_size: int) -> BatchLayout | None:
+    """One row whose blocks are consecutive ids reads and writes the pool through
+    slices, as a dense cache would, with no gather at all; None otherwise."""
+    blocks, start, n = row
+    used = blocks[: -(-(start + n) // block_size)]
+    if any(b != used[0] + i for i, b in enumerate(used)):
+        return None
+    base = used[0] * block_size
+    return BatchLayout(1, n, start, None, None, "causal" if n > 1 else None, [n - 1], (base, start, start + n))
 
 
 def length_bucket(n: int, unit: int) -> int:

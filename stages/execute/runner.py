@@ -11,48 +11,11 @@ import mlx.core as mx
 
 from unikern import messages as m
 from unikern.platform import blas
-from unikern.stages.execute.paged_cache import (
-    BatchLayout,
-    DecodeWindow,
-    PagedLayerCache,
-    window_layout,
-)
+from unikern.stages.execute.compiled import CompiledDecode
+from unikern.stages.execute.model import ModelGeometry
+from unikern.stages.execute.paged_cache import BatchLayout, DecodeWindow, PagedLayerCache
 from unikern.stages.execute.sampling import sample_rows
-from unikern.stages.kv.cache_kinds import needs_zeroing
 from unikern.stages.kv.pool import KVPool
-
-
-class ModelGeometry:
-    """What the KV pool needs to know about a model, probed by running it once."""
-
-    def __init__(self, model: Any) -> None:
-        from mlx_lm.models.cache import KVCache, make_prompt_cache
-
-        cache = make_prompt_cache(model)
-        kinds = {type(c).__name__ for c in cache}
-        stateful = sorted(k for k in kinds if needs_zeroing(k))
-        if stateful:
-            raise NotImplementedError(
-                f"this model keeps recurrent or quantized state ({', '.join(stateful)}), which "
-                "must start zeroed and needs state checkpoints per block; the paged pool "
-                "serves attention-only models (KVCache) so far"
-            )
-        if any(type(c) is not KVCache for c in cache):
-            raise NotImplementedError(
-                f"this model uses cache kinds {sorted(kinds)} (e.g. sliding windows); the "
-                "paged pool serves full-attention KVCache models so far"
-            )
-        model(mx.array([[0]], dtype=mx.int32), cache=cache)
-        mx.eval([c.keys for c in cache])
-        shapes = {(c.keys.shape[1], c.keys.shape[3], c.values.shape[3]) for c in cache}
-        if len(shapes) != 1:
-            raise NotImplementedError(f"layers differ in KV shape {sorted(shapes)}; not supported yet")
-        (self.num_kv_heads, self.head_dim, value_dim), = shapes
-        if value_dim != self.head_dim:
-            raise NotImplementedError("keys and values of different widths are not supported yet")
-        self.num_layers = len(cache)
-        self.dtype = cache[0].keys.dtype
-
 
 # (row of the logits, the row's processors, its tokens so far) for each row that has any
 ProcessorHook = Callable[[list[tuple[int, tuple[Any, ...], list[int]]], mx.array], None]
@@ -61,9 +24,7 @@ ProcessorHook = Callable[[list[tuple[int, tuple[Any, ...], list[int]]], mx.array
 PREFILL_PADDING_LIMIT = 1.25
 
 # forwards of fewer tokens than this run their BLAS calls on one thread: a GEMM of a
-# few rows is too small to split, and waking the second thread cost more than it gave
-# (llama-5m decode, OpenBLAS on 2 cores: batch 1 10.3 vs 10.9 ms, batch 4 10.2 vs 11.5;
-# batch 16 and up is faster with both threads)
+# few rows is too small to split, and waking a second thread costs more than it gives
 SINGLE_THREAD_TOKENS = 16
 
 
@@ -93,64 +54,6 @@ def split_head(model: Any) -> Callable[[mx.array], mx.array] | None:
     except Exception:  # an unusual family: keep the full forward
         return None
     return head if same else None
-
-
-class PoolArrays:
-    """The pool's per-layer arrays as a compiled decode step sees them: its inputs,
-    written in place by the layer caches (as they write the pool), then its outputs."""
-
-    def __init__(self, keys: list[mx.array], values: list[mx.array]) -> None:
-        self.keys = keys
-        self.values = values
-
-
-class CompiledDecode:
-    """One decode step of a lookahead window as a single `mx.compile`d function: the
-    model's forward over the window's tables with the pool arrays as state in and out.
-    The graph is traced once per shape (rows, window length bucket, pool size) and
-    replayed with its elementwise chains fused, instead of being built op by op in
-    Python for every token. The pool writes are still in place: once the caller holds
-    the returned arrays, the old ones are referenced by the graph alone and donated.
-
-    Used for windows of several rows. On the H200 (llama-80m float32, back-to-back runs on
-    one machine) it took c=64 from 1.47x to 1.72x mlx-lm's batch_generate and c=16 from
-    0.86x to 0.98x. For one row it was slower (3.05 against 2.24 ms per token): a padded
-    window needs a masked attention, and MLX's CUDA backend runs masked SDPA off its fused
-    decode kernel, so one row keeps the unmasked slice path."""
-
-    # MLX keeps every traced shape until the compiled function is dropped: ~430 KiB each
-    # for llama-5m on the CPU backend (255 shapes: +110 MiB against the uncompiled loop).
-    # A server whose batch size keeps changing meets new shapes for as long as it runs,
-    # so the cache starts over after this many (the shapes in use are traced again)
-    max_traces = 128
-
-    def __init__(self, model: Any, num_layers: int) -> None:
-        self.model = model
-        self.num_layers = num_layers
-        self.traces = 0  # how many times a new shape was traced (tests, stats)
-        self.resets = 0
-        self._traces_kept = 0
-        self._step = mx.compile(self._forward)
-
-    def _forward(self, tokens, starts, step, write_table, read_slots, keys, values):
-        self.traces += 1  # runs only while tracing
-        self._traces_kept += 1
-        layout = window_layout(starts, step, write_table, read_slots, mx.arange(read_slots.shape[1])[None])
-        arrays = PoolArrays(list(keys), list(values))
-        caches = [PagedLayerCache(arrays, i, layout) for i in range(self.num_layers)]
-        logits = self.model(tokens[:, None], cache=caches)[:, -1, :]
-        return logits, arrays.keys, arrays.values
-
-    def __call__(self, pool: KVPool, window: DecodeWindow, tokens: mx.array, i: int) -> mx.array:
-        if self._traces_kept >= self.max_traces:  # dropping the function frees its traces
-            self._step = mx.compile(self._forward)
-            self._traces_kept = 0
-            self.resets += 1
-        step = mx.array(i, dtype=mx.int32)
-        logits, pool.keys, pool.values = self._step(
-            tokens, window.starts, step, window.write_slots, window.read_slots, pool.keys, pool.values
-        )
-        return logits
 
 
 class ModelRunner:

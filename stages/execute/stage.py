@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import hashlib
-import json
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import mlx.core as mx
 import structlog
-from mlx.utils import tree_flatten
 
 from unikern import messages as m
 from unikern.platform import current_platform, shared_bridge
 from unikern.platform.bridge import apply_torch_logits_processors
 from unikern.platform.pinning import WeightWiring
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
-from unikern.stages.execute.runner import ModelGeometry, ModelRunner, warm_up
+from unikern.stages.execute.model import load_model
+from unikern.stages.execute.runner import ModelRunner, warm_up
 from unikern.stages.execute.thread import ModelThread
-from unikern.stages.models import DEFAULT_MODEL, resolve_model_path
+from unikern.stages.models import DEFAULT_MODEL
 
 log = structlog.get_logger("unikern")
 
@@ -33,60 +31,14 @@ class MLXExecuteParams(StageParams, frozen=True):
     # MLX's buffers (see stages/cpu_kernels.py); float32 models only; ignored elsewhere
     cpu_kernels: bool = True
     # trace each lookahead decode step once per shape with mx.compile and replay it
-    # (model_runner.CompiledDecode). "auto": on a GPU backend only, since the CPU backend
+    # (compiled.CompiledDecode). "auto": on a GPU backend only, since the CPU backend
     # builds compiled kernels with the system C++ compiler at first use, and its CPU
     # kernels (above) cannot be traced; "always" (a C++ compiler needed on CPU); "never"
     compile_decode: Literal["auto", "always", "never"] = "auto"
     # before saying ready, run a prefill and decode windows on a private pool so MLX's
-    # GPU kernels are built at start, not in the first requests (model_runner.warm_up);
-    # "auto": on a GPU backend only (on the H200 with an empty kernel cache: ready in 59 s
-    # instead of 17, the first request done in 0.07 s instead of 4.9; tools/first_request.py)
+    # GPU kernels are built at start, not in the first requests (runner.warm_up);
+    # "auto": on a GPU backend only
     warmup: Literal["auto", "always", "never"] = "auto"
-
-
-@dataclass
-class LoadedModel:
-    """The `model` resource: what other stages may know about the loaded model."""
-
-    name: str
-    path: str
-    model: Any
-    config: dict
-    geometry: ModelGeometry
-    weights_bytes: int
-    identity: bytes  # model + dtype: part of every prefix-cache key
-    context_length: int
-    thread: ModelThread
-    weights: list[mx.array]
-
-
-def load_model(name: str) -> LoadedModel:
-    from mlx_lm.utils import load_model as mlx_lm_load_model
-
-    path = resolve_model_path(name)
-    model, config = mlx_lm_load_model(path)
-    weights = [w for _, w in tree_flatten(model.parameters())]
-    mx.eval(weights)
-    geometry = ModelGeometry(model)
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    digest.update(str(geometry.dtype).encode())
-    for f in sorted(path.glob("*.safetensors")):
-        st = f.stat()
-        digest.update(f"{f.name}:{st.st_size}".encode())
-    context = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
-    return LoadedModel(
-        name=name,
-        path=str(path),
-        model=model,
-        config=config,
-        geometry=geometry,
-        weights_bytes=sum(w.nbytes for w in weights),
-        identity=digest.digest(),
-        context_length=context,
-        thread=None,  # set by the stage
-        weights=weights,
-    )
 
 
 class MLXExecuteStage(StageBase):

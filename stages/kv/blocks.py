@@ -19,6 +19,11 @@ from collections.abc import Iterable, Sequence
 HASH_BYTES = 16
 
 
+class OutOfBlocks(Exception):
+    """The device budget cannot hold what was asked: the caller waits or preempts.
+    Control flow of the scheduler, not Python's MemoryError (the process is fine)."""
+
+
 def block_hash(parent: bytes | None, token_ids: Sequence[int], namespace: bytes) -> bytes:
     """Chained hash of one full block: depends on every token before it, the model and
     the layout (`namespace`). blake2b over fixed-width integers: stable across processes
@@ -142,12 +147,12 @@ class BlockManager:
     def allocate_prompt(self, token_ids: Sequence[int], max_cached_tokens: int) -> tuple[list[int], int]:
         """Blocks for a prompt: cached full blocks reused (at most `max_cached_tokens`
         tokens' worth), the rest fresh. Returns (block ids, cached token count), or
-        raises MemoryError when the pool cannot hold it."""
+        raises OutOfBlocks when the pool cannot hold it."""
         hashes = self.prefix_hashes(token_ids)
         hit = self.lookup_prefix(hashes)[: max_cached_tokens // self.block_size]
         fresh = self.blocks_needed(len(token_ids)) - len(hit)
         if not self.can_allocate(fresh, hit):
-            raise MemoryError(f"need {fresh} free blocks, have {self.num_free}")
+            raise OutOfBlocks(f"need {fresh} free blocks, have {self.num_free}")
         from_host = [b for b in hit if b in self._host_cached]
         # device hits first: promoting a host block may push a device-cached block out,
         # and it must not be one of this prompt's own hits
@@ -175,7 +180,7 @@ class BlockManager:
                 del self._host_cached[block_id]  # now counted as device-resident
                 try:
                     self._make_device_room(adding=0)
-                except MemoryError:
+                except OutOfBlocks:
                     self._host_cached[block_id] = None
                     self._host_cached.move_to_end(block_id, last=False)
                     raise
@@ -188,7 +193,7 @@ class BlockManager:
         least recently used device-cached blocks to the host tier (or forgetting them)."""
         while self._device_resident() + adding > self.num_blocks:
             if not self._free_cached:
-                raise MemoryError("no free KV blocks")
+                raise OutOfBlocks("no free KV blocks")
             block_id, _ = self._free_cached.popitem(last=False)
             self.device_evictions += 1
             if not self.host_blocks:

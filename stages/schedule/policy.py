@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from unikern import messages as m
-from unikern.stages.kv.blocks import BlockManager, block_hash
+from unikern.stages.kv.blocks import BlockManager, OutOfBlocks, block_hash
 
 
 @dataclass
@@ -221,7 +221,7 @@ class Scheduler:
         max_cached = len(seq.tokens) - 1
         try:
             seq.blocks, cached = self.blocks.allocate_prompt(seq.tokens, max_cached)
-        except MemoryError:
+        except OutOfBlocks:
             return False
         seq.num_computed = cached
         seq.block_hashes = self.blocks.prefix_hashes(seq.tokens)[: cached // self.blocks.block_size]
