@@ -1,27 +1,15 @@
-"""PyTorch kernels for the two places where MLX's CPU backend is slow: the SwiGLU
-activation and the attention softmax.
+"""PyTorch kernels where MLX's CPU backend is slow (it evaluates `exp` one element at a
+time): the SwiGLU activation and the attention softmax, run in place on MLX's buffers
+through zero-copy views, for float32 models (measurements: README, "CPU kernels").
 
-MLX's CPU backend evaluates `exp` one element at a time: on these 2-core machines
-`mx.exp` over 1.2M float32 takes ~23 ms and `silu(gate) * up` ~33 ms, against ~2.6 ms
-and ~1.3 ms for PyTorch's vectorized kernels on the same buffer (mx.compile fuses the
-loop but keeps the scalar exp: ~36 ms). In a float32 Llama of 5M parameters that
-activation alone is ~70% of every MLP, and moving the attention softmax saved about a
-quarter of each attention layer's ~17 ms in a prefill of 16 prompts x 72 tokens.
-
-Nothing is copied to get there: MLX computes the operands and evaluates them, PyTorch
-rewrites that very buffer in place through a zero-copy DLPack view (the shared bridge
-checks the pointer and counts the view), and MLX continues from the same array. The
-price is a synchronisation point per kernel, which costs far less than the scalar exp.
-
-Only the model instance the engine loaded is changed: each layer's MLP is swapped for
-`SwiGLU` (the same Linear modules, so parameter paths and weights stay as they were)
-after a probe shows it computes what the original did, and the attention call of the
-model's module is routed to `PagedLayerCache.attention` only when the cache passed is
-a paged cache with kernels on. Every other caller (mlx-lm's own generate in the same
-process) reaches the original function unchanged.
-
-Float32 models only: PyTorch rounds bf16/f16 activations differently from MLX.
-"""
+Only the engine's own model instance changes: each MLP is swapped for `SwiGLU` (the
+same Linear modules) after a probe shows it computes what the original did. Attention
+needs one module-global wrapper, and no other route exists: mlx-lm's attention modules
+call their module's `scaled_dot_product_attention`, which dispatches on nothing but
+`cache.bits`, so keeping mlx-lm's model code unchanged means wrapping that name. The
+wrapper passes every call through untouched unless the cache is a paged cache with
+kernels on (`cache.cpu_attention`), so mlx-lm's own generate in the same process is
+unaffected."""
 
 from __future__ import annotations
 
@@ -40,7 +28,6 @@ log = structlog.get_logger()
 
 # below this many elements MLX's own op is cheaper than a synchronisation, and it keeps
 # the step lazy so that decode lookahead still overlaps graph building with compute
-# (single stream: 82 tok/s with the PyTorch kernels at every size, 102 without)
 MIN_ELEMENTS = 16384
 
 # the module-level name mlx-lm's attention layers call (mlx_lm.models.base re-exported)
@@ -153,8 +140,8 @@ def install(model: Any, dtype: mx.Dtype) -> dict[str, Any]:
     mlps = sum(_swap_mlp(layer, hidden) for layer in layers) if hidden else 0
     attention = sum(_route_attention(layer) for layer in layers)
     if torch.get_num_threads() > 1:
-        # MLX's CPU stream and the BLAS threads already occupy the cores; spinning
-        # OpenMP workers fought them (the MLP took 37 ms with 2 threads, 19 ms with 1)
+        # MLX's CPU stream and the BLAS threads already occupy the cores: spinning
+        # OpenMP workers fight them
         torch.set_num_threads(1)
     report = {"enabled": True, "swiglu_layers": mlps, "attention_layers": attention, "layers": len(layers)}
     log.debug("cpu_kernels.installed", **report)
