@@ -80,9 +80,10 @@ class Engine:
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
         assert self._tg is not None
-        self._tg.cancel_scope.cancel()
+        tg, self._tg = self._tg, None  # new requests are refused from here on
+        tg.cancel_scope.cancel()
         try:
-            result = await self._tg.__aexit__(*exc_info)
+            result = await tg.__aexit__(*exc_info)
         finally:
             for stream in self._requests.values():
                 if stream is not _NO_ROUTE:
@@ -209,7 +210,7 @@ class Engine:
         self._send_cancel(request_id)
 
     def _send_cancel(self, request_id: str) -> None:
-        if self._router is not None and self.fault is None:
+        if self._router is not None and self._tg is not None and self.fault is None:
             try:
                 self._router.send_nowait(m.Cancel(request_id))
             except anyio.WouldBlock:
@@ -223,7 +224,7 @@ class Engine:
     def _make_request(
         self, prompt, prompt_tokens, messages, max_tokens, sampling, logits_processors, request_id
     ) -> m.Submit:
-        if self._router is None:
+        if self._router is None or self._tg is None:
             raise UnikernError("the engine is not running: use `async with Engine.from_pipeline(...)`")
         if self.fault is not None:
             raise self.fault
