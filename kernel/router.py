@@ -18,9 +18,12 @@ from unikern.stage import StageContext
 
 log = structlog.get_logger("unikern")
 
-# Per-stage inbox bound: a flood of Submits turns into backpressure on the caller's send.
-# schedule <-> output is a cycle (StepOutput one way, an Abort per matched stop string the
-# other); the schedule stage's admission bound (max_waiting) keeps it from filling.
+# Per-stage inbox bound: a flood of Submits turns into backpressure on the caller's send,
+# and schedule.max_waiting refuses what would queue past it. Cycles never wait on
+# themselves: schedule <-> output (StepOutput one way, an Abort per matched stop string
+# the other) holds because output never blocks on schedule (output.AbortOutbox);
+# schedule <-> execute has one step in flight; the offload mover's inbox loop never
+# sends. tests/test_admission.py runs the cycle with inboxes of 0-2 messages.
 INBOX_SIZE = 4096
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
+
+import anyio
 
 from unikern import messages as m
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
@@ -52,6 +55,36 @@ class TextStream:
         return text
 
 
+class AbortOutbox:
+    """Aborts for schedule that never make output wait on schedule. schedule <-> output is
+    a cycle of bounded inboxes: were output to block on a full schedule inbox while
+    schedule blocks on output's, both would wait forever. An abort that does not fit at
+    once waits here (at most one per request in flight) for a task of its own."""
+
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.pending: deque[str] = deque()
+        self._wake = anyio.Event()
+
+    def push(self, request_id: str) -> None:
+        if not self.pending:
+            try:
+                self.ctx.send_nowait(m.Abort(request_id, "stop"))
+                return
+            except anyio.WouldBlock:
+                pass
+        self.pending.append(request_id)
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            while self.pending:
+                await self.ctx.send(m.Abort(self.pending[0], "stop"))
+                self.pending.popleft()
+
+
 class OutputStage(StageBase):
     Params = OutputParams
     consumes = (m.StepOutput,)
@@ -62,7 +95,7 @@ class OutputStage(StageBase):
         tokenizer = ctx.resource("tokenizer")
         streams: dict[str, TextStream] = {}
         stopped: set[str] = set()
-        task_status.started()
+        outbox = AbortOutbox(ctx)
 
         async def handle(output: m.StepOutput) -> None:
             events: list[m.Event] = []
@@ -92,6 +125,10 @@ class OutputStage(StageBase):
             if events:
                 await ctx.send(m.EventBatch(tuple(events)))
             for rid in aborts:
-                await ctx.send(m.Abort(rid, "stop"))
+                outbox.push(rid)
 
-        await serve_inbox(ctx, handle)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(outbox.run)
+            task_status.started()
+            await serve_inbox(ctx, handle)
+            tg.cancel_scope.cancel()

@@ -54,14 +54,14 @@ class Run:
         return self.sched.blocks.block_size
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int = 8, **params) -> str | None:
-        error = self.sched.add(
+        refusal = self.sched.add(
             m.Tokenized(request_id, tuple(prompt), m.SamplingParams(max_tokens=max_tokens, **params))
         )
-        if error is None:
+        if refusal is None:
             self.tokens[request_id] = list(prompt)
             self.prompt_len[request_id] = len(prompt)
             self.outs[request_id] = []
-        return error
+        return None if refusal is None else refusal.message
 
     def abort(self, request_id: str) -> m.Finished | None:
         blocks_before = self.sched.blocks.num_used

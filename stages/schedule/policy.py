@@ -38,6 +38,14 @@ class Sequence:
         return m.Usage(self.num_prompt_tokens, self.num_generated, self.cached_tokens or 0)
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why `Scheduler.add` turned a request away: `code` is the error event's code."""
+
+    code: str  # "bad_request" (can never be served) or "overloaded" (try again later)
+    message: str
+
+
 @dataclass
 class StepOutcome:
     tokens: list[m.TokenOut] = field(default_factory=list)
@@ -56,8 +64,12 @@ class Scheduler:
         decode_lookahead: int = 1,
         max_prefill_chunk: int | None = None,
         decode_lookahead_max: int | None = None,
+        max_waiting: int | None = None,
     ) -> None:
         self.blocks = blocks
+        # admission bound: requests queued beyond it are refused as overloaded (None: no bound)
+        self.max_waiting = max_waiting
+        self.num_refused_overloaded = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -80,17 +92,28 @@ class Scheduler:
 
     # ---- requests in and out -----------------------------------------------------------
 
-    def add(self, request: m.Tokenized, pinned: Iterable[int] = ()) -> str | None:
-        """Queue a request; returns an error message if it can never be served. `pinned`
-        blocks (one reference each) are the caller's and are freed at admission."""
+    def add(self, request: m.Tokenized, pinned: Iterable[int] = ()) -> Refusal | None:
+        """Queue a request, or say why not: it can never be served, or `max_waiting`
+        requests wait already. `pinned` blocks (one reference each) are the caller's and
+        are freed at admission."""
         if request.request_id in self.by_id:
-            return f"request id {request.request_id!r} is already in flight"
+            return Refusal("bad_request", f"request id {request.request_id!r} is already in flight")
         prompt_len = len(request.prompt_tokens)
         capacity_tokens = self.blocks.num_blocks * self.blocks.block_size
         if prompt_len + 1 > capacity_tokens:
-            return (
+            return Refusal(
+                "bad_request",
                 f"the prompt needs {prompt_len + 1} KV slots but the whole KV pool holds "
-                f"{capacity_tokens}; raise kv.memory_fraction or kv.kv_budget_bytes"
+                f"{capacity_tokens}; raise kv.memory_fraction or kv.kv_budget_bytes",
+            )
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            # refused at once, so callers back off instead of queueing without end
+            self.num_refused_overloaded += 1
+            return Refusal(
+                "overloaded",
+                f"overloaded: {len(self.waiting)} requests are waiting already, the limit "
+                f"(schedule.max_waiting) is {self.max_waiting}; retry later, or raise it "
+                f"(e.g. --set schedule.max_waiting={2 * self.max_waiting})",
             )
         seq = Sequence(
             request.request_id,

@@ -9,6 +9,12 @@ from unikern import messages as m
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
 from unikern.stages.schedule.policy import Scheduler
 
+# Four steps' worth of rows keep every slot refilled as sequences finish, and a request
+# at the back waits a few generations, not minutes. A waiting request holds only its
+# prompt (no KV), so the floor lets a burst queue even when max_num_seqs is set low to
+# save memory.
+MIN_WAITING = 256
+
 
 class ScheduleParams(StageParams, frozen=True):
     max_num_seqs: int = 64  # sequences in one step
@@ -19,9 +25,17 @@ class ScheduleParams(StageParams, frozen=True):
     decode_lookahead: int = 8
     # the same rows decoding step after step double it, up to this (1: never grow)
     decode_lookahead_max: int = 32
+    # requests queued for a free slot; past it a request is refused at once with an
+    # `overloaded` error. None: 4 x max_num_seqs, at least MIN_WAITING (waiting_limit)
+    max_waiting: int | None = None
+
+    def waiting_limit(self) -> int:
+        return self.max_waiting if self.max_waiting is not None else max(MIN_WAITING, 4 * self.max_num_seqs)
 
     def validate(self) -> list[str]:
         problems = []
+        if self.max_waiting is not None and self.max_waiting < 1:
+            problems.append(f"max_waiting: must be >= 1, got {self.max_waiting}")
         if self.max_num_seqs < 1:
             problems.append(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_prefill_chunk < 1:
@@ -57,6 +71,7 @@ class ScheduleStage(StageBase):
             decode_lookahead=self.params.decode_lookahead,
             decode_lookahead_max=self.params.decode_lookahead_max,
             max_prefill_chunk=self.params.max_prefill_chunk,
+            max_waiting=self.params.waiting_limit(),
         )
         self.in_flight: m.Step | None = None
         self.setup(ctx)
@@ -78,10 +93,12 @@ class ScheduleStage(StageBase):
     def setup(self, ctx: StageContext) -> None:
         """Hook for subclasses: runs once the scheduler exists, before start-up ends."""
 
-    async def on_tokenized(self, ctx: StageContext, request: m.Tokenized) -> None:
-        error = self.scheduler.add(request)
-        if error is not None:
-            await ctx.send(m.ErrorEvent(id=request.request_id, code="bad_request", message=error))
+    async def on_tokenized(self, ctx: StageContext, request: m.Tokenized) -> bool:
+        """Queue the request or send its refusal (the policy decides); True if queued."""
+        refusal = self.scheduler.add(request)
+        if refusal is not None:
+            await ctx.send(m.ErrorEvent(id=request.request_id, code=refusal.code, message=refusal.message))
+        return refusal is None
 
     async def handle(self, ctx: StageContext, message: Any) -> m.StepOutput | None:
         """Act on one message; returns the output to send once the next step is out."""
@@ -110,5 +127,7 @@ class ScheduleStage(StageBase):
                 "waiting": len(sched.waiting),
                 "running": len(sched.running),
                 "preemptions": sched.num_preemptions,
+                "max_waiting": sched.max_waiting,
+                "refused_overloaded": sched.num_refused_overloaded,
             }
         }

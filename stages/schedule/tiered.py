@@ -24,16 +24,15 @@ class TieredScheduleStage(ScheduleStage):
         disk = ctx.resource("disk")
         self.planner = TierPlanner(self.scheduler.blocks, disk.contains)
 
-    async def on_tokenized(self, ctx: StageContext, request: m.Tokenized) -> None:
-        error = self.scheduler.add(request)
-        if error is not None:
-            await ctx.send(m.ErrorEvent(id=request.request_id, code="bad_request", message=error))
-            return
+    async def on_tokenized(self, ctx: StageContext, request: m.Tokenized) -> bool:
+        if not await super().on_tokenized(ctx, request):
+            return False
         hold, load = self.planner.plan_load(request)
         if hold:
             self.scheduler.hold(request.request_id)
         if load is not None:
             await ctx.send(load)
+        return True
 
     async def handle(self, ctx: StageContext, message: Any) -> m.StepOutput | None:
         output = None
