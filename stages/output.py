@@ -127,8 +127,13 @@ class OutputStage(StageBase):
             for rid in aborts:
                 outbox.push(rid)
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(outbox.run)
-            task_status.started()
-            await serve_inbox(ctx, handle)
-            tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(outbox.run)
+                task_status.started()
+                await serve_inbox(ctx, handle)
+                tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # a fault is reported as itself, not as a group
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise

@@ -9,12 +9,15 @@ waits for zstd. Measured on these CPUs (tools/bench_offload.py): copying a block
 costs a few percent of compressing it.
 
 A store's blocks stay pinned (by the schedule stage) until their bytes have been copied
-out; then BlocksStored unpins them and the copy goes to disk. At shutdown, copies
-already taken are still written (up to `drain_timeout_s`).
+out; then BlocksStored unpins them and the copy goes to disk. At shutdown, stores under
+way are finished (for up to `drain_timeout_s` from then) and stores still queued are
+dropped; both are counted (`offload.shutdown_flushed_blocks`, `..._dropped_blocks`) and
+logged (`offload.shutdown`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -34,7 +37,7 @@ log = structlog.get_logger("unikern")
 class OffloadParams(StageParams, frozen=True):
     max_inflight_blocks: int = 16  # blocks being loaded or stored at once
     max_blocks_per_call: int = 4  # blocks per model-thread call: keeps each pause short
-    drain_timeout_s: float = 10.0  # at shutdown, time allowed to finish writes under way
+    drain_timeout_s: float = 10.0  # at shutdown, time allowed to finish stores under way
 
     def validate(self) -> list[str]:
         problems = []
@@ -59,6 +62,8 @@ class MoverStats:
         self.write_seconds = 0.0  # compress + write, worker threads
         self.bytes_read = 0  # raw (uncompressed) bytes
         self.bytes_written = 0
+        self.shutdown_flushed_blocks = 0  # written after shutdown began
+        self.shutdown_dropped_blocks = 0  # queued or under way at shutdown, never written
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -79,17 +84,50 @@ class OffloadMoverStage(StageBase):
         self.queue = OffloadQueue(self.params.max_inflight_blocks, self.params.max_blocks_per_call)
         self.mover = MoverStats()
         self._wake = anyio.Event()
+        self._stores_under_way: set[anyio.CancelScope] = set()
+        self.shutting_down = False
+        self._drain_deadline = math.inf  # set at shutdown
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._dispatch, ctx, tg)
-            task_status.started()
+        async def handle(message: m.LoadBlocks | m.StoreBlocks) -> None:
+            self.queue.push(message)
+            self._wake.set()
 
-            async def handle(message: m.LoadBlocks | m.StoreBlocks) -> None:
-                self.queue.push(message)
-                self._wake.set()
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._dispatch, ctx, tg)
+                task_status.started()
+                try:
+                    await serve_inbox(ctx, handle)
+                finally:
+                    self._begin_shutdown(ctx)
+                tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # a fault is reported as itself, not as a group
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+        finally:
+            if self.shutting_down:
+                log.info("offload.shutdown", flushed_blocks=self.mover.shutdown_flushed_blocks,
+                         dropped_blocks=self.mover.shutdown_dropped_blocks)
 
-            await serve_inbox(ctx, handle)
-            tg.cancel_scope.cancel()
+    def _begin_shutdown(self, ctx: StageContext) -> None:
+        """Drop the stores not started (counted) and give those under way
+        drain_timeout_s from now; they are shielded from the pipeline's cancellation."""
+        self.shutting_down = True
+        dropped = self.queue.drop_stores()
+        receive_nowait = getattr(ctx.inbox, "receive_nowait", None)
+        while receive_nowait is not None:
+            try:
+                message = receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            if isinstance(message, m.StoreBlocks):
+                dropped += len(message.blocks)
+        self.mover.shutdown_dropped_blocks += dropped
+        self._drain_deadline = anyio.current_time() + self.params.drain_timeout_s
+        for scope in self._stores_under_way:
+            scope.deadline = min(scope.deadline, self._drain_deadline)
 
     async def _dispatch(self, ctx: StageContext, tg: anyio.abc.TaskGroup) -> None:
         while True:
@@ -154,22 +192,24 @@ class OffloadMoverStage(StageBase):
 
     async def _store(self, ctx: StageContext, job: Job) -> None:
         buffers = [self.layout.new_buffer() for _ in job.blocks]
-        # shielded: the pins must come back, and bytes already copied out should reach
-        # the disk even when the engine is closing
-        with anyio.CancelScope(shield=True), anyio.move_on_after(self.params.drain_timeout_s):
-            copied = await self._on_model_thread(copy_out, [r.block_id for r in job.blocks], buffers)
-            try:
-                ctx.send_nowait(m.BlocksStored(job.blocks))
-            except anyio.WouldBlock:
-                await ctx.send(m.BlocksStored(job.blocks))
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                pass  # shutting down: nobody holds the pins any more
-            if not copied:
-                return
-            pending = list(zip(job.blocks, buffers, strict=True))
-            self.disk.queue_writes(len(pending))
-            try:
-                while pending:
+        # promised before the copy, so the disk tier keeps its directory lock until the
+        # writes land (or are given up), even if it closes first
+        pending = list(zip(job.blocks, buffers, strict=True)) if self.disk.queue_writes(len(job.blocks)) else []
+        # shielded: the pins must come back, and stores under way should reach the disk
+        # even when the engine is closing (for drain_timeout_s from then: _begin_shutdown)
+        scope = anyio.CancelScope(shield=True, deadline=self._drain_deadline)
+        self._stores_under_way.add(scope)
+        attempted = 0  # blocks whose write was tried (it may still have failed: a miss later)
+        try:
+            with scope:
+                copied = await self._on_model_thread(copy_out, [r.block_id for r in job.blocks], buffers)
+                try:
+                    ctx.send_nowait(m.BlocksStored(job.blocks))
+                except anyio.WouldBlock:  # unshielded: at shutdown nobody waits for the pins
+                    self._tg.start_soon(ctx.send, m.BlocksStored(job.blocks))
+                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    pass  # shutting down: nobody holds the pins any more
+                while copied and pending:
                     ref, buffer = pending[0]
                     start = time.perf_counter()
                     try:
@@ -179,12 +219,17 @@ class OffloadMoverStage(StageBase):
                         written = False
                     self.mover.write_seconds += time.perf_counter() - start
                     pending.pop(0)
+                    attempted += 1
                     self.disk.drop_writes(1)
                     if written:
                         self.mover.blocks_stored += 1
                         self.mover.bytes_written += buffer.nbytes
-            finally:
-                self.disk.drop_writes(len(pending))  # given up at shutdown
+                        self.mover.shutdown_flushed_blocks += self.shutting_down
+        finally:
+            self._stores_under_way.discard(scope)
+            self.disk.drop_writes(len(pending))
+            if self.shutting_down or self.disk.closed:  # refused, not copied, or out of time
+                self.mover.shutdown_dropped_blocks += len(job.blocks) - attempted
 
     def stats(self) -> dict[str, Any]:
         queue = getattr(self, "queue", None)

@@ -33,6 +33,12 @@ class OffloadQueue:
         else:
             self.stores.extend(message.blocks)
 
+    def drop_stores(self) -> int:
+        """Forget the stores not started yet (shutdown); returns how many blocks."""
+        dropped = len(self.stores)
+        self.stores.clear()
+        return dropped
+
     def pending_blocks(self) -> int:
         return sum(len(j.blocks) for j in self.loads) + len(self.stores)
 

@@ -4,7 +4,9 @@ One checked, byte-shuffled zstd file per logical block (`disk_format`), kept by 
 `DiskStore` under `path/<namespace>`. The namespace changes whenever blocks stop being
 interchangeable: the model (its identity plus a sample of its weight files' bytes, so
 two checkpoints with one config never share files), the KV dtype, the payload layout
-and the block size. Files survive restarts; a bad file is a miss, never an error.
+and the block size. Files survive restarts; a bad file is a miss, never an error. One engine at a time
+uses a store directory (`DirectoryLock`): a second one on the same model and path is
+refused at start with the holder's pid.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from unikern.errors import ConfigError
 from unikern.stage import ServiceBase, StageContext, StageParams
 from unikern.stages.tiers.block_io import LAYOUT, BlockLayout
 from unikern.stages.tiers.disk.format import BlockFormatError
+from unikern.stages.tiers.disk.lock import DirectoryLock
 from unikern.stages.tiers.disk.store import DiskStore, make_namespace
 
 log = structlog.get_logger("unikern")
@@ -66,20 +69,36 @@ class DiskTier:
     """The `disk` resource: block payloads in and out of a DiskStore, thread-safe.
     OS errors are counted and turned into misses or skipped writes."""
 
-    def __init__(self, store: DiskStore, layout: BlockLayout) -> None:
+    def __init__(self, store: DiskStore, layout: BlockLayout, lock: DirectoryLock | None = None) -> None:
         self.store = store
         self.layout = layout
+        self.lock = lock
         self.io_errors = 0
         self.shape_mismatches = 0
-        self.pending_writes = 0  # copied out of the pool, not yet on disk
+        self.pending_writes = 0  # promised by a writer, not yet on disk
+        self.closed = False
 
-    def queue_writes(self, num_blocks: int) -> None:
-        """A writer holds this many more block copies that are not on disk yet."""
+    def queue_writes(self, num_blocks: int) -> bool:
+        """A writer will write this many blocks; False once the tier is closed (the
+        directory may be someone else's by the time they would land)."""
+        if self.closed:
+            return False
         self.pending_writes += num_blocks
+        return True
 
     def drop_writes(self, num_blocks: int) -> None:
-        """That many queued copies were written, or given up."""
+        """That many queued writes were done, or given up."""
         self.pending_writes -= num_blocks
+        self._release_if_idle()
+
+    def close(self) -> None:
+        """No new writes; the directory lock goes once the writes under way are done."""
+        self.closed = True
+        self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        if self.closed and self.pending_writes <= 0 and self.lock is not None:
+            self.lock.release()
 
     def contains(self, block_hash: bytes) -> bool:
         return self.store.contains(block_hash)
@@ -125,19 +144,30 @@ class DiskTier:
             shape_mismatches=self.shape_mismatches,
             pending_writes=self.pending_writes,
             path=str(self.store.directory),
+            locked=self.lock is not None and self.lock.held,
         )
         return s
 
 
 def open_disk_tier(params: DiskTierParams, model_id: str, layout: BlockLayout) -> DiskTier:
-    """Open (creating it if missing) the store for this model and layout. Blocking."""
+    """Lock, then open (creating it if missing) the store for this model and layout: the
+    lock comes first, as opening sweeps half-written files. Blocking."""
     namespace = make_namespace(model_id, layout.dtype, LAYOUT, layout.block_size)
     root = Path(os.path.expanduser(params.path))
     try:
-        store = DiskStore(root, namespace, params.capacity_bytes, fsync=params.fsync, level=params.compression_level)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"disk.path: cannot use {str(root)!r} as the KV disk tier: {exc}") from exc
-    return DiskTier(store, layout)
+    lock = DirectoryLock.acquire(root / f"{namespace}.lock", root / namespace)
+    try:
+        store = DiskStore(root, namespace, params.capacity_bytes, fsync=params.fsync, level=params.compression_level)
+    except OSError as exc:
+        lock.release()
+        raise ConfigError(f"disk.path: cannot use {str(root)!r} as the KV disk tier: {exc}") from exc
+    except BaseException:
+        lock.release()
+        raise
+    return DiskTier(store, layout, lock)
 
 
 class DiskTierStage(ServiceBase):
@@ -152,12 +182,18 @@ class DiskTierStage(ServiceBase):
         fingerprint = await anyio.to_thread.run_sync(weights_fingerprint, loaded.path)
         model_id = f"{loaded.identity.hex()}.{fingerprint}/{Path(loaded.path).name}"
         self.disk = await anyio.to_thread.run_sync(open_disk_tier, self.params, model_id, layout)
-        ctx.provide("disk", self.disk)
-        ctx.log.info("disk.ready", directory=str(self.disk.store.directory), **{
-            k: v for k, v in self.disk.store.stats().items() if k in ("files", "bytes_on_disk", "corrupt_files", "swept_tmp_files")
-        })
-        task_status.started()
-        await anyio.sleep_forever()
+        try:
+            ctx.provide("disk", self.disk)
+            ctx.log.info("disk.ready", directory=str(self.disk.store.directory), **{
+                k: v for k, v in self.disk.store.stats().items() if k in ("files", "bytes_on_disk", "corrupt_files", "swept_tmp_files")
+            })
+            task_status.started()
+            await anyio.sleep_forever()
+        finally:
+            # the offload mover may still be finishing writes: the lock waits for them
+            self.disk.close()
+            ctx.log.info("disk.closed", directory=str(self.disk.store.directory),
+                         writes_under_way=self.disk.pending_writes, lock_released=not self.disk.lock.held)
 
     def stats(self) -> dict[str, Any]:
         disk = getattr(self, "disk", None)
