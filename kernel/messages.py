@@ -100,6 +100,13 @@ class SeqWork(msgspec.Struct, frozen=True):
     processors: tuple[Any, ...] = ()
     # prompt + generated tokens, only for requests with logits processors
     history: tuple[int, ...] = ()
+    # models with recurrent layers: the request's slot in the state pool; before this
+    # forward the slot is set from slot `state_from` if >= 0 (0: the zero slot, a
+    # checkpoint: a prefix hit); at each (position, slot) of `state_saves` (logical block
+    # boundaries of the prompt) the state is copied into that checkpoint slot
+    state_slot: int = -1
+    state_from: int = -1
+    state_saves: tuple[tuple[int, int], ...] = ()
 
 
 class Step(Message, frozen=True):

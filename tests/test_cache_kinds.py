@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import mlx.core as mx
-import pytest
 from mlx_lm.models import mamba
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
@@ -61,8 +60,14 @@ def test_attention_pool_takes_the_fill_it_is_given():
     assert bool(mx.isnan(pool_slab).all())
 
 
-def test_paged_pool_refuses_state_cache_models():
+def test_recurrent_layers_get_zeroed_state_slots():
+    """The paged pool serves recurrent models through state slots (stages/kv/state_pool.py),
+    allocated zeroed as needs_zeroing asks; attention KV stays masked, not zeroed."""
     from unikern.stages.execute.model import ModelGeometry
+    from unikern.stages.kv.state_pool import StatePool
 
-    with pytest.raises(NotImplementedError, match="must start zeroed"):
-        ModelGeometry(tiny_mamba())
+    geometry = ModelGeometry(tiny_mamba(), "mamba")
+    assert [s.kind for s in geometry.layers] == ["state", "state"] and geometry.has_state
+    pool = StatePool([s.state for s in geometry.layers])
+    pool.ensure_capacity(3)
+    assert all(not bool(mx.any(a)) for arrays in pool.arrays for a in arrays)

@@ -12,41 +12,88 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from unikern.stages.execute.thread import ModelThread
-from unikern.stages.kv.cache_kinds import needs_zeroing
 from unikern.stages.models import resolve_model_path
+
+# what each mlx-lm cache kind becomes on the paged pool
+PAGED_KINDS = {"KVCache": "full", "RotatingKVCache": "window", "ArraysCache": "state"}
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    """One entry of the model's cache list as the pool serves it: an attention layer
+    (full or windowed) reads and writes KV pool layer `index`; a recurrent layer keeps
+    its arrays in state-pool layer `index`."""
+
+    kind: str  # "full" | "window" | "state"
+    index: int
+    window: int | None = None  # tokens a windowed layer attends to, itself included
+    state: tuple[tuple[tuple[int, ...], mx.Dtype], ...] = ()  # per state array: shape without batch, dtype
 
 
 class ModelGeometry:
     """What the KV pool needs to know about a model, probed by running it once."""
 
-    def __init__(self, model: Any) -> None:
-        from mlx_lm.models.cache import KVCache, make_prompt_cache
+    def __init__(self, model: Any, family: str = "this model") -> None:
+        from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(model)
-        kinds = {type(c).__name__ for c in cache}
-        stateful = sorted(k for k in kinds if needs_zeroing(k))
-        if stateful:
+        kinds = [type(c).__name__ for c in cache]
+        missing = sorted({k for k in kinds if k not in PAGED_KINDS})
+        if missing:
             raise NotImplementedError(
-                f"this model keeps recurrent or quantized state ({', '.join(stateful)}), which "
-                "must start zeroed and needs state checkpoints per block; the paged pool "
-                "serves attention-only models (KVCache) so far"
+                f"{family}: the paged pool has no adapter for mlx-lm cache kinds {missing} yet "
+                f"(it serves {sorted(PAGED_KINDS)})"
             )
-        if any(type(c) is not KVCache for c in cache):
-            raise NotImplementedError(
-                f"this model uses cache kinds {sorted(kinds)} (e.g. sliding windows); the "
-                "paged pool serves full-attention KVCache models so far"
-            )
+        if any(getattr(c, "keep", 0) for c in cache):
+            raise NotImplementedError(f"{family}: rotating caches that keep their first tokens are not served yet")
         model(mx.array([[0]], dtype=mx.int32), cache=cache)
-        mx.eval([c.keys for c in cache])
-        shapes = {(c.keys.shape[1], c.keys.shape[3], c.values.shape[3]) for c in cache}
-        if len(shapes) != 1:
-            raise NotImplementedError(f"layers differ in KV shape {sorted(shapes)}; not supported yet")
-        (self.num_kv_heads, self.head_dim, value_dim), = shapes
-        if value_dim != self.head_dim:
-            raise NotImplementedError("keys and values of different widths are not supported yet")
-        self.num_layers = len(cache)
-        self.dtype = cache[0].keys.dtype
+        attention = [c for c in cache if kinds_of(c) != "state"]
+        mx.eval([c.state for c in cache])
+        shapes = {(c.keys.shape[1], c.keys.shape[3], c.values.shape[3]) for c in attention}
+        if len(shapes) > 1:
+            raise NotImplementedError(f"{family}: attention layers differ in KV shape {sorted(shapes)}; not supported yet")
+        if attention:
+            (self.num_kv_heads, self.head_dim, value_dim), = shapes
+            if value_dim != self.head_dim:
+                raise NotImplementedError(f"{family}: keys and values of different widths are not supported yet")
+            self.dtype = attention[0].keys.dtype
+        else:
+            # no attention at all: the pool keeps one token-sized placeholder layer, so the
+            # block books (prefix hashes, budgets) work unchanged; nothing reads it
+            self.num_kv_heads, self.head_dim, self.dtype = 1, 1, mx.float32
+        slots: list[LayerSlot] = []
+        counts = {"full": 0, "window": 0, "state": 0}
+        for c in cache:
+            kind = kinds_of(c)
+            index = counts["state"] if kind == "state" else counts["full"] + counts["window"]
+            counts[kind] += 1
+            if kind == "state":
+                state = tuple((tuple(a.shape[1:]), a.dtype) for a in c.cache)
+                slots.append(LayerSlot(kind, index, state=state))
+            else:
+                slots.append(LayerSlot(kind, index, window=c.max_size if kind == "window" else None))
+        self.layers = tuple(slots)
+        self.num_layers = max(1, len(attention))
+        self.num_state_layers = counts["state"]
+        self.family = family
 
+    @property
+    def is_plain(self) -> bool:
+        """Full attention in every layer: the paths built for that alone (compiled decode) apply."""
+        return all(s.kind == "full" for s in self.layers)
+
+    @property
+    def has_state(self) -> bool:
+        return self.num_state_layers > 0
+
+    def describe(self) -> dict[str, Any]:
+        kinds = [s.kind for s in self.layers]
+        return {"family": self.family, "layers": {k: kinds.count(k) for k in ("full", "window", "state") if k in kinds},
+                "windows": sorted({s.window for s in self.layers if s.window})}
+
+
+def kinds_of(cache: Any) -> str:
+    return PAGED_KINDS[type(cache).__name__]
 
 
 @dataclass
@@ -72,7 +119,7 @@ def load_model(name: str) -> LoadedModel:
     model, config = mlx_lm_load_model(path)
     weights = [w for _, w in tree_flatten(model.parameters())]
     mx.eval(weights)
-    geometry = ModelGeometry(model)
+    geometry = ModelGeometry(model, str(config.get("model_type", path.name)))
     digest = hashlib.blake2b(digest_size=16)
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     digest.update(str(geometry.dtype).encode())

@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from unikern.stages.execute import cpu_kernels
+from unikern.stages.execute.windows import window_mask, window_start
 from unikern.stages.kv.pool import KVPool
 
 SCRATCH_BLOCK = 1  # reserved: padded query positions write their keys/values here
@@ -147,12 +148,17 @@ def window_layout(
 
 
 class PagedLayerCache:
-    """What one attention layer sees as its cache during one forward."""
+    """What one attention layer sees as its cache during one forward. A windowed layer
+    (`window` tokens) reads from the first key its earliest query can see where the
+    layout allows it, and masks exactly at the window's edge."""
 
-    def __init__(self, pool: KVPool, layer: int, layout: BatchLayout, kernels: bool = False) -> None:
+    def __init__(
+        self, pool: KVPool, layer: int, layout: BatchLayout, kernels: bool = False, window: int | None = None
+    ) -> None:
         self.pool = pool
         self.layer = layer
         self.layout = layout
+        self.window = window
         self.head_major = False  # update_and_fetch returned [H, B, L, D] gathers, transposed
         if kernels:  # the routed SDPA of cpu_kernels calls this instead of mx.fast's
             self.cpu_attention = self.attention
@@ -163,14 +169,15 @@ class PagedLayerCache:
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         lay = self.layout
+        window = window_size or self.window
+        if window is not None:
+            return window_mask(lay, window, self.window)
         if lay.span is not None:
             L = lay.span[2]
         elif lay.read_slots is not None:
             L = lay.read_slots.shape[1]
         else:
             L = lay.num_tokens
-        if window_size is not None and L > window_size:
-            raise NotImplementedError("sliding-window attention is not supported on the paged pool yet")
         if return_array and isinstance(lay.mask, str):
             q = mx.arange(L - N, L)
             return q[:, None] >= mx.arange(L)[None]
@@ -187,7 +194,8 @@ class PagedLayerCache:
             # slice node to each of the 2 x layers writes of every token
             pool_k[:, base + start : base + end] = keys.reshape(H, T, D)
             pool_v[:, base + start : base + end] = values.reshape(H, T, D)
-            return pool_k[None, :, base : base + end], pool_v[None, :, base : base + end]
+            lo = base + window_start(start, self.window)
+            return pool_k[None, :, lo : base + end], pool_v[None, :, lo : base + end]
         # [B, H, T, D] -> [H, B*T, D], scattered into the slot axis in place
         pool_k[:, lay.write_slots] = keys.transpose(1, 0, 2, 3).reshape(H, B * T, D)
         pool_v[:, lay.write_slots] = values.transpose(1, 0, 2, 3).reshape(H, B * T, D)

@@ -14,8 +14,10 @@ from unikern.platform import blas
 from unikern.stages.execute.compiled import CompiledDecode
 from unikern.stages.execute.model import ModelGeometry
 from unikern.stages.execute.paged_cache import BatchLayout, DecodeWindow, PagedLayerCache
+from unikern.stages.execute.recurrent import StateLayerCache, prepare_states
 from unikern.stages.execute.sampling import sample_rows
 from unikern.stages.kv.pool import KVPool
+from unikern.stages.kv.state_pool import StatePool
 
 # (row of the logits, the row's processors, its tokens so far) for each row that has any
 ProcessorHook = Callable[[list[tuple[int, tuple[Any, ...], list[int]]], mx.array], None]
@@ -64,8 +66,17 @@ class ModelRunner:
         processors: ProcessorHook | None = None,
         cpu_kernels: bool = False,
         compile_decode: bool = False,
+        geometry: ModelGeometry | None = None,
     ) -> None:
         self.model = model
+        geometry = geometry or ModelGeometry(model)
+        # per cache entry: which pool layer and window; None: every layer full attention
+        self.layers = None if geometry.is_plain else geometry.layers
+        # recurrent layers' slots and checkpoints (ArraysCache models); None: none
+        self.states = StatePool([s.state for s in geometry.layers if s.kind == "state"]) if geometry.has_state else None
+        # right padding would run padded steps through recurrences, which not every
+        # mlx-lm family masks (nemotron-h does not): such models batch equal lengths only
+        self.padding_limit = 1.0 if self.states is not None else PREFILL_PADDING_LIMIT
         self.pool = pool
         self.apply_processors = processors
         self.num_layers = pool.num_layers
@@ -76,16 +87,27 @@ class ModelRunner:
 
             self.kernels = install(model, pool.dtype)
         # the CPU kernels evaluate arrays mid-forward, which a traced function cannot
-        self.compiled = CompiledDecode(model, self.num_layers) if compile_decode and not self.kernels["enabled"] else None
+        traceable = not self.kernels["enabled"] and self.layers is None
+        self.compiled = CompiledDecode(model, self.num_layers) if compile_decode and traceable else None
 
-    def _caches(self, layout: BatchLayout) -> list[PagedLayerCache]:
+    def _caches(self, layout: BatchLayout, slots: list[int] | None = None) -> list:
+        """The per-layer caches of one forward; `slots`: the rows' state slots."""
         kernels = self.kernels["enabled"]
-        return [PagedLayerCache(self.pool, i, layout, kernels) for i in range(self.num_layers)]
+        if self.layers is None:
+            return [PagedLayerCache(self.pool, i, layout, kernels) for i in range(self.num_layers)]
+        slot_array = mx.array(slots) if self.states is not None else None
+        return [
+            StateLayerCache(self.states, s.index, slot_array) if s.kind == "state"
+            else PagedLayerCache(self.pool, s.index, layout, kernels, s.window)
+            for s in self.layers
+        ]
 
-    def _logits(self, rows: list[tuple[tuple[int, ...], int, int]], tokens: list[list[int]]) -> mx.array:
+    def _logits(
+        self, rows: list[tuple[tuple[int, ...], int, int]], tokens: list[list[int]], slots: list[int] | None = None
+    ) -> mx.array:
         """One forward over right-padded rows; logits [B, vocab] at each row's last token."""
         layout = BatchLayout.build(self.pool, rows)
-        caches = self._caches(layout)
+        caches = self._caches(layout, slots)
         T = layout.num_tokens
         inputs = mx.array([t + [0] * (T - len(t)) for t in tokens], dtype=mx.int32)
         if T == 1:
@@ -103,9 +125,14 @@ class ModelRunner:
         small = sum(len(w.token_ids) for w in step.work) < SINGLE_THREAD_TOKENS
         previous = blas.set_num_threads(1) if small else None
         try:
-            if step.num_steps > 1:
-                return self._run_lookahead(step, seeds)
-            return self._run_once(step, seeds)
+            if self.states is None:
+                return self._run_lookahead(step, seeds) if step.num_steps > 1 else self._run_once(step, seeds)
+            # restore slots and save checkpoints inside chunks before, the chunks' ends after
+            step, after = prepare_states(self.states, step, lambda piece: self._run_once(piece, seeds))
+            done = self._run_lookahead(step, seeds) if step.num_steps > 1 else self._run_once(step, seeds)
+            self.states.copy(after)
+            mx.eval(self.states.arrays)
+            return done
         finally:
             if previous is not None:
                 blas.set_num_threads(previous)
@@ -118,7 +145,7 @@ class ModelRunner:
             group = groups[-1] if groups and len(groups[-1][0].token_ids) > 1 else None
             if group is not None:
                 fed = sum(len(x.token_ids) for x in group) + len(w.token_ids)
-                if len(group[0].token_ids) * (len(group) + 1) <= PREFILL_PADDING_LIMIT * fed:
+                if len(group[0].token_ids) * (len(group) + 1) <= self.padding_limit * fed:
                     group.append(w)
                     continue
             groups.append([w])
@@ -126,7 +153,7 @@ class ModelRunner:
         order: list[m.SeqWork] = []
         for group in groups:
             rows = [(w.block_table, w.start_pos, len(w.token_ids)) for w in group]
-            logits = self._logits(rows, [list(w.token_ids) for w in group])
+            logits = self._logits(rows, [list(w.token_ids) for w in group], [w.state_slot for w in group])
             if all(w.sample for w in group):
                 logits_rows.append(logits)
                 order.extend(group)
@@ -173,7 +200,8 @@ class ModelRunner:
                     layout = window.step(i)
                 else:
                     layout = BatchLayout.build(self.pool, [(w.block_table, w.start_pos + i, 1) for w in work])
-                logits = self.model(inputs[:, None], cache=self._caches(layout))[:, -1, :]
+                caches = self._caches(layout, [w.state_slot for w in work])
+                logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
             params = [(w.params, seeds.get(w.request_id, 0), w.num_generated + i) for w in work]
             inputs = sample_rows(logits, params)
             mx.async_eval(inputs)
@@ -193,16 +221,21 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
     pool = KVPool(num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
                   dtype=geometry.dtype, block_size=block_size, kernel_block_size=block_size, num_blocks=10,
                   slab_blocks=10)
-    runner = ModelRunner(model, pool, None, cpu_kernels, compile_decode)
+    runner = ModelRunner(model, pool, None, cpu_kernels, compile_decode, geometry)
     params = m.SamplingParams(max_tokens=16)
     tables = {"a": (2, 3, 4, 5), "b": (6, 7, 8, 9)}
+    slots = {"a": 1, "b": 2}  # state slots (recurrent models), zeroed by the first step
     prompts = {"a": tuple(range(1, 25)), "b": tuple(range(1, 11))}  # ids every vocabulary has
     start = time.perf_counter()
-    first = runner.run(m.Step(0, tuple(m.SeqWork(r, p, 0, tables[r], True, params) for r, p in prompts.items()), 1), {})
+    first = runner.run(m.Step(0, tuple(
+        m.SeqWork(r, p, 0, tables[r], True, params, state_slot=slots[r], state_from=0) for r, p in prompts.items()
+    ), 1), {})
 
     def window(rows: list[str], steps: int) -> m.Step:
         work = tuple(
-            m.SeqWork(r, (first[r][0],), len(prompts[r]), tables[r], True, params, num_generated=1) for r in rows
+            m.SeqWork(r, (first[r][0],), len(prompts[r]), tables[r], True, params, num_generated=1,
+                      state_slot=slots[r])
+            for r in rows
         )
         return m.Step(1, work, steps)
 

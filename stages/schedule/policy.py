@@ -7,9 +7,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from unikern import messages as m
 from unikern.stages.kv.blocks import BlockManager, OutOfBlocks, block_hash
+from unikern.stages.schedule.states import StateTracker
+
+if TYPE_CHECKING:
+    from unikern.stages.execute.model import ModelGeometry
 
 
 @dataclass
@@ -65,8 +70,12 @@ class Scheduler:
         max_prefill_chunk: int | None = None,
         decode_lookahead_max: int | None = None,
         max_waiting: int | None = None,
+        geometry: ModelGeometry | None = None,
     ) -> None:
         self.blocks = blocks
+        # models with recurrent layers (execute.model.ModelGeometry.has_state): state slots
+        # and their checkpoints at block boundaries; None for attention-only models
+        self.states = StateTracker(blocks, max_num_seqs) if geometry is not None and geometry.has_state else None
         # admission bound: requests queued beyond it are refused as overloaded (None: no bound)
         self.max_waiting = max_waiting
         self.num_refused_overloaded = 0
@@ -153,6 +162,8 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------
 
     def schedule(self) -> m.Step | None:
+        if self.states is not None:  # the previous step is back: its checkpoints count now
+            self.states.flush(self.by_id)
         budget = self.max_num_batched_tokens
         work: list[m.SeqWork] = []
         scheduled: set[str] = set()
@@ -237,15 +248,20 @@ class Scheduler:
             num_generated=seq.num_generated,
             processors=seq.processors,
             history=tuple(seq.tokens) if seq.processors and start + chunk == len(seq.tokens) else (),
+            **(self.states.fields(seq, start, chunk) if self.states is not None else {}),
         )
 
     def _admit(self, seq: Sequence) -> bool:
         # always compute at least the last token: its logits give the next one
         max_cached = len(seq.tokens) - 1
+        if self.states is not None:  # only as far as a state checkpoint reaches
+            max_cached = self.states.limit_cached(seq.tokens, max_cached)
         try:
             seq.blocks, cached = self.blocks.allocate_prompt(seq.tokens, max_cached)
         except OutOfBlocks:
             return False
+        if self.states is not None:
+            self.states.admit(seq, cached)
         seq.num_computed = cached
         seq.block_hashes = self.blocks.prefix_hashes(seq.tokens)[: cached // self.blocks.block_size]
         if seq.cached_tokens is None:
@@ -280,6 +296,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        if self.states is not None:
+            self.states.release(seq.request_id)
         self.blocks.free(seq.blocks)
         seq.blocks = []
         seq.block_hashes = []
@@ -345,6 +363,8 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             self.blocks.free(seq.blocks)
+            if self.states is not None:
+                self.states.release(seq.request_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq.pinned)

@@ -72,6 +72,7 @@ class ScheduleStage(StageBase):
             decode_lookahead_max=self.params.decode_lookahead_max,
             max_prefill_chunk=self.params.max_prefill_chunk,
             max_waiting=self.params.waiting_limit(),
+            geometry=loaded.geometry,
         )
         self.in_flight: m.Step | None = None
         self.setup(ctx)
