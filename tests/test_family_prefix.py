@@ -1,0 +1,64 @@
+"""Prefix caching for sliding-window and hybrid recurrent models: 16 requests sharing a
+600-token prefix are served from cache (attention blocks, and for recurrent layers the
+state checkpoint at the last shared block boundary), with mlx-lm's greedy tokens; a
+windowed model's prefix comes back from the disk tier after a restart."""
+
+from __future__ import annotations
+
+import pytest
+
+import unikern
+from tests.conftest import compare_greedy, complete_all, reference_greedy
+from tests.test_families import family_model
+
+pytestmark = pytest.mark.anyio
+
+PREFIX = [(11 * j) % 1000 + 7 for j in range(600)]
+PROMPTS = [PREFIX + [20 + i, 30 + i] for i in range(16)]
+MAX_TOKENS = 8
+OVERRIDES = {
+    "kv": {"kv_budget_bytes": 32 << 20, "block_size": 256},
+    "schedule": {"max_num_batched_tokens": 512, "max_num_seqs": 8},  # slots get reused
+}
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3-next", "nemotron-h"])
+async def test_shared_600_token_prefix_is_served_from_cache(family):
+    path = family_model(family)
+    async with unikern.Engine.from_pipeline("generate", model=path, overrides=OVERRIDES) as engine:
+        results = await complete_all(engine, PROMPTS, MAX_TOKENS)
+    cached = [r.usage.cached_tokens for r in results]
+    assert sum(cached) >= 15 * 512, cached
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        ok, note = compare_greedy(result.token_ids, reference_greedy(path, prompt, MAX_TOKENS))
+        assert ok, f"{family}, cached {result.usage.cached_tokens}: {note}"
+
+
+async def test_recurrent_prefix_hit_stops_at_the_last_checkpoint():
+    """A prompt that shares 1.5 blocks with an earlier one reuses one block and the state
+    checkpoint at its end, not the half block (a recurrent state cannot be trimmed)."""
+    path = family_model("qwen3-next")
+    first = PREFIX[:384] + [3, 4, 5]
+    second = PREFIX[:384] + [9, 8, 7, 6]
+    overrides = {"kv": {"kv_budget_bytes": 32 << 20, "block_size": 128}}
+    async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
+        a = await engine.complete(prompt_tokens=first, max_tokens=4)
+        b = await engine.complete(prompt_tokens=second, max_tokens=4)
+    assert (a.usage.cached_tokens, b.usage.cached_tokens) == (0, 384)
+    for prompt, result in ((first, a), (second, b)):
+        ok, note = compare_greedy(result.token_ids, reference_greedy(path, prompt, 4))
+        assert ok, note
+
+
+async def test_windowed_prefix_comes_back_from_disk_after_a_restart(tmp_path):
+    path = family_model("gpt-oss")
+    prompt = PREFIX + [42]
+    overrides = {"kv": {"kv_budget_bytes": 32 << 20, "host_bytes": 0}, "disk": {"path": str(tmp_path / "kv")}}
+    runs = []
+    for _ in range(2):  # the second engine starts with only the disk tier warm
+        async with unikern.Engine.from_pipeline("generate-offload", model=path, overrides=overrides) as engine:
+            runs.append(await engine.complete(prompt_tokens=prompt, max_tokens=MAX_TOKENS))
+    assert runs[0].usage.cached_tokens == 0 and runs[1].usage.cached_tokens == 512
+    assert runs[1].token_ids == runs[0].token_ids
+    ok, note = compare_greedy(runs[1].token_ids, reference_greedy(path, prompt, MAX_TOKENS))
+    assert ok, note
