@@ -34,19 +34,24 @@ async def test_shared_600_token_prefix_is_served_from_cache(family):
         assert ok, f"{family}, cached {result.usage.cached_tokens}: {note}"
 
 
-async def test_recurrent_prefix_hit_stops_at_the_last_checkpoint():
-    """A prompt that shares 1.5 blocks with an earlier one reuses one block and the state
-    checkpoint at its end, not the half block (a recurrent state cannot be trimmed)."""
+async def test_recurrent_prefix_hit_restores_the_last_checkpoint():
+    """Checkpoints are taken where a prompt crosses a block boundary, not where decoding
+    does. A prompt sharing two blocks restores the state after them and computes two
+    tokens; one whose KV blocks hit three blocks through the first answer reuses two,
+    the last ones whose end has a state checkpoint."""
     path = family_model("qwen3-next")
-    first = PREFIX[:384] + [3, 4, 5]
-    second = PREFIX[:384] + [9, 8, 7, 6]
+    first = PREFIX[:256] + [3]
     overrides = {"kv": {"kv_budget_bytes": 32 << 20, "block_size": 128}}
     async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
-        a = await engine.complete(prompt_tokens=first, max_tokens=4)
-        b = await engine.complete(prompt_tokens=second, max_tokens=4)
-    assert (a.usage.cached_tokens, b.usage.cached_tokens) == (0, 384)
-    for prompt, result in ((first, a), (second, b)):
-        ok, note = compare_greedy(result.token_ids, reference_greedy(path, prompt, 4))
+        a = await engine.complete(prompt_tokens=first, max_tokens=140)
+        second = PREFIX[:256] + [9, 8]
+        third = first + a.token_ids + [7]
+        b = await engine.complete(prompt_tokens=second, max_tokens=8)
+        c = await engine.complete(prompt_tokens=third, max_tokens=8)
+    assert len(a.token_ids) == 140
+    assert [r.usage.cached_tokens for r in (a, b, c)] == [0, 256, 256]
+    for prompt, result in ((first, a), (second, b), (third, c)):
+        ok, note = compare_greedy(result.token_ids, reference_greedy(path, prompt, len(result.token_ids)))
         assert ok, note
 
 
