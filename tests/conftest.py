@@ -46,13 +46,23 @@ def reference_greedy(path: str, prompt_tokens: list[int], max_tokens: int) -> Re
     return greedy_reference(*_REFERENCE_MODELS[path], prompt_tokens, max_tokens)
 
 
+# A near-tie (mlx-lm's own top two within NEAR_TIE where our token differs) is the one
+# allowed difference, but each is counted: more than this many in one test fails it, as
+# a drift that keeps landing on near-ties is a bug. Every one is listed after the run.
+MAX_NEAR_TIES_PER_TEST = 2
+_near_ties: list[str] = []  # the running test's
+_all_near_ties: list[tuple[str, str]] = []  # (test id, note) for the summary
+
+
 def compare_greedy(ours: list[int], ref: Reference) -> tuple[bool, str]:
-    """(passed, note): a near-tie difference passes with a note (unikern.testing.reference)."""
+    """(passed, note): a near-tie difference passes, and is counted (`near_tie_budget`)."""
     row = compare(ours, ref)
     if row["result"] == "exact":
         return True, ""
     if row["result"] == "near-tie":
-        return True, f"near-tie at step {row['step']} (margin {row['margin']:.2e}): {row['ours']} vs {row['mlx_lm']}"
+        note = f"near-tie at step {row['step']} (margin {row['margin']:.2e}): {row['ours']} vs {row['mlx_lm']}"
+        _near_ties.append(note)
+        return True, note
     if "why" in row:
         return False, f"lengths differ: ours {row['ours_len']}, mlx-lm {row['mlx_lm_len']}"
     return False, f"step {row['step']}: ours {row['ours']}, mlx-lm {row['mlx_lm']} (margin {row['margin']:.3f})"
@@ -77,3 +87,22 @@ async def complete_all(engine, prompts: list[list[int]], max_tokens: int) -> lis
         for i in range(len(prompts)):
             tg.start_soon(one, i)
     return results
+
+
+@pytest.fixture(autouse=True)
+def near_tie_budget(request):
+    """Fails a test whose greedy comparisons met more than MAX_NEAR_TIES_PER_TEST near-ties."""
+    _near_ties.clear()
+    yield
+    found = list(_near_ties)
+    _all_near_ties.extend((request.node.nodeid, note) for note in found)
+    assert len(found) <= MAX_NEAR_TIES_PER_TEST, (
+        f"{len(found)} near-ties in one test (at most {MAX_NEAR_TIES_PER_TEST}): {found}"
+    )
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _all_near_ties:
+        terminalreporter.section(f"near-ties: {len(_all_near_ties)} (allowed differences, counted)")
+        for nodeid, note in _all_near_ties:
+            terminalreporter.write_line(f"{nodeid}: {note}")

@@ -82,9 +82,8 @@ def runs(
             "0.9",
         ],
         "missing_model": ["run", "--model", str(empty), "--prompt", PROMPT, "--max-tokens", "2"],
+        "default_model": ["run", "--prompt", PROMPT, "--max-tokens", "8"],
     }
-    if DEFAULT_MODEL_CONFIG.is_file():
-        invocations["default_model"] = ["run", "--prompt", PROMPT, "--max-tokens", "8"]
     procs = {
         name: subprocess.Popen(
             [*unikern_cmd(), *args],
@@ -134,10 +133,8 @@ def test_run_takes_a_named_pipeline_and_sampling_options(runs) -> None:
 
 
 def test_run_without_model_uses_the_embedded_default(runs) -> None:
-    if "default_model" not in runs:
-        pytest.skip(
-            f"the embedded default model is not there yet ({DEFAULT_MODEL_CONFIG} is missing)"
-        )
+    # committed with the package: its absence is a regression, never a skip
+    assert DEFAULT_MODEL_CONFIG.is_file(), f"the embedded default model is missing ({DEFAULT_MODEL_CONFIG})"
     result = runs["default_model"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip()

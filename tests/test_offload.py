@@ -403,8 +403,6 @@ async def test_memory_pressure_host_tier_parity_and_more_cached_tokens(tiny_llam
     for i, result in enumerate(with_host):
         ok, why = compare_greedy(result.token_ids, reference_greedy(tiny_llama, prompts[i], 6))
         assert ok, f"request {i}: {why}"
-        if why:
-            print(f"request {i}: {why}")
     cached = [sum(r.usage.cached_tokens for r in results) for results in (without, with_host)]
     assert cached[1] > cached[0], cached
     host = stats["tiers"]["host"]

@@ -1,8 +1,6 @@
-"""Second correctness reference: mlx-lm logits agree with Hugging Face transformers.
-
-Both libraries load the same checkpoint dir. If this passes, any engine output that
-matches mlx-lm also matches an independent implementation of each model family.
-"""
+"""Second correctness reference: transformers' float32 logits on the same checkpoint,
+against mlx-lm's and against unikern's own paged, batched forward (ModelRunner, CPU
+kernels, chunked prefill, a prefix-cache hit), within 1e-4 of the largest |logit|."""
 
 from __future__ import annotations
 
@@ -121,3 +119,113 @@ def test_bfloat16_compute_is_close_to_transformers(bfloat16_case) -> None:
     assert relative_error(actual, expected) < BFLOAT16_TOLERANCE
     # Loose in value, but the model's prediction must mostly agree.
     assert (actual.argmax(-1) == expected.argmax(-1)).mean() > 0.8
+
+
+# ---- unikern's own paged, batched forward against transformers -----------------------
+
+BLOCK, KERNEL_BLOCK = 32, 16  # a logical block is two kernel blocks: block tables expand
+TAIL = 8  # positions of each row decoded one token at a time after its prefill
+
+
+class LogitsRecorder:
+    """A logits processor that keeps a copy of its row (a zero-copy torch view of the
+    logits the runner samples from), keyed by the position it predicts from."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, np.ndarray] = {}
+
+    def __call__(self, token_ids: list[int], row: torch.Tensor) -> None:
+        self.rows[len(token_ids) - 1] = row.numpy().copy()
+
+
+def paged_runner(model_dir: Path):
+    from unikern.platform import shared_bridge
+    from unikern.platform.bridge import apply_torch_logits_processors
+    from unikern.stages.execute.model import ModelGeometry
+    from unikern.stages.execute.runner import ModelRunner
+    from unikern.stages.kv.pool import KVPool
+
+    model, _ = mlx_lm.load(str(model_dir))
+    geo = ModelGeometry(model)
+    pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
+                  dtype=geo.dtype, block_size=BLOCK, kernel_block_size=KERNEL_BLOCK, num_blocks=32,
+                  slab_blocks=32)
+
+    def hook(rows, logits) -> None:  # what the execute stage hands the runner
+        apply_torch_logits_processors(logits, rows, shared_bridge())
+
+    return ModelRunner(model, pool, hook, cpu_kernels=True)
+
+
+def paged_logits(model_dir: Path, rows: dict[str, list[int]], shared: dict[str, tuple[str, int]]) -> dict:
+    """Each row's logits at its last TAIL + 1 positions, from ModelRunner steps: one
+    batched step of prefills (row "long" in two chunks, the first without a sample),
+    then prefills mixed with decodes, then batched decodes fed each row's own next token
+    (teacher forcing). `shared` maps a row to (row, tokens) whose blocks it starts with:
+    a prefix-cache hit, its prefill starting after them."""
+    from unikern import messages as m
+    from unikern.stages.kv.service import RESERVED_BLOCKS
+
+    runner = paged_runner(model_dir)
+    assert runner.kernels["enabled"], runner.kernels  # the CPU kernels are on this path
+    params = m.SamplingParams(max_tokens=64)
+    tables, next_block = {}, RESERVED_BLOCKS  # the zero block and the padding scratch
+    for rid, tokens in rows.items():
+        own = -(-len(tokens) // BLOCK)
+        prefix: tuple[int, ...] = ()
+        if rid in shared:
+            donor, num_tokens = shared[rid]
+            prefix = tables[donor][: num_tokens // BLOCK]
+        tables[rid] = prefix + tuple(range(next_block, next_block + own - len(prefix)))
+        next_block += own - len(prefix)
+    recorders = {rid: LogitsRecorder() for rid in rows}
+    done = {rid: shared[rid][1] if rid in shared else 0 for rid in rows}  # positions in the pool
+
+    def work(rid: str, stop: int, sample: bool = True) -> m.SeqWork:
+        tokens = rows[rid]
+        start, done[rid] = done[rid], stop
+        return m.SeqWork(rid, tuple(tokens[start:stop]), start, tables[rid], sample, params,
+                         processors=(recorders[rid],), history=tuple(tokens[:stop]) if sample else ())
+
+    first = [work(r, len(t) - TAIL) for r, t in rows.items() if r not in shared and r != "long"]
+    first.append(work("long", 24, sample=False))
+    steps = [first, [work(r, len(rows[r]) - TAIL) for r in [*shared, "long"]]]
+    steps[1] += [work(w.request_id, done[w.request_id] + 1) for w in first if w.sample]
+    for i, step in enumerate(steps):
+        runner.run(m.Step(i, tuple(step)), {})
+    while pending := [r for r in rows if done[r] < len(rows[r])]:
+        runner.run(m.Step(len(steps), tuple(work(r, done[r] + 1) for r in pending)), {})
+    return {rid: rec.rows for rid, rec in recorders.items()}
+
+
+def test_paged_batched_forward_with_cpu_kernels_matches_transformers(float32_case) -> None:
+    """unikern's ModelRunner (paged pool, block-size translation, CPU kernels, batched
+    rows of different lengths, chunked prefill, a prefix-cache hit) gives transformers'
+    logits within FLOAT32_TOLERANCE of each row's largest |logit|, at every position it
+    samples from."""
+    model_dir, ids, _ = float32_case
+    rows = {
+        "a": ids,
+        "b": ids[::-1][:21],
+        "hit": ids[:BLOCK] + ids[-15:],  # starts with a's first block, already in the pool
+        "long": ids + ids[:20],
+    }
+    assert len(ids) > BLOCK + TAIL
+    ours = paged_logits(model_dir, rows, shared={"hit": ("a", BLOCK)})
+    for rid, tokens in rows.items():
+        expected = hf_logits(model_dir, tokens)
+        positions = sorted(ours[rid])
+        assert positions == list(range(len(tokens) - TAIL - 1, len(tokens))), (rid, positions)
+        actual = np.stack([ours[rid][p] for p in positions])
+        error = relative_error(actual, expected[positions])
+        assert error < FLOAT32_TOLERANCE, f"row {rid!r}: relative error {error:.2e}"
+
+
+def test_paged_comparison_catches_a_wrong_prefix_block(float32_case) -> None:
+    model_dir, ids, _ = float32_case
+    rows = {"a": ids, "b": ids[::-1][:21], "hit": ids[:BLOCK] + ids[-15:], "long": ids + ids[:20]}
+    ours = paged_logits(model_dir, rows, shared={"hit": ("b", BLOCK)})  # b's block, not a's
+    expected = hf_logits(model_dir, rows["hit"])
+    positions = sorted(ours["hit"])
+    actual = np.stack([ours["hit"][p] for p in positions])
+    assert relative_error(actual, expected[positions]) > 10 * FLOAT32_TOLERANCE
