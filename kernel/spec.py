@@ -12,6 +12,7 @@ import msgspec
 
 from unikern import messages as m
 from unikern.errors import ConfigError
+from unikern.frontends.http.params import check_server_section
 from unikern.registry import resolve, stage_types
 
 # What the engine facade injects and what it collects: the pipeline's two open ends.
@@ -148,6 +149,7 @@ def parse_pipeline(
     if not isinstance(server, dict):
         problems.append(f"$.server: expected a mapping of server settings, got {type(server).__name__}")
         server = {}
+    problems += check_server_section(server)
 
     overrides = dict(overrides or {})
     for stage_name in overrides:

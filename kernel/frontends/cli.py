@@ -1,4 +1,4 @@
-"""`unikern run | worker | validate`: the command-line front door."""
+"""`unikern run | worker | serve | validate`: the command-line front door."""
 
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="serve the NDJSON protocol on stdin/stdout")
     _common(worker)
     worker.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM/SIGINT, wait this long for requests in flight")
+    serve = sub.add_parser("serve", help="serve the OpenAI and Anthropic HTTP APIs (settings: the file's server: section)")
+    _common(serve)
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (default 8000; 0 picks a free one)")
+    serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` or `x-api-key: KEY` on /v1/*")
+    serve.add_argument("--drain-seconds", type=float, help="on SIGTERM/SIGINT, wait this long for requests in flight (default 30)")
     validate = sub.add_parser("validate", help="check a pipeline file; print every problem")
     validate.add_argument("pipeline")
     return parser
@@ -45,6 +51,25 @@ def _engine_factory(args: argparse.Namespace):
 
     spec = load_pipeline(args.pipeline, model=args.model, overrides=parse_overrides(args.overrides))
     return lambda: Engine(spec)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from unikern.engine import Engine
+    from unikern.frontends.http.params import server_params
+    from unikern.frontends.http.server import HTTPServer
+    from unikern.spec import load_pipeline, parse_overrides
+
+    spec = load_pipeline(args.pipeline, model=args.model, overrides=parse_overrides(args.overrides))
+    params = server_params(spec.server).with_overrides(
+        host=args.host, port=args.port, api_key=args.api_key, drain_seconds=args.drain_seconds
+    )
+    # the model as given (--model, or the file's), or `default`: what /v1/models reports
+    given = next((stage.params["model"] for stage in spec.stages.values() if "model" in stage.params), "default")
+    server = HTTPServer(
+        lambda: Engine(spec), params, params.served_model_name or str(given),
+        announce=lambda line: print(f"unikern: {line}", file=sys.stderr, flush=True),
+    )
+    return anyio.run(lambda: server.run(handle_signals=True), backend="asyncio")
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -95,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
             factory = _engine_factory(args)
             return anyio.run(lambda: run_worker(factory, drain_seconds=args.drain_seconds))
+        if args.command == "serve":
+            return _serve(args)
     except ConfigError as exc:
         print(f"unikern: {exc}", file=sys.stderr if args.command != "validate" else sys.stdout)
         return 1 if args.command == "validate" else 2
