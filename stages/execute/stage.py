@@ -86,7 +86,7 @@ class MLXExecuteStage(StageBase):
             await serve_inbox(ctx, handle)
         finally:
             wiring.unwire()
-            thread.shutdown()
+            await thread.aclose()
 
     def stats(self) -> dict[str, Any]:
         loaded = getattr(self, "loaded", None)
