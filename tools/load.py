@@ -5,6 +5,8 @@
         --plot load.png --json load.json
     # the reliability check of issue 6: 2000 bad lines among 200 valid requests
     python tools/load.py --mode bad-lines --bad 2000 --requests 200 --set schedule.max_num_seqs=32
+    # in-process Engine, 5% of requests with a raising logits processor (tools/load_library.py)
+    python tools/load.py --mode library --requests 1000 --raising-processors 0.05 --set schedule.max_num_seqs=32
 
 Reports completions, errors, cancellations, latency percentiles (time to first token,
 total), throughput and the worker's resident memory over time (sampled every 0.5 s).
@@ -505,7 +507,7 @@ def print_report(summary: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model directory (default: the tiny-llama test model)")
-    parser.add_argument("--mode", choices=("mixed", "bad-lines"), default="mixed")
+    parser.add_argument("--mode", choices=("mixed", "bad-lines", "library"), default="mixed")
     parser.add_argument("--requests", type=int, default=2000, help="valid requests (bad-lines mode: 200 is the issue's check)")
     parser.add_argument("--bad", type=int, help="bad lines interleaved (default: 10%% of requests; bad-lines mode: 2000)")
     parser.add_argument("--concurrency", type=int, default=32)
@@ -515,12 +517,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", help="write a PNG report here")
     parser.add_argument("--json", help="write the JSON summary here")
     parser.add_argument("--stderr", help="keep the worker's stderr in this file")
+    parser.add_argument("--raising-processors", type=float, default=0.05, metavar="FRACTION",
+                        help="library mode: this fraction of requests carry a logits processor that raises")
+    parser.add_argument("--no-check", action="store_true", help="library mode: skip the mlx-lm token check")
     args = parser.parse_args(argv)
     model = args.model
     if model is None:
         from unikern.testing.modelgen import cached_model
 
         model = str(cached_model("tiny-llama"))
+    if args.mode == "library":
+        return _library(args, model)
     bad = args.bad if args.bad is not None else (2000 if args.mode == "bad-lines" else args.requests // 10)
     summary = run(
         model, mode=args.mode, num_requests=args.requests, num_bad=bad, concurrency=args.concurrency,
@@ -528,6 +535,21 @@ def main(argv: list[str] | None = None) -> int:
         plot=args.plot, stderr_path=Path(args.stderr) if args.stderr else None,
     )
     print_report(summary)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    return 0 if summary["passed"] else 1
+
+
+def _library(args: argparse.Namespace, model: str) -> int:
+    try:
+        from tools.load_library import print_library_report, run_library
+    except ImportError:  # run as a script: tools/ itself is on sys.path
+        from load_library import print_library_report, run_library
+
+    summary = run_library(model, num_requests=args.requests, concurrency=args.concurrency,
+                          raising_fraction=args.raising_processors, seed=args.seed, sets=args.sets,
+                          check=not args.no_check)
+    print_library_report(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
     return 0 if summary["passed"] else 1
