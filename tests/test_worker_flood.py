@@ -18,9 +18,9 @@ from tools.load import RssSampler, WorkerClient
 
 MiB = 1 << 20
 MAX_WAITING = 32
-PROMPT_TOKENS = 400  # ~14 KiB of Python ints per request held anywhere, so a leak shows
-# the peak of the 10,000 flood may pass the 2,000 flood's by at most this: under 12 KiB
-# for each of the 8,000 extra requests (measured: -8..+26 MiB between such runs)
+PROMPT_TOKENS = 400  # ~14 KiB of Python ints per request: keeping each prompt would show
+# the peak of the 10,000 flood may pass the 2,000 flood's by at most this, 12 KiB for each
+# of the 8,000 extra requests (measured +26..+46 MiB: MLX's cache meets more step shapes)
 RSS_MARGIN_BYTES = 96 * MiB
 NEVER_ENDS_S = 240  # a deadlock detector (the 10,000 take ~15 s), not a speed claim
 
