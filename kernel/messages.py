@@ -73,6 +73,9 @@ class Tokenized(Message, frozen=True):
     prompt_tokens: tuple[int, ...]
     params: SamplingParams
     processors: tuple[Any, ...] = ()
+    # the request's own grammar matcher (response_format, compiled by tokenize); advanced
+    # on the model thread with each sampled token, by reference like the processors
+    grammar: Any = None
 
 
 class Abort(Message, frozen=True):
@@ -98,8 +101,9 @@ class SeqWork(msgspec.Struct, frozen=True):
     # generated so far (needed by seeded sampling and logits processors)
     num_generated: int = 0
     processors: tuple[Any, ...] = ()
-    # prompt + generated tokens, only for requests with logits processors
+    # prompt + generated tokens, only for requests with logits processors or penalties
     history: tuple[int, ...] = ()
+    grammar: Any = None  # Tokenized.grammar
     # models with recurrent layers: the request's slot in the state pool; before this
     # forward the slot is set from slot `state_from` if >= 0 (0: the zero slot, a
     # checkpoint: a prefix hit); at each (position, slot) of `state_saves` (logical block
@@ -117,12 +121,30 @@ class Step(Message, frozen=True):
     num_steps: int = 1
 
 
+class TopLogprob(msgspec.Struct, frozen=True):
+    token_id: int
+    logprob: float
+
+
+class Logprobs(msgspec.Struct, frozen=True):
+    """One sampled token's log-probability and the most likely tokens, best first."""
+
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
 class StepDone(Message, frozen=True):
     step_id: int
     # request_id -> sampled token ids (one per step of a lookahead run), for every
-    # SeqWork with sample=True
+    # SeqWork with sample=True that did not fail
     sampled: dict[str, list[int]]
-    error: str | None = None
+    # request_id -> one report per sampled token, for requests that asked (logprobs)
+    logprobs: dict[str, list[Logprobs]] = {}
+    # request_id -> why that request alone failed in this step (its logits processor,
+    # grammar matcher or sampler): it ends with an error, the others go on
+    failed: dict[str, str] = {}
+    # requests whose grammar completed with their last sampled token
+    stopped: tuple[str, ...] = ()
 
 
 # ---- schedule <-> offload: moving blocks between tiers -------------------------------
@@ -175,12 +197,16 @@ class TokenOut(Message, frozen=True):
     last: bool = False
     # the request's stop strings, sent with its first token only
     stop: tuple[str, ...] = ()
+    logprob: float | None = None  # only for requests that asked
+    top_logprobs: tuple[TopLogprob, ...] | None = None
 
 
 class Finished(Message, frozen=True):
     request_id: str
     reason: FinishReason
     usage: Usage
+    # reason "error": why the request failed alone (an `error` event, code processor_failed)
+    error: str | None = None
 
 
 class StepOutput(Message, frozen=True):
@@ -196,11 +222,6 @@ class StepOutput(Message, frozen=True):
 
 class EventBase(msgspec.Struct, frozen=True, tag_field="event"):
     """Base of the events callers see; `event` is the tag, as in the worker protocol."""
-
-
-class TopLogprob(msgspec.Struct, frozen=True):
-    token_id: int
-    logprob: float
 
 
 class TokenEvent(EventBase, frozen=True, tag="token", omit_defaults=True):

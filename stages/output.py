@@ -110,13 +110,19 @@ class OutputStage(StageBase):
                 text = stream.add(token.token_id)
                 if token.last:
                     text += stream.finish()
-                events.append(m.TokenEvent(id=rid, token_id=token.token_id, text=text))
+                events.append(m.TokenEvent(
+                    id=rid, token_id=token.token_id, text=text,
+                    logprob=token.logprob, top_logprobs=token.top_logprobs,
+                ))
                 if stream.stopped:
                     stopped.add(rid)
                     aborts.append(rid)
             for done in output.finished:
                 rid, reason, usage = done.request_id, done.reason, done.usage
                 stream = streams.pop(rid, None)
+                if done.error is not None and rid not in stopped:  # this request failed alone
+                    events.append(m.ErrorEvent(id=rid, code="processor_failed", message=done.error))
+                    continue
                 if rid in stopped:
                     stopped.discard(rid)
                     reason = "stop"

@@ -7,6 +7,7 @@ from typing import Any
 from unikern import messages as m
 from unikern.errors import RequestError
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
+from unikern.stages.execute.structured import GrammarCompiler
 from unikern.stages.models import DEFAULT_MODEL, resolve_model_path
 
 
@@ -56,6 +57,9 @@ class PromptEncoder:
             tokens = self._encode_text(request.prompt)
         if not tokens:
             raise RequestError("the prompt is empty: give at least one token")
+        biased = [t for t, _ in request.params.logit_bias if t >= self.vocab_size]
+        if biased:
+            raise RequestError(f"logit_bias: ids {biased[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if len(tokens) >= self.max_prompt_tokens:
             raise RequestError(
                 f"the prompt has {len(tokens)} tokens; this model serves at most "
@@ -101,6 +105,20 @@ class TokenizeStage(StageBase):
         self.encoder = await anyio.to_thread.run_sync(
             PromptEncoder, self.params.model, self.params.max_prompt_tokens
         )
+        tokenizer = self.encoder.tokenizer
+        self.grammars = GrammarCompiler(
+            getattr(tokenizer, "_tokenizer", tokenizer), tokenizer.eos_token_ids, self.encoder.vocab_size
+        )
+
+        async def grammar_for(params: m.SamplingParams) -> Any:
+            """The request's own matcher; a format not seen before compiles on a worker
+            thread (milliseconds to a second), never on the event loop."""
+            fmt = params.response_format
+            if fmt is None:
+                return None
+            found = self.grammars.matcher(fmt)
+            return found if found is not None else await anyio.to_thread.run_sync(self.grammars.compile, fmt)
+
         ctx.provide("tokenizer", self.encoder.tokenizer)
         ctx.provide("model_name", str(self.params.model))
         task_status.started()
@@ -110,13 +128,20 @@ class TokenizeStage(StageBase):
                 case m.Submit():
                     try:
                         tokens = self.encoder.encode(message)
+                        grammar = await grammar_for(message.params)
                     except RequestError as exc:
                         await ctx.send(m.ErrorEvent(id=message.request_id, code=exc.code, message=str(exc)))
                         return
                     await ctx.send(
-                        m.Tokenized(message.request_id, tokens, message.params, message.processors)
+                        m.Tokenized(message.request_id, tokens, message.params, message.processors, grammar)
                     )
                 case m.Cancel():
                     await ctx.send(m.Abort(message.request_id, "cancelled"))
 
         await serve_inbox(ctx, handle)
+
+    def stats(self) -> dict[str, Any]:
+        grammars = getattr(self, "grammars", None)
+        if grammars is None:
+            return {}
+        return {"structured": {"formats_compiled": grammars.compiled, "formats_cached": len(grammars._cache)}}

@@ -182,8 +182,15 @@ def test_logits_processor_errors() -> None:
     logits = evaluated(mx.zeros((2, 4), dtype=mx.float32))
     with pytest.raises(RequestError, match="out of range"):
         apply_torch_logits_processors(logits, [(2, [], [])], bridge)
-    with pytest.raises(RequestError, match="shape"):
-        apply_torch_logits_processors(logits, [(0, [lambda ids, row: torch.zeros(3)], [])], bridge)
+    # a processor's own failure (wrong shape, an exception) is its row's, not the batch's
+    def boom(ids, row):
+        raise KeyError("boom")
+
+    failed = apply_torch_logits_processors(
+        logits, [(0, [lambda ids, row: torch.zeros(3)], []), (1, [boom], [])], bridge
+    )
+    assert set(failed) == {0, 1}
+    assert "shape (3,), expected (4,)" in failed[0] and "KeyError: 'boom'" in failed[1]
     with pytest.raises(BridgeError, match="2-D"):
         apply_torch_logits_processors(evaluated(mx.zeros((4,))), [(0, [], [])], bridge)
     shared = evaluated(mx.broadcast_to(mx.zeros((1, 4)), (2, 4)))

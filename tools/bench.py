@@ -10,6 +10,9 @@ under the same MLX and the same BLAS library (the one unikern preloads, or none 
 --blas off), because a ratio across BLAS libraries says nothing about the engine.
 
     python tools/bench.py --model llama-5m --concurrency 1 4 16 32 64 --plot bench.png
+
+`--structured` measures instead what a JSON schema costs: 32 concurrent requests under
+`response_format` against the same requests (prompts, and as many tokens each) free.
 """
 
 from __future__ import annotations
@@ -137,6 +140,80 @@ def bench(args) -> dict:
     }
 
 
+# nested objects, arrays, enums, bounded numbers (multipleOf: a random model never stops
+# adding digits), strings of bounded length
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+        "name": {"type": "string", "maxLength": 12},
+        "score": {"type": "number", "minimum": -10, "maximum": 10, "multipleOf": 0.5},
+        "kind": {"enum": ["alpha", "beta", "gamma"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 4},
+        "owner": {"type": "object", "properties": {"active": {"type": "boolean"}, "level": {"type": "integer",
+                  "minimum": 1, "maximum": 5}}, "required": ["active", "level"], "additionalProperties": False},
+    },
+    "required": ["id", "name", "score", "kind", "tags", "owner"],
+    "additionalProperties": False,
+}
+
+
+def bench_structured(args) -> dict:
+    """Constrained vs free throughput in one engine: each repeat runs the constrained
+    requests, then the same prompts free with the token counts the constrained ones
+    produced, so both sides generate the same number of tokens."""
+    import anyio
+
+    import unikern
+    from unikern.platform import bridge_stats
+    from unikern.testing.modelgen import cached_model
+
+    path = str(cached_model(args.model)) if not Path(args.model).exists() else args.model
+    concurrency = args.concurrency[0] if args.concurrency != [1, 4, 16, 32, 64] else 32
+    fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": STRUCTURED_SCHEMA, "strict": True}}
+    overrides = {"schedule": {"max_num_seqs": concurrency, "max_num_batched_tokens": args.token_budget}}
+    rows = []
+
+    async def run(engine, prompts, max_tokens, response_format) -> tuple[float, list[int]]:
+        counts = [0] * len(prompts)
+
+        async def one(i):
+            result = await engine.complete(prompt_tokens=prompts[i], max_tokens=max_tokens[i],
+                                           response_format=response_format)
+            counts[i] = len(result.token_ids)
+
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+        return time.perf_counter() - start, counts
+
+    async def main():
+        async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
+            vocab = engine._router.stages["tokenize"].encoder.vocab_size
+            prompts = make_prompts(concurrency, vocab, args.prompt_min, args.prompt_max, seed=concurrency)
+            limit = [args.max_tokens] * concurrency
+            await run(engine, prompts, limit, fmt)  # untimed: compiles the schema, warms the shapes
+            for _ in range(args.repeats):
+                t_constrained, counts = await run(engine, prompts, limit, fmt)
+                t_free, free_counts = await run(engine, prompts, counts, None)
+                row = {"constrained_tok_s": sum(counts) / t_constrained, "free_tok_s": sum(free_counts) / t_free,
+                       "tokens": sum(counts), "free_tokens": sum(free_counts)}
+                row["ratio"] = row["constrained_tok_s"] / row["free_tok_s"]
+                rows.append(row)
+                print(f"{concurrency:>5} {row['tokens']:>7} {row['free_tok_s']:>10.1f} "
+                      f"{row['constrained_tok_s']:>12.1f} {row['ratio']:>7.2f}x", flush=True)
+
+    print(f"model {args.model}, {concurrency} concurrent requests, JSON schema vs free, prompts "
+          f"{args.prompt_min}-{args.prompt_max} tokens, at most {args.max_tokens} new tokens")
+    print(f"{'conc':>5} {'tokens':>7} {'free':>10} {'constrained':>12} {'ratio':>8}   (tokens/s)")
+    anyio.run(main)
+    ratio = statistics.median(r["ratio"] for r in rows)
+    print(f"median constrained / free: {ratio:.2f}x; bridge {bridge_stats()}")
+    return {"model": args.model, "concurrency": concurrency, "rows": rows, "median_ratio": ratio,
+            "bridge": bridge_stats(), "schema": STRUCTURED_SCHEMA}
+
+
 def plot(results: list[dict], out: str) -> None:
     import matplotlib
 
@@ -175,8 +252,15 @@ def main() -> None:
                         help="override a parameter of unikern's pipeline, e.g. schedule.decode_lookahead=32")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG plot here")
+    parser.add_argument("--structured", action="store_true",
+                        help="JSON-schema-constrained vs free throughput, 32 concurrent (or --concurrency N)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.structured:
+        result = bench_structured(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+        return
     if args.child or args.blas == "on":
         results = [bench(args)]
     else:

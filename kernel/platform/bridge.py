@@ -224,15 +224,19 @@ def apply_torch_logits_processors(
     logits: mx.array,
     rows: Sequence[tuple[int, Sequence[LogitsProcessor], list[int]]],
     bridge: Bridge,
-) -> None:
+) -> dict[int, str]:
     """Run torch logits processors on rows of `logits` [batch, vocab], in place.
 
     One zero-copy view serves every row. A processor masks its row in place or returns
     new values, which are written back into the row (the shared buffer, no copy of
     the batch). MLX ops evaluated afterwards see the new values.
+
+    A processor that raises or returns the wrong shape fails its own row only: the
+    result maps each such row to a message naming the processor and the exception,
+    and that row's later processors are skipped. Misuse by the caller still raises.
     """
     if not rows:
-        return
+        return {}
     if logits.ndim != 2:
         raise BridgeError(f"logits must be 2-D [batch, vocab], got shape {tuple(logits.shape)}")
     view = bridge.to_torch(logits)
@@ -241,18 +245,21 @@ def apply_torch_logits_processors(
         stride == 0 and size > 1 for stride, size in zip(view.stride(), view.shape, strict=True)
     ):
         raise BridgeError(f"logits are broadcast (strides {view.stride()}): rows would alias")
+    failed: dict[int, str] = {}
     for row_index, processors, token_ids in rows:
         if not 0 <= row_index < batch:
             raise RequestError(f"logits row {row_index} out of range for batch {batch}")
         row = view[row_index]
         for processor in processors:
-            result: Any = processor(token_ids, row)
-            if result is None or result.data_ptr() == row.data_ptr():
-                continue
-            if tuple(result.shape) != (vocab,):
-                raise RequestError(
-                    f"logits processor {processor!r} returned shape {tuple(result.shape)}, "
-                    f"expected ({vocab},)",
-                    code="bad_logits_processor",
-                )
-            row.copy_(result)
+            name = getattr(processor, "__qualname__", None) or repr(processor)
+            try:
+                result: Any = processor(token_ids, row)
+                if result is None or result.data_ptr() == row.data_ptr():
+                    continue
+                if tuple(result.shape) != (vocab,):
+                    raise ValueError(f"returned shape {tuple(result.shape)}, expected ({vocab},)")
+                row.copy_(result)
+            except Exception as exc:  # the user's code: its failure is its request's
+                failed[row_index] = f"logits processor {name} failed: {type(exc).__name__}: {exc}"
+                break
+    return failed

@@ -10,17 +10,16 @@ from typing import Any
 import mlx.core as mx
 
 from unikern import messages as m
-from unikern.platform import blas
+from unikern.platform import blas, shared_bridge
+from unikern.platform.bridge import Bridge, apply_torch_logits_processors
 from unikern.stages.execute.compiled import CompiledDecode
 from unikern.stages.execute.model import ModelGeometry
 from unikern.stages.execute.paged_cache import BatchLayout, DecodeWindow, PagedLayerCache
 from unikern.stages.execute.recurrent import StateLayerCache, prepare_states
-from unikern.stages.execute.sampling import sample_rows
+from unikern.stages.execute.sampling import SamplingBatch, row_is_usable
+from unikern.stages.execute.structured import GrammarStep
 from unikern.stages.kv.pool import KVPool
 from unikern.stages.kv.state_pool import StatePool
-
-# (row of the logits, the row's processors, its tokens so far) for each row that has any
-ProcessorHook = Callable[[list[tuple[int, tuple[Any, ...], list[int]]], mx.array], None]
 
 # prefill rows are grouped into one padded forward while the padding stays under this
 PREFILL_PADDING_LIMIT = 1.25
@@ -63,7 +62,7 @@ class ModelRunner:
         self,
         model: Any,
         pool: KVPool,
-        processors: ProcessorHook | None = None,
+        bridge: Bridge | None = None,
         cpu_kernels: bool = False,
         compile_decode: bool = False,
         geometry: ModelGeometry | None = None,
@@ -78,7 +77,7 @@ class ModelRunner:
         # mlx-lm family masks (nemotron-h does not): such models batch equal lengths only
         self.padding_limit = 1.0 if self.states is not None else PREFILL_PADDING_LIMIT
         self.pool = pool
-        self.apply_processors = processors
+        self.bridge = bridge or shared_bridge()  # logits processors' and grammar masks' views
         self.num_layers = pool.num_layers
         self.head = split_head(model)
         self.kernels: dict[str, Any] = {"enabled": False, "reason": "off (cpu_kernels: false or not the CPU backend)"}
@@ -120,6 +119,12 @@ class ModelRunner:
         return self.model(inputs, cache=caches)[rows_index, last]
 
     def run(self, step: m.Step, seeds: dict[str, int]) -> dict[str, list[int]]:
+        """The step's sampled tokens alone (warm-up, tools, tests)."""
+        return self.execute(step, seeds).sampled
+
+    def execute(self, step: m.Step, seeds: dict[str, int]) -> m.StepDone:
+        """Run the step: its tokens, the log-probabilities asked for, the requests whose
+        grammar completed and those that failed on their own (processor, grammar)."""
         highest = max((max(w.block_table) for w in step.work if w.block_table), default=-1)
         self.pool.ensure_capacity(highest + 1)
         small = sum(len(w.token_ids) for w in step.work) < SINGLE_THREAD_TOKENS
@@ -137,7 +142,7 @@ class ModelRunner:
             if previous is not None:
                 blas.set_num_threads(previous)
 
-    def _run_once(self, step: m.Step, seeds: dict[str, int]) -> dict[str, list[int]]:
+    def _run_once(self, step: m.Step, seeds: dict[str, int]) -> m.StepDone:
         decodes = [w for w in step.work if len(w.token_ids) == 1]
         prefills = sorted((w for w in step.work if len(w.token_ids) > 1), key=lambda w: -len(w.token_ids))
         groups = [decodes] if decodes else []
@@ -164,23 +169,62 @@ class ModelRunner:
                         order.append(w)
         if not order:
             mx.eval(self.pool.keys, self.pool.values)
-            return {}
+            return m.StepDone(step.step_id, {})
         stacked = logits_rows[0] if len(logits_rows) == 1 else mx.concatenate(logits_rows)
-        if self.apply_processors is not None and any(w.processors for w in order):
-            # one evaluated float32 buffer; processors mask it in place through a view
-            stacked = stacked.astype(mx.float32)
-            mx.eval(stacked)
-            rows = [(i, w.processors, list(w.history)) for i, w in enumerate(order) if w.processors]
-            self.apply_processors(rows, stacked)
-        params = [(w.params, seeds.get(w.request_id, 0), w.num_generated) for w in order]
-        tokens = sample_rows(stacked, params)
-        mx.eval(tokens, self.pool.keys, self.pool.values)
-        return {w.request_id: [t] for w, t in zip(order, tokens.tolist(), strict=True)}
+        return self._sample(step.step_id, order, stacked, seeds)
 
-    def _run_lookahead(self, step: m.Step, seeds: dict[str, int]) -> dict[str, list[int]]:
+    def _sample(self, step_id: int, order: list[m.SeqWork], logits: mx.array, seeds: dict[str, int]) -> m.StepDone:
+        """Every row in one pass: its PyTorch processors, bias and penalties, grammar mask,
+        draw and log-probabilities. A row whose processor or matcher fails, or that is
+        left with no possible token, is dropped with the reason; the others go on."""
+        batch = SamplingBatch(order, seeds)
+        failed: dict[str, str] = {}
+        constrained = [(i, w.request_id, w.grammar) for i, w in enumerate(order) if w.grammar is not None]
+        grammar = None
+        if constrained:
+            mx.async_eval(logits)  # the forward computes while the grammar engine fills masks
+            grammar = GrammarStep(constrained, len(order), logits.shape[-1], self.bridge)
+        with_processors = [(i, w.processors, list(w.history)) for i, w in enumerate(order) if w.processors]
+        if with_processors:
+            # one evaluated float32 buffer; processors mask it in place through a view
+            logits = logits.astype(mx.float32)
+            mx.eval(logits)
+            for i, why in apply_torch_logits_processors(logits, with_processors, self.bridge).items():
+                failed[order[i].request_id] = why
+        logits = batch.process(logits)
+        if grammar is not None:
+            logits = grammar.apply(logits)
+        tokens = batch.sample(logits)
+        reported = batch.logprobs(logits, tokens) or ()
+        guarded = [i for i, w in enumerate(order) if w.processors or w.grammar is not None]
+        usable = row_is_usable(logits, guarded) if guarded else mx.array([])
+        mx.eval(tokens, usable, *reported, self.pool.keys, self.pool.values)
+        for i, ok in zip(guarded, usable.tolist(), strict=True):
+            if not ok:
+                failed.setdefault(order[i].request_id, "no token is possible: the logits processors or "
+                                  "the grammar left every token at -inf, or NaN")
+        ids = {w.request_id: t for w, t in zip(order, tokens.tolist(), strict=True) if w.request_id not in failed}
+        stopped: list[str] = []
+        if grammar is not None:
+            stopped = grammar.advance(ids)
+            failed.update(grammar.failed)
+        reports = batch.logprob_reports([[a.tolist() for a in reported]]) if reported else []
+        logprobs = {order[i].request_id: r for i, r in zip(batch.logprob_rows, reports, strict=True)}
+        return m.StepDone(
+            step_id,
+            {rid: [t] for rid, t in ids.items() if rid not in failed},
+            logprobs={rid: r for rid, r in logprobs.items() if rid not in failed},
+            failed=failed,
+            stopped=tuple(rid for rid in stopped if rid not in failed),
+        )
+
+    def _run_lookahead(self, step: m.Step, seeds: dict[str, int]) -> m.StepDone:
         """num_steps decode steps for the same rows, pipelined: the graph of step i+1 is
         built (feeding step i's lazily sampled tokens) while step i computes."""
         work = step.work
+        if any(w.processors or w.grammar is not None for w in work):
+            raise RuntimeError("a lookahead window cannot carry logits processors or grammars (num_steps must be 1)")
+        batch = SamplingBatch(work, seeds, step.num_steps)
         # uint32, as the sampled tokens fed to later steps are: one dtype, one trace
         inputs = mx.array([w.token_ids[0] for w in work], dtype=mx.uint32)
         rows = [(w.block_table, w.start_pos) for w in work]
@@ -192,6 +236,7 @@ class ModelRunner:
         if len(work) > 1:
             window = DecodeWindow(self.pool, rows, step.num_steps, bucketed=compiled is not None)
         sampled: list[mx.array] = []
+        reported: list[tuple[mx.array, ...]] = []
         for i in range(step.num_steps):
             if compiled is not None:
                 logits = compiled(self.pool, window, inputs, i)
@@ -202,13 +247,19 @@ class ModelRunner:
                     layout = BatchLayout.build(self.pool, [(w.block_table, w.start_pos + i, 1) for w in work])
                 caches = self._caches(layout, [w.state_slot for w in work])
                 logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
-            params = [(w.params, seeds.get(w.request_id, 0), w.num_generated + i) for w in work]
-            inputs = sample_rows(logits, params)
+            logits = batch.process(logits)
+            inputs = batch.sample(logits, i)
+            batch.advance(inputs)  # penalty windows follow the tokens on the device
+            if batch.logprob_rows:
+                reported.append(batch.logprobs(logits, inputs))
             mx.async_eval(inputs)
             sampled.append(inputs)
         columns = mx.stack(sampled, axis=1)  # one sync for the window's tokens and writes
-        mx.eval(columns, self.pool.keys, self.pool.values)
-        return {w.request_id: row for row, w in zip(columns.tolist(), work, strict=True)}
+        mx.eval(columns, *(a for r in reported for a in r), self.pool.keys, self.pool.values)
+        tokens = {w.request_id: row for row, w in zip(columns.tolist(), work, strict=True)}
+        reports = batch.logprob_reports([[a.tolist() for a in r] for r in reported]) if reported else []
+        logprobs = {work[i].request_id: r for i, r in zip(batch.logprob_rows, reports, strict=True)}
+        return m.StepDone(step.step_id, tokens, logprobs=logprobs)
 
 
 def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_decode: bool) -> dict[str, Any]:

@@ -5,12 +5,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Literal
 
-import mlx.core as mx
 import structlog
 
 from unikern import messages as m
 from unikern.platform import current_platform, shared_bridge
-from unikern.platform.bridge import apply_torch_logits_processors
 from unikern.platform.pinning import WeightWiring
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
 from unikern.stages.execute.model import load_model
@@ -65,12 +63,9 @@ class MLXExecuteStage(StageBase):
             ctx.provide("model", loaded)
             task_status.started()
 
-            def apply_processors(rows: list[tuple[int, tuple[Any, ...], list[int]]], logits: mx.array) -> None:
-                apply_torch_logits_processors(logits, rows, shared_bridge())
-
             await ctx.all_started()
             pool = ctx.resource("kv").pool
-            runner = await thread.run(ModelRunner, loaded.model, pool, apply_processors, kernels, compile_decode)
+            runner = await thread.run(ModelRunner, loaded.model, pool, shared_bridge(), kernels, compile_decode)
             self.runner = runner
             salt = self.params.seed
 
@@ -80,8 +75,9 @@ class MLXExecuteStage(StageBase):
                     for w in step.work
                     if w.sample and w.params.temperature > 0
                 }
-                sampled = await thread.run(runner.run, step, seeds)
-                await ctx.send(m.StepDone(step.step_id, sampled))
+                # a request's own failure (processor, grammar) comes back in StepDone.failed;
+                # an exception here is the stage's and fails every request
+                await ctx.send(await thread.run(runner.execute, step, seeds))
 
             await serve_inbox(ctx, handle)
         finally:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from unikern import messages as m
 from unikern.stages.kv.blocks import BlockManager, OutOfBlocks, block_hash
@@ -17,6 +17,13 @@ if TYPE_CHECKING:
     from unikern.stages.execute.model import ModelGeometry
 
 
+def _needs_history(seq: Sequence) -> bool:
+    """Logits processors see every token so far; penalties look at the latest ones."""
+    p = seq.params
+    penalized = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    return bool(seq.processors) or penalized
+
+
 @dataclass
 class Sequence:
     request_id: str
@@ -24,6 +31,7 @@ class Sequence:
     num_prompt_tokens: int
     params: m.SamplingParams
     processors: tuple = ()  # per-request callables on the logits (Submit.processors)
+    grammar: Any = None  # the request's grammar matcher (Tokenized.grammar)
     num_computed: int = 0  # tokens whose KV is in the pool
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of full, committed blocks
@@ -130,6 +138,7 @@ class Scheduler:
             prompt_len,
             request.params,
             request.processors,
+            grammar=request.grammar,
             pinned=list(pinned),
         )
         self.by_id[seq.request_id] = seq
@@ -204,7 +213,9 @@ class Scheduler:
         if self.decode_lookahead <= 1 or self.waiting:
             self._window_rows = ()
             return 1
-        if any(len(w.token_ids) != 1 or not w.sample or w.processors for w in work):
+        # processors and grammars run on the host between steps, so their rows go one
+        # step at a time (penalties and log-probabilities stay on the device: windows)
+        if any(len(w.token_ids) != 1 or not w.sample or w.processors or w.grammar is not None for w in work):
             self._window_rows = ()
             return 1
         rows = tuple(w.request_id for w in work)
@@ -247,7 +258,8 @@ class Scheduler:
             params=seq.params,
             num_generated=seq.num_generated,
             processors=seq.processors,
-            history=tuple(seq.tokens) if seq.processors and start + chunk == len(seq.tokens) else (),
+            history=tuple(seq.tokens) if start + chunk == len(seq.tokens) and _needs_history(seq) else (),
+            grammar=seq.grammar,
             **(self.states.fields(seq, start, chunk) if self.states is not None else {}),
         )
 
@@ -308,8 +320,19 @@ class Scheduler:
 
     # ---- results ----------------------------------------------------------------------
 
-    def on_step_done(self, step: m.Step, sampled: dict[str, list[int] | int]) -> StepOutcome:
+    def on_step_done(
+        self,
+        step: m.Step,
+        sampled: dict[str, list[int] | int],
+        logprobs: dict[str, list[m.Logprobs]] | None = None,
+        failed: dict[str, str] | None = None,
+        stopped: Iterable[str] = (),
+    ) -> StepOutcome:
+        """Apply a step's results (StepDone's fields): tokens with their log-probabilities,
+        requests that failed alone (finished with their error, blocks freed) and requests
+        whose grammar completed (finished with "stop")."""
         outcome = StepOutcome()
+        logprobs, failed, stopped = logprobs or {}, failed or {}, frozenset(stopped)
         for work in step.work:
             seq = self.by_id.get(work.request_id)
             if seq is None or seq.num_computed != work.start_pos or seq not in self.running:
@@ -318,21 +341,28 @@ class Scheduler:
                 seq.num_computed += len(work.token_ids)
                 self._commit_full_blocks(seq)
                 continue
+            if work.request_id in failed:
+                outcome.finished.append(self._finish(seq, "error", failed[work.request_id]))
+                continue
             tokens = sampled[work.request_id]
             if isinstance(tokens, int):
                 tokens = [tokens]
+            reports = logprobs.get(work.request_id)
             fed = len(work.token_ids)  # then one fed token per further lookahead step
-            for token in tokens:
+            for i, token in enumerate(tokens):
                 seq.num_computed += fed
                 fed = 1
                 self._commit_full_blocks(seq)
                 first = seq.num_generated == 0
                 seq.tokens.append(token)
-                reason = self._finish_reason(seq, token)
+                reason = self._finish_reason(seq, token, work.request_id in stopped and i == len(tokens) - 1)
+                report = reports[i] if reports else None
                 outcome.tokens.append(
                     m.TokenOut(
                         seq.request_id, token, last=reason is not None,
                         stop=seq.params.stop if first else (),
+                        logprob=report.logprob if report else None,
+                        top_logprobs=report.top if report and seq.params.top_logprobs else None,
                     )
                 )
                 if reason is not None:
@@ -340,8 +370,8 @@ class Scheduler:
                     break
         return outcome
 
-    def _finish_reason(self, seq: Sequence, token: int) -> m.FinishReason | None:
-        if token in self.eos_token_ids:
+    def _finish_reason(self, seq: Sequence, token: int, grammar_complete: bool = False) -> m.FinishReason | None:
+        if token in self.eos_token_ids or grammar_complete:
             return "stop"
         if seq.num_generated >= seq.params.max_tokens or len(seq.tokens) >= self.context_length:
             return "length"
@@ -358,7 +388,7 @@ class Scheduler:
             seq.block_hashes.append(h)
             self.blocks.commit_full_block(seq.blocks[i], h)
 
-    def _finish(self, seq: Sequence, reason: m.FinishReason) -> m.Finished:
+    def _finish(self, seq: Sequence, reason: m.FinishReason, error: str | None = None) -> m.Finished:
         del self.by_id[seq.request_id]
         if seq in self.running:
             self.running.remove(seq)
@@ -370,4 +400,4 @@ class Scheduler:
         self.blocks.free(seq.pinned)
         seq.pinned = []
         seq.blocks = []
-        return m.Finished(seq.request_id, reason, seq.usage)
+        return m.Finished(seq.request_id, reason, seq.usage, error)

@@ -1,0 +1,139 @@
+"""One request's fault stays its own (issue 16): a logits processor that raises, returns
+the wrong shape or leaves no possible token, and a grammar matcher that fails, end that
+request with an `error` event (code processor_failed, naming the exception) while the
+requests sharing its steps go on with mlx-lm's tokens, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+import torch
+from conftest import SMALL_KV, compare_greedy, reference_greedy
+from test_structured import json_format, schema
+
+import unikern
+from unikern.errors import RequestError
+from unikern.stages.execute.structured import GrammarCompiler
+
+pytestmark = pytest.mark.anyio
+
+PLAIN_PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [9, 9, 10], [100, 3, 3]]
+
+
+def after(calls: int, fail):
+    """A processor that behaves for `calls` steps, then fails: by then the request
+    decodes in steps it shares with the others."""
+    seen = []
+
+    def processor(token_ids, logits):
+        seen.append(len(token_ids))
+        if len(seen) > calls:
+            return fail(logits)
+        return None
+
+    return processor
+
+
+def raise_value_error(logits):
+    raise ValueError("the user's bug")
+
+
+def wrong_shape(logits):
+    return torch.zeros(logits.shape[0] - 1)
+
+
+def mask_everything(logits):
+    logits.fill_(-float("inf"))
+
+
+FAULTY = {
+    "raises": (raise_value_error, "ValueError: the user's bug"),
+    "wrong_shape": (wrong_shape, "returned shape"),
+    "no_token_left": (mask_everything, "no token is possible"),
+}
+
+
+async def test_a_failing_processor_fails_its_request_only(tiny_llama):
+    async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=SMALL_KV) as eng:
+        outcomes: dict[str, object] = {}
+
+        async def one(key, **request):
+            try:
+                outcomes[key] = await eng.complete(**request)
+            except RequestError as exc:
+                outcomes[key] = exc
+
+        async with anyio.create_task_group() as tg:
+            for name, (fail, _) in FAULTY.items():
+                tg.start_soon(lambda n=name, f=fail: one(n, prompt_tokens=[7, 8, 9], max_tokens=16,
+                                                         logits_processors=[after(3, f)]))
+            for k, prompt in enumerate(PLAIN_PROMPTS):
+                tg.start_soon(lambda k=k, p=prompt: one(k, prompt_tokens=p, max_tokens=16))
+        again = await eng.complete(prompt_tokens=PLAIN_PROMPTS[0], max_tokens=16)
+    for name, (_, words) in FAULTY.items():
+        error = outcomes[name]
+        assert isinstance(error, RequestError) and error.code == "processor_failed", (name, error)
+        assert words in str(error), (name, str(error))
+    for k, prompt in enumerate(PLAIN_PROMPTS):
+        ok, note = compare_greedy(outcomes[k].token_ids, reference_greedy(tiny_llama, prompt, 16))
+        assert ok, note
+    assert eng.fault is None and again.token_ids == outcomes[0].token_ids
+
+
+class ExplodingMatcher:
+    """A grammar matcher that fails on its third token (as a matcher bug would)."""
+
+    def __init__(self, matcher) -> None:
+        self._matcher = matcher
+        self._consumed = 0
+
+    def consume_token(self, token: int) -> bool:
+        self._consumed += 1
+        if self._consumed == 3:
+            raise RuntimeError("matcher exploded")
+        return self._matcher.consume_token(token)
+
+    def __getattr__(self, name):
+        return getattr(self._matcher, name)
+
+
+async def test_a_failing_grammar_matcher_fails_its_request_only(tiny_llama, monkeypatch):
+    import jsonschema
+
+    compile = GrammarCompiler.compile
+
+    def compile_with_a_bomb(self, fmt):
+        matcher = compile(self, fmt)
+        return ExplodingMatcher(matcher) if fmt["type"] == "regex" else matcher
+
+    monkeypatch.setattr(GrammarCompiler, "compile", compile_with_a_bomb)
+    monkeypatch.setattr(GrammarCompiler, "matcher", lambda self, fmt: None)  # always compile
+    async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=SMALL_KV) as eng:
+        outcomes: dict[str, object] = {}
+
+        async def one(key, **request):
+            try:
+                outcomes[key] = await eng.complete(**request)
+            except RequestError as exc:
+                outcomes[key] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: one("bomb", prompt="n:", max_tokens=16,
+                                      response_format={"type": "regex", "pattern": "[0-9]{8}"}))
+            for i in range(2):
+                tg.start_soon(lambda i=i: one(f"json{i}", prompt=f"r{i}", max_tokens=128,
+                                              response_format=json_format(i)))
+            for k, prompt in enumerate(PLAIN_PROMPTS[:2]):
+                tg.start_soon(lambda k=k, p=prompt: one(k, prompt_tokens=p, max_tokens=16))
+        again = await eng.complete(prompt="n:", max_tokens=8, response_format=json_format(5))
+    error = outcomes["bomb"]
+    assert isinstance(error, RequestError) and error.code == "processor_failed"
+    assert "RuntimeError: matcher exploded" in str(error)
+    for i in range(2):
+        jsonschema.validate(json.loads(outcomes[f"json{i}"].text), schema(i))
+    for k, prompt in enumerate(PLAIN_PROMPTS[:2]):
+        ok, note = compare_greedy(outcomes[k].token_ids, reference_greedy(tiny_llama, prompt, 16))
+        assert ok, note
+    assert eng.fault is None and again.token_ids
