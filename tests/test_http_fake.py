@@ -50,6 +50,7 @@ class FakeEngine:
         self.release = anyio.Event()
         self.waiting = threading.Semaphore(0)  # released as each request reaches a "wait"
         self._cancelled: dict[str, anyio.Event] = {}
+        self.closed: list[str] = []  # requests whose event iterator was closed
 
     async def __aenter__(self) -> FakeEngine:
         if self.gate is not None:
@@ -75,6 +76,13 @@ class FakeEngine:
         return self._play(request_id)
 
     async def _play(self, rid: str):
+        try:
+            async for event in self._steps(rid):
+                yield event
+        finally:
+            self.closed.append(rid)
+
+    async def _steps(self, rid: str):
         for step in self.script(rid):
             if step == "wait":
                 self.waiting.release()
@@ -241,3 +249,18 @@ def test_stop_drains_then_cancels(drain_seconds: float) -> None:
         assert (text, chunks[-1]["choices"][0]["finish_reason"]) == ("llo" if drain_seconds else "", "length")
         assert running.server.state.active == set()
     assert running.exit_code == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_while_its_request_waits_cancels_it(stream: bool) -> None:
+    engine = FakeEngine(lambda rid: ["wait", *two_tokens(rid)])
+    with serve(engine) as running:
+        body = {"prompt": "x", "stream": stream}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up before the first token
+            httpx.post(f"{running.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+        while running.server.state.active:
+            time.sleep(0.01)
+        assert len(engine.closed) == 1
+        metrics = running.metrics()
+        assert metrics['unikern_request_success_total{finish_reason="cancelled"}'] == 1
+        assert metrics["unikern_num_requests_waiting"] == 0

@@ -3,6 +3,7 @@ into `message` objects and the streaming event sequence (the one place that shap
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -139,13 +140,14 @@ class Shaper:
 
     async def collect(self) -> dict[str, Any]:
         content: list[dict[str, Any]] = []
-        async for piece in self.gen.pieces():
-            if piece.text:
-                if content and content[-1]["type"] == "text":
-                    content[-1]["text"] += piece.text
-                else:
-                    content.append({"type": "text", "text": piece.text})
-            content += [_tool_block(call) for call in piece.tool_calls]
+        async with contextlib.aclosing(self.gen.pieces()) as pieces:
+            async for piece in pieces:
+                if piece.text:
+                    if content and content[-1]["type"] == "text":
+                        content[-1]["text"] += piece.text
+                    else:
+                        content.append({"type": "text", "text": piece.text})
+                content += [_tool_block(call) for call in piece.tool_calls]
         if self.gen.error is not None:
             raise self.gen.error
         return self._message(content or [{"type": "text", "text": ""}], self.gen.outcome)
@@ -154,21 +156,22 @@ class Shaper:
         yield sse_event({"type": "message_start", "message": self._message([], None)}, "message_start")
         yield sse_event({"type": "ping"}, "ping")
         index, text_open = -1, False
-        async for piece in self.gen.pieces():
-            if piece.text:
-                if not text_open:
-                    index, text_open = index + 1, True
-                    yield _start(index, {"type": "text", "text": ""})
-                yield _delta(index, {"type": "text_delta", "text": piece.text})
-            for call in piece.tool_calls:
-                if text_open:
+        async with contextlib.aclosing(self.gen.pieces()) as pieces:
+            async for piece in pieces:
+                if piece.text:
+                    if not text_open:
+                        index, text_open = index + 1, True
+                        yield _start(index, {"type": "text", "text": ""})
+                    yield _delta(index, {"type": "text_delta", "text": piece.text})
+                for call in piece.tool_calls:
+                    if text_open:
+                        yield _stop(index)
+                        text_open = False
+                    block = _tool_block(call)
+                    index += 1
+                    yield _start(index, block | {"input": {}})
+                    yield _delta(index, {"type": "input_json_delta", "partial_json": msgspec.json.encode(block["input"]).decode()})
                     yield _stop(index)
-                    text_open = False
-                block = _tool_block(call)
-                index += 1
-                yield _start(index, block | {"input": {}})
-                yield _delta(index, {"type": "input_json_delta", "partial_json": msgspec.json.encode(block["input"]).decode()})
-                yield _stop(index)
         if self.gen.error is not None:
             yield sse_event(self.gen.error.anthropic_body(), "error")
             return

@@ -99,8 +99,11 @@ def build_app(state: ServerState) -> Starlette:
     async def _respond(request: Request, gen: Generation, shaper: openai.Shaper, body: Any) -> Response:
         await gen.start(request)
         if body.stream:
-            return EventStreamResponse(shaper.stream(body.include_usage))
-        return JSONResponse(await until_disconnect(request, shaper.collect))
+            return EventStreamResponse(shaper.stream(body.include_usage), on_close=gen.aclose)
+        try:
+            return JSONResponse(await until_disconnect(request, shaper.collect))
+        finally:
+            await gen.aclose()
 
     async def messages(request: Request) -> Response:
         body = await _read(request, anthropic.MessagesRequest, params.max_body_bytes)
@@ -110,8 +113,11 @@ def build_app(state: ServerState) -> Starlette:
         shaper = anthropic.Shaper(state, gen, rid, len(prepared.prompt_tokens or ()))
         await gen.start(request)
         if body.stream:
-            return EventStreamResponse(shaper.stream())
-        return JSONResponse(await until_disconnect(request, shaper.collect))
+            return EventStreamResponse(shaper.stream(), on_close=gen.aclose)
+        try:
+            return JSONResponse(await until_disconnect(request, shaper.collect))
+        finally:
+            await gen.aclose()
 
     async def models(request: Request) -> Response:
         card = {"id": state.model_id, "object": "model", "created": started, "owned_by": "unikern"}

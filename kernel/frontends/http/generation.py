@@ -4,6 +4,7 @@ status), tokens as text pieces and tool calls, the outcome, and the metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,9 @@ from unikern.frontends.http.params import ServerParams
 
 log = structlog.get_logger("unikern.http")
 T = TypeVar("T")
+# events taken into one piece at most (a decode window's worth, for many windows)
+MAX_EVENTS_PER_PIECE = 64
+END_EVENTS = (m.DoneEvent, m.ErrorEvent)
 
 
 class ServerState:
@@ -34,6 +38,7 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.engine: Any = None
         self.tokenizer: Any = None
+        self.tasks: Any = None  # the server's task group: the requests' pumps run in it
         self.draining = False
         self.num_waiting = 0
         self.num_running = 0
@@ -41,8 +46,8 @@ class ServerState:
         self.idle = anyio.Event()
         self.idle.set()
 
-    def attach(self, engine: Any, tokenizer: Any) -> None:
-        self.engine, self.tokenizer = engine, tokenizer
+    def attach(self, engine: Any, tokenizer: Any, tasks: Any) -> None:
+        self.engine, self.tokenizer, self.tasks = engine, tokenizer, tasks
 
     @property
     def ready(self) -> bool:
@@ -88,6 +93,11 @@ class Outcome:
 
 
 class Generation:
+    """One request. A pump task (in the server's task group) moves the engine's events
+    into a stream of its own, so that every event already there is taken at once: one
+    piece (one SSE chunk) per batch of tokens rather than one per token, and waiting on
+    it can be cancelled without touching the engine's iterator."""
+
     def __init__(self, state: ServerState, prepared: Prepared, request_id: str) -> None:
         self.state = state
         self.prepared = prepared
@@ -95,9 +105,13 @@ class Generation:
         self.arrival = time.monotonic()
         self.outcome: Outcome | None = None
         self.error: APIError | None = None  # an error after the first token
-        self._events: Any = None
+        self._events: Any = None  # our receiving end of the pump
+        self._pump_scope: anyio.CancelScope | None = None
         self._first: Any = None
         self._counted: str | None = None  # "waiting" | "running" | None
+        self._token_ids: list[int] = []
+        self._shown: list[str] = []  # the text sent so far, by piece
+        self._last_token_at = 0.0
         self._splitter = (
             ToolCallSplitter(state.tokenizer, prepared.tools) if prepared.parse_tools else None
         )
@@ -116,18 +130,20 @@ class Generation:
             )
         p = self.prepared
         try:
-            self._events = state.engine.generate(
+            events = state.engine.generate(
                 p.prompt, prompt_tokens=p.prompt_tokens, max_tokens=p.max_tokens,
                 request_id=self.request_id, **p.sampling,
             )
         except UnikernError as exc:
             raise from_engine(getattr(exc, "code", "bad_request"), str(exc)) from None
+        send, self._events = anyio.create_memory_object_stream[Any](p.max_tokens + 8)
         self._enter("waiting")
         state.active.add(self.request_id)
         if len(state.active) == 1:
             state.idle = anyio.Event()
+        self._pump_scope = await state.tasks.start(_pump, events, send, self.request_id)
         try:
-            first = await until_disconnect(request, self._first_event)
+            first = await until_disconnect(request, self._events.receive)
         except BaseException:
             await self.aclose()
             raise
@@ -140,60 +156,62 @@ class Generation:
             state.metrics.ttft.observe(time.monotonic() - self.arrival)
         self._first = first
 
-    async def _first_event(self) -> Any:
-        try:
-            return await self._events.__anext__()
-        except StopAsyncIteration:
-            return m.ErrorEvent(self.request_id, "stage_failed", "the request ended without an event")
-        except UnikernError as exc:
-            return m.ErrorEvent(self.request_id, getattr(exc, "code", "stage_failed"), str(exc))
-
     # ---- tokens ----------------------------------------------------------------------
 
     async def pieces(self) -> AsyncIterator[Piece]:
-        """Pieces until the end; then `outcome` is set (or `error`, after a failure)."""
+        """A piece per batch of events; then `outcome` is set (or `error`, after a failure)."""
         assert self._first is not None, "start() first"
-        pending: list[m.TokenEvent] = []
-        token_ids: list[int] = []
-        shown: list[str] = []
-        last_token_at = 0.0
-        event, self._first = self._first, None
+        batch, self._first = [self._first], None
+        tokens: list[m.TokenEvent] = []  # since the last piece
         try:
             while True:
-                if isinstance(event, m.TokenEvent):
-                    now = time.monotonic()
-                    metrics = self.state.metrics
-                    if token_ids:
-                        metrics.itl.observe(now - last_token_at)
-                    metrics.generation_tokens.inc()
-                    last_token_at = now
-                    token_ids.append(event.token_id)
-                    pending.append(event)
-                    text, calls = self._split(self._visible(event))
-                    if text or calls:
-                        shown.append(text)
-                        yield Piece(text, calls, pending)
-                        pending = []
-                elif isinstance(event, m.DoneEvent):
-                    text, calls = self._split(None)
-                    if text or calls or pending:
-                        shown.append(text)
-                        yield Piece(text, calls, pending)
-                    self._finish(event, token_ids, "".join(shown))
+                try:  # and every event already there
+                    while len(batch) < MAX_EVENTS_PER_PIECE and not isinstance(batch[-1], END_EVENTS):
+                        batch.append(self._events.receive_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    pass
+                text, calls, end = self._absorb(batch, tokens)
+                if text or calls or (tokens and end is not None):
+                    self._shown.append(text)
+                    yield Piece(text, calls, tokens)
+                    tokens = []
+                if isinstance(end, m.DoneEvent):
+                    self._finish(end)
                     return
-                else:
-                    self.error = from_engine(event.code, event.message)
+                if isinstance(end, m.ErrorEvent):
+                    self.error = from_engine(end.code, end.message)
                     return
                 try:
-                    event = await self._events.__anext__()
-                except StopAsyncIteration:
+                    batch = [await self._events.receive()]
+                except anyio.EndOfStream:
                     self.error = APIError(500, "the request ended without a done event")
-                    return
-                except UnikernError as exc:
-                    self.error = from_engine(getattr(exc, "code", "stage_failed"), str(exc))
                     return
         finally:
             await self.aclose()
+
+    def _absorb(self, batch: list[Any], tokens: list[m.TokenEvent]) -> tuple[str, list[ToolCall], Any]:
+        """Text and tool calls of a batch of events (token events go to `tokens`), and
+        its done or error event if it has one."""
+        texts: list[str] = []
+        calls: list[ToolCall] = []
+        end = None
+        metrics = self.state.metrics
+        for event in batch:
+            if isinstance(event, m.TokenEvent):
+                now = time.monotonic()
+                if self._token_ids:
+                    metrics.itl.observe(now - self._last_token_at)
+                self._last_token_at = now
+                self._token_ids.append(event.token_id)
+                tokens.append(event)
+                text, found = self._split(self._visible(event))
+            else:
+                end = event
+                text, found = self._split(None) if isinstance(event, m.DoneEvent) else ("", [])
+            texts.append(text)
+            calls += found
+        metrics.generation_tokens.inc(len(batch) - (end is not None))
+        return "".join(texts), calls, end
 
     def _visible(self, event: m.TokenEvent) -> str:
         """The event's text without the end-of-sequence token's own (`<|eos|>`, ...)."""
@@ -207,7 +225,7 @@ class Generation:
             return text or "", []
         return self._splitter.feed(text) if text is not None else self._splitter.finish()
 
-    def _finish(self, done: m.DoneEvent, token_ids: list[int], shown: str) -> None:
+    def _finish(self, done: m.DoneEvent) -> None:
         metrics = self.state.metrics
         usage = done.usage
         metrics.prompt_tokens.inc(usage.prompt_tokens)
@@ -216,13 +234,14 @@ class Generation:
         self.outcome = Outcome(
             finish_reason=done.finish_reason,
             usage=usage,
-            stop_sequence=self._matched_stop(done, token_ids, shown),
+            stop_sequence=self._matched_stop(done),
             num_tool_calls=self._splitter.num_calls if self._splitter else 0,
-            token_ids=token_ids,
+            token_ids=self._token_ids,
         )
 
-    def _matched_stop(self, done: m.DoneEvent, token_ids: list[int], shown: str) -> str | None:
+    def _matched_stop(self, done: m.DoneEvent) -> str | None:
         """Which stop string ended the request (None for an end-of-sequence token)."""
+        token_ids, shown = self._token_ids, "".join(self._shown)
         stops = self.prepared.sampling.get("stop") or ()
         stops = (stops,) if isinstance(stops, str) else tuple(stops)
         if done.finish_reason != "stop" or not stops or not token_ids:
@@ -246,12 +265,14 @@ class Generation:
         self._counted = phase
 
     async def aclose(self) -> None:
-        """Close the engine's event stream: the engine cancels the request if it runs."""
+        """Stop the pump, which closes the engine's iterator: the engine cancels the
+        request if it still runs."""
         if self._events is None:
             return
-        events, self._events = self._events, None
-        with anyio.CancelScope(shield=True):
-            await events.aclose()
+        self._events.close()
+        self._events = None
+        if self._pump_scope is not None:
+            self._pump_scope.cancel()
         self._enter(None)
         state = self.state
         if self.outcome is None and self.error is None:
@@ -259,6 +280,25 @@ class Generation:
         state.active.discard(self.request_id)
         if not state.active:
             state.idle.set()
+
+
+async def _pump(events: Any, send: Any, request_id: str, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+    """Engine events into `send` until the request ends, the reader leaves, or the scope
+    is cancelled; the engine's iterator is closed on the way out either way."""
+    with anyio.CancelScope() as scope, send:
+        task_status.started(scope)
+        try:
+            async for event in events:
+                await send.send(event)
+        except UnikernError as exc:  # the engine stopped under the request
+            error = m.ErrorEvent(request_id, getattr(exc, "code", "stage_failed"), str(exc))
+            with contextlib.suppress(anyio.WouldBlock, anyio.BrokenResourceError):
+                send.send_nowait(error)
+        except anyio.BrokenResourceError:
+            pass  # the reader left
+        finally:
+            with anyio.CancelScope(shield=True):
+                await events.aclose()
 
 
 class ClientGone(Exception):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -205,10 +206,11 @@ class Shaper:
 
     async def collect(self) -> dict[str, Any]:
         text, calls, tokens = [], [], []
-        async for piece in self.gen.pieces():
-            text.append(piece.text)
-            calls += piece.tool_calls
-            tokens += piece.tokens
+        async with contextlib.aclosing(self.gen.pieces()) as pieces:
+            async for piece in pieces:
+                text.append(piece.text)
+                calls += piece.tool_calls
+                tokens += piece.tokens
         if self.gen.error is not None:
             raise self.gen.error
         outcome = self.gen.outcome
@@ -232,20 +234,21 @@ class Shaper:
         if self.chat:
             start = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             yield sse_event(self._envelope([start], chunk=True) | extra)
-        async for piece in self.gen.pieces():
-            choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(piece.tokens, offset), "finish_reason": None}
-            offset += len(piece.text)
-            if self.chat:
-                delta: dict[str, Any] = {"content": piece.text} if piece.text or not piece.tool_calls else {}
-                if piece.tool_calls:
-                    delta["tool_calls"] = _tool_calls(piece.tool_calls, first_index=num_calls)
-                    num_calls += len(piece.tool_calls)
-                choice["delta"] = delta
-            else:
-                choice["text"] = piece.text
-            if self.token_ids:
-                choice["token_ids"] = [t.token_id for t in piece.tokens]
-            yield sse_event(self._envelope([choice], chunk=True) | extra)
+        async with contextlib.aclosing(self.gen.pieces()) as pieces:
+            async for piece in pieces:
+                choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(piece.tokens, offset), "finish_reason": None}
+                offset += len(piece.text)
+                if self.chat:
+                    delta: dict[str, Any] = {"content": piece.text} if piece.text or not piece.tool_calls else {}
+                    if piece.tool_calls:
+                        delta["tool_calls"] = _tool_calls(piece.tool_calls, first_index=num_calls)
+                        num_calls += len(piece.tool_calls)
+                    choice["delta"] = delta
+                else:
+                    choice["text"] = piece.text
+                if self.token_ids:
+                    choice["token_ids"] = [t.token_id for t in piece.tokens]
+                yield sse_event(self._envelope([choice], chunk=True) | extra)
         if self.gen.error is not None:
             yield sse_event(self.gen.error.openai_body())
             yield sse_event("[DONE]")

@@ -107,11 +107,12 @@ class HTTPServer:
             self._announce(f"listening on http://{_url_host(p.host)}:{self.port} (starting the engine)")
             task_status.started(self.port)
             try:
-                async with self._engine_factory() as engine:
-                    self.state.attach(engine, self._tokenizer_of(engine))
+                async with self._engine_factory() as engine, anyio.create_task_group() as pumps:
+                    self.state.attach(engine, self._tokenizer_of(engine), pumps)
                     self._announce(f"ready: model {self.state.model_id}, pipeline {engine.spec.name}")
                     self.ready.set()
                     code = await self._serve_until_stopped(engine)
+                    pumps.cancel_scope.cancel()
             finally:
                 server.should_exit = True
                 with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_GRACE_SECONDS):
