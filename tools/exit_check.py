@@ -35,14 +35,20 @@ async def main():
                 tg.start_soon(one, i)
         result = await engine.complete(prompt_tokens=[1, 2, 3, 4, 5], max_tokens=16)
         print("tokens", len(result.token_ids))
+        if sys.argv[3] == "in-flight":  # leave while long requests are still generating
+            events = [engine.generate(prompt_tokens=[5 + i, 6, 7], max_tokens=2000) for i in range(8)]
+            for stream in events:
+                await stream.__anext__()
 
 anyio.run(main)
 """
 
 
-def run_once(model: str, variant: str, timeout_s: float) -> tuple[int, str]:
+def run_once(model: str, variant: str, leave: str, timeout_s: float) -> tuple[int, str]:
     try:
-        done = subprocess.run([sys.executable, "-c", CHILD, model, variant], capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, model, variant, leave], capture_output=True, text=True, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired:
         return -9, "timeout"
     tail = done.stderr.strip().splitlines()[-1:] if done.returncode else []
@@ -55,6 +61,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10, help="runs per variant")
     ap.add_argument("--ab", action="store_true", help="also run the legacy shutdown, interleaved")
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--leave", choices=["idle", "in-flight"], default="idle",
+                    help="leave the engine idle, or with 8 long requests still generating")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     variants = ["fixed", "legacy"] if args.ab else ["fixed"]
@@ -63,12 +71,13 @@ def main() -> None:
     start = time.perf_counter()
     for _ in range(args.runs):
         for variant in variants:
-            rc, message = run_once(args.model, variant, args.timeout)
+            rc, message = run_once(args.model, variant, args.leave, args.timeout)
             codes[variant][rc] += 1
             if message:
                 messages[variant][message] += 1
     result = {
         "model": args.model,
+        "leave": args.leave,
         "runs_per_variant": args.runs,
         "seconds": round(time.perf_counter() - start, 1),
         "exit_codes": {v: dict(c) for v, c in codes.items()},
