@@ -18,6 +18,7 @@ FAMILIES = {
     "qwen3-moe": ("family", "tiny-qwen3-moe"),
     "gemma3": ("family", "tiny-gemma3"),
     "gpt-oss": ("family", "tiny-gpt-oss"),
+    "step3p5-swa": ("family", "tiny-step3p5-swa"),  # every layer sliding
     "qwen3-next": ("family", "tiny-qwen3-next"),
     "nemotron-h": ("family", "tiny-nemotron-h"),
     "mamba2": ("family", "tiny-mamba2"),

@@ -42,6 +42,12 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-gpt-oss": dict(model_type="gpt_oss", hidden_size=64, num_hidden_layers=4, intermediate_size=64,
                          num_local_experts=4, num_experts_per_tok=2, sliding_window=40, rope_theta=150000,
                          layer_types=["sliding_attention", "full_attention"] * 2, **_ATTENTION),
+    # every layer sliding (window 40: whole blocks leave every window); mlx-lm's
+    # mistral / ministral3 / gpt-oss code needs one full layer, step3p5's does not
+    "tiny-step3p5-swa": dict(model_type="step3p5", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                             num_attention_heads=4, num_attention_groups=2, head_dim=16, sliding_window=40,
+                             layer_types=["sliding_attention"] * 2, moe_layers_enum="1", moe_num_experts=4,
+                             moe_top_k=2, moe_intermediate_size=64, share_expert_dim=64, rope_theta=1e4),
     # gated delta net layers + one attention layer in four, experts
     "tiny-qwen3-next": dict(model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
                             linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
@@ -68,11 +74,12 @@ _KEEP_INIT = ("A_log", "dt_bias", ".D")
 
 
 def cached_family_model(name: str, *, vocab_size: int = 1024, max_position_embeddings: int = 8192,
-                        seed: int = 0) -> Path:
-    """The dir of a FAMILY_CONFIGS model, built on first use."""
+                        seed: int = 0, **fields: Any) -> Path:
+    """The dir of a FAMILY_CONFIGS model (ModelArgs `fields` replaced), built on first use."""
     if name not in FAMILY_CONFIGS:
         raise ConfigError(f"unknown family preset {name!r}; choose one of {sorted(FAMILY_CONFIGS)}")
-    config = {**FAMILY_CONFIGS[name], "vocab_size": vocab_size, "max_position_embeddings": max_position_embeddings}
+    config = {**FAMILY_CONFIGS[name], **fields, "vocab_size": vocab_size,
+              "max_position_embeddings": max_position_embeddings}
     key = {"mlx_family": config, "seed": seed}
     return _cached_dir(cache_root(), key, lambda tmp: build_family_model(tmp, config, seed))
 

@@ -18,6 +18,7 @@ from unikern.stages.execute import cpu_kernels
 from unikern.stages.execute.windows import window_mask, window_start
 from unikern.stages.kv.pool import KVPool
 
+ZERO_BLOCK = 0  # reserved, all zeros: padded reads, and blocks a windowed table released
 SCRATCH_BLOCK = 1  # reserved: padded query positions write their keys/values here
 
 
@@ -44,6 +45,7 @@ class BatchLayout:
     # one row whose blocks are consecutive ids: (first slot, start, end) so the pool is
     # written and read through slices, as a dense cache would be, with no gather at all
     span: tuple[int, int, int] | None = None
+    span_from: int = 0  # the span's first position: a windowed row released the blocks before
 
     @classmethod
     def build(cls, pool: KVPool, rows: list[tuple[tuple[int, ...], int, int]]) -> BatchLayout:
@@ -83,10 +85,14 @@ def _span(row: tuple[tuple[int, ...], int, int], block_size: int) -> BatchLayout
     slices, as a dense cache would, with no gather at all; None otherwise."""
     blocks, start, n = row
     used = blocks[: -(-(start + n) // block_size)]
-    if any(b != used[0] + i for i, b in enumerate(used)):
+    # a windowed row's released blocks lead its table as the zero block: the span starts
+    # after them (base may then be below 0: only positions from span_from are touched)
+    live = next((i for i, b in enumerate(used) if b != ZERO_BLOCK), len(used))
+    if live == len(used) or any(b != used[live] + i for i, b in enumerate(used[live:])):
         return None
-    base = used[0] * block_size
-    return BatchLayout(1, n, start, None, None, "causal" if n > 1 else None, [n - 1], (base, start, start + n))
+    base = (used[live] - live) * block_size
+    causal = "causal" if n > 1 else None
+    return BatchLayout(1, n, start, None, None, causal, [n - 1], (base, start, start + n), live * block_size)
 
 
 def length_bucket(n: int, unit: int) -> int:
@@ -194,8 +200,11 @@ class PagedLayerCache:
             # slice node to each of the 2 x layers writes of every token
             pool_k[:, base + start : base + end] = keys.reshape(H, T, D)
             pool_v[:, base + start : base + end] = values.reshape(H, T, D)
-            lo = base + window_start(start, self.window)
-            return pool_k[None, :, lo : base + end], pool_v[None, :, lo : base + end]
+            lo = window_start(start, self.window)
+            if lo < lay.span_from:  # the scheduler releases only blocks past every window
+                raise RuntimeError(f"layer {self.layer} would read position {lo}, before the row's first "
+                                   f"held block (position {lay.span_from})")
+            return pool_k[None, :, base + lo : base + end], pool_v[None, :, base + lo : base + end]
         # [B, H, T, D] -> [H, B*T, D], scattered into the slot axis in place
         pool_k[:, lay.write_slots] = keys.transpose(1, 0, 2, 3).reshape(H, B * T, D)
         pool_v[:, lay.write_slots] = values.transpose(1, 0, 2, 3).reshape(H, B * T, D)

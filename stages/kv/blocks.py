@@ -237,9 +237,11 @@ class BlockManager:
         return drained
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference from each block; tail blocks go to the LRU end first so a
-        prompt's shared head outlives its private tail."""
+        """Drop one reference from each block (reserved ids are skipped); tail blocks go
+        to the LRU end first so a prompt's shared head outlives its private tail."""
         for block_id in reversed(blocks):
+            if block_id < self.reserved_blocks:
+                continue  # a windowed table's released entry: it names the zero block
             count = self.ref_counts[block_id] - 1
             if count < 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")

@@ -31,6 +31,10 @@ class KVManagerParams(StageParams, frozen=True):
     # host tier: cached blocks pushed out of the KV budget move here by accounting (on
     # unified memory it is the same RAM) and come back on a prefix hit; 0: none
     host_bytes: int = 0
+    # recurrent models (Mamba, gated delta nets): slots for state checkpoints at block
+    # boundaries, what a prefix hit restores; each costs one request's state in every
+    # recurrent layer. None: max(64, 2 x schedule.max_num_seqs)
+    state_checkpoints: int | None = None
 
     def validate(self) -> list[str]:
         problems = []
@@ -49,6 +53,8 @@ class KVManagerParams(StageParams, frozen=True):
             problems.append(f"slab_bytes: must be > 0, got {self.slab_bytes}")
         if self.host_bytes < 0:
             problems.append(f"host_bytes: must be >= 0, got {self.host_bytes}")
+        if self.state_checkpoints is not None and self.state_checkpoints < 1:
+            problems.append(f"state_checkpoints: must be >= 1 or null, got {self.state_checkpoints}")
         return problems
 
 
@@ -59,6 +65,7 @@ class KVResource:
     pool: KVPool
     blocks: BlockManager
     budget_bytes: int
+    state_checkpoints: int | None = None  # kv_manager's param, for the scheduler's state books
 
 
 class KVManagerStage(ServiceBase):
@@ -104,7 +111,7 @@ class KVManagerStage(ServiceBase):
         books = BlockManager(
             num_blocks, p.block_size, namespace, reserved_blocks=RESERVED_BLOCKS, host_blocks=host_blocks
         )
-        self.kv = KVResource(pool, books, num_blocks * bytes_per_block)
+        self.kv = KVResource(pool, books, num_blocks * bytes_per_block, p.state_checkpoints)
         ctx.provide("kv", self.kv)
         task_status.started()
         if p.allocation == "lazy":

@@ -106,7 +106,9 @@ class StateBooks:
         self._free_checkpoints.append(slot)
 
     def stats(self) -> dict[str, int]:
-        return {"request_slots": self.max_seqs, "checkpoint_slots": self.num_checkpoints,
+        return {"request_slots": self.max_seqs, "request_slots_in_use": self.max_seqs - len(self._free_requests),
+                "checkpoint_slots": self.num_checkpoints,
+                "checkpoint_slots_in_use": self.num_checkpoints - len(self._free_checkpoints),
                 "checkpoints": len(self.by_hash), "saved": self.saved, "restored": self.restored,
                 "evicted": self.evicted}
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from unikern import messages as m
 from unikern.stages.kv.blocks import BlockManager, OutOfBlocks, block_hash
 from unikern.stages.schedule.states import StateTracker
+from unikern.stages.schedule.windows import release_out_of_window, released_window
 
 if TYPE_CHECKING:
     from unikern.stages.execute.model import ModelGeometry
@@ -79,11 +80,16 @@ class Scheduler:
         decode_lookahead_max: int | None = None,
         max_waiting: int | None = None,
         geometry: ModelGeometry | None = None,
+        state_checkpoints: int | None = None,
     ) -> None:
         self.blocks = blocks
         # models with recurrent layers (execute.model.ModelGeometry.has_state): state slots
         # and their checkpoints at block boundaries; None for attention-only models
-        self.states = StateTracker(blocks, max_num_seqs) if geometry is not None and geometry.has_state else None
+        has_state = geometry is not None and geometry.has_state
+        self.states = StateTracker(blocks, max_num_seqs, state_checkpoints) if has_state else None
+        # every attention layer windowed: blocks past every window go back (schedule.windows);
+        # their table entries then name the reserved zero block, so the pool needs one
+        self.window = released_window(geometry) if blocks.reserved_blocks else None
         # admission bound: requests queued beyond it are refused as overloaded (None: no bound)
         self.max_waiting = max_waiting
         self.num_refused_overloaded = 0
@@ -173,6 +179,9 @@ class Scheduler:
     def schedule(self) -> m.Step | None:
         if self.states is not None:  # the previous step is back: its checkpoints count now
             self.states.flush(self.by_id)
+        if self.window is not None:
+            for seq in self.running:
+                release_out_of_window(self.blocks, seq, self.window)
         budget = self.max_num_batched_tokens
         work: list[m.SeqWork] = []
         scheduled: set[str] = set()
@@ -275,6 +284,8 @@ class Scheduler:
         if self.states is not None:
             self.states.admit(seq, cached)
         seq.num_computed = cached
+        if self.window is not None:  # hit blocks before the window, fresh ones past the first chunk
+            release_out_of_window(self.blocks, seq, self.window, until=cached + self.max_prefill_chunk)
         seq.block_hashes = self.blocks.prefix_hashes(seq.tokens)[: cached // self.blocks.block_size]
         if seq.cached_tokens is None:
             seq.cached_tokens = cached

@@ -73,6 +73,7 @@ class ScheduleStage(StageBase):
             max_prefill_chunk=self.params.max_prefill_chunk,
             max_waiting=self.params.waiting_limit(),
             geometry=loaded.geometry,
+            state_checkpoints=kv.state_checkpoints,
         )
         self.in_flight: m.Step | None = None
         self.setup(ctx)
@@ -130,5 +131,7 @@ class ScheduleStage(StageBase):
                 "preemptions": sched.num_preemptions,
                 "max_waiting": sched.max_waiting,
                 "refused_overloaded": sched.num_refused_overloaded,
-            }
+            },
+            # the state books live with the policy; they belong in the kv section (merged)
+            **({"kv": {"states": sched.states.books.stats()}} if sched.states is not None else {}),
         }
