@@ -55,10 +55,19 @@ def post(served, path: str, body, key: str | None = API_KEY, **kwargs) -> httpx.
 # ---- endpoints -------------------------------------------------------------------------
 
 
-def test_health_and_models(served, oa) -> None:
+def test_health_and_models(served, oa, an) -> None:
     assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
-    models = oa.models.list()
-    assert [m.id for m in models.data] == ["tiny"]
+    assert [m.id for m in oa.models.list().data] == ["tiny"]
+    assert oa.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        oa.models.retrieve("gpt-4")
+    assert [m.id for m in an.models.list().data] == ["tiny"]
+
+
+def test_anthropic_count_tokens(an) -> None:
+    counted = an.messages.count_tokens(model="tiny", system="be brief", messages=CHAT)
+    reply = an.messages.create(model="tiny", max_tokens=1, system="be brief", messages=CHAT)
+    assert counted.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens > 0
 
 
 def test_chat_completion_streaming_and_not(oa) -> None:

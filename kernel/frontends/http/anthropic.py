@@ -30,6 +30,17 @@ class MessagesRequest(msgspec.Struct):
     tool_choice: dict[str, Any] | None = None
 
 
+class CountTokensRequest(msgspec.Struct):
+    model: str
+    messages: list[Any]
+    system: str | list[Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+    def fields(self) -> dict[str, Any]:
+        return dict(messages=self.messages, system=self.system, tools=self.tools, tool_choice=self.tool_choice)
+
+
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]

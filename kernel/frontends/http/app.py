@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -84,44 +84,70 @@ def build_app(state: ServerState) -> Starlette:
 
         return endpoint
 
+    def require_engine() -> None:
+        if not state.ready:
+            status = "stopping" if state.draining else "starting"
+            raise APIError(503, f"the server is {status}", headers={"Retry-After": "1"})
+
     async def chat(request: Request) -> Response:
+        require_engine()
         body = await _read(request, openai.ChatRequest, params.max_body_bytes)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         gen = Generation(state, openai.prepare_chat(state, body), rid)
-        return await _respond(request, gen, openai.Shaper(state, gen, rid, chat=True, token_ids=body.return_token_ids), body)
+        shaper = openai.Shaper(state, gen, rid, chat=True, token_ids=body.return_token_ids)
+        return await respond(request, gen, body.stream, lambda: shaper.stream(body.include_usage), shaper.collect)
 
     async def completions(request: Request) -> Response:
+        require_engine()
         body = await _read(request, openai.CompletionRequest, params.max_body_bytes)
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         gen = Generation(state, openai.prepare_completion(body), rid)
-        return await _respond(request, gen, openai.Shaper(state, gen, rid, chat=False, token_ids=body.return_token_ids), body)
-
-    async def _respond(request: Request, gen: Generation, shaper: openai.Shaper, body: Any) -> Response:
-        await gen.start(request)
-        if body.stream:
-            return EventStreamResponse(shaper.stream(body.include_usage), on_close=gen.aclose)
-        try:
-            return JSONResponse(await until_disconnect(request, shaper.collect))
-        finally:
-            await gen.aclose()
+        shaper = openai.Shaper(state, gen, rid, chat=False, token_ids=body.return_token_ids)
+        return await respond(request, gen, body.stream, lambda: shaper.stream(body.include_usage), shaper.collect)
 
     async def messages(request: Request) -> Response:
+        require_engine()
         body = await _read(request, anthropic.MessagesRequest, params.max_body_bytes)
         rid = f"msg_{uuid.uuid4().hex[:24]}"
         prepared = anthropic.prepare_messages(state, body)
         gen = Generation(state, prepared, rid)
         shaper = anthropic.Shaper(state, gen, rid, len(prepared.prompt_tokens or ()))
+        return await respond(request, gen, body.stream, shaper.stream, shaper.collect)
+
+    async def respond(
+        request: Request, gen: Generation, stream: bool,
+        events: Callable[[], AsyncIterator[bytes]], collect: Callable[[], Awaitable[dict[str, Any]]],
+    ) -> Response:
         await gen.start(request)
-        if body.stream:
-            return EventStreamResponse(shaper.stream(), on_close=gen.aclose)
+        if stream:
+            return EventStreamResponse(events(), on_close=gen.aclose)
         try:
-            return JSONResponse(await until_disconnect(request, shaper.collect))
+            return JSONResponse(await until_disconnect(request, collect))
         finally:
             await gen.aclose()
 
+    # one model card that both APIs' clients read: OpenAI's fields and Anthropic's
+    card = {
+        "id": state.model_id, "object": "model", "created": started, "owned_by": "unikern",
+        "type": "model", "display_name": state.model_id,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+    }
+
     async def models(request: Request) -> Response:
-        card = {"id": state.model_id, "object": "model", "created": started, "owned_by": "unikern"}
-        return JSONResponse({"object": "list", "data": [card]})
+        listing = {"object": "list", "data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}
+        return JSONResponse(listing)
+
+    async def model(request: Request) -> Response:
+        if request.path_params["model_id"] != state.model_id:
+            raise APIError(404, f"no model {request.path_params['model_id']!r}; this server has {state.model_id!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse(card)
+
+    async def count_tokens(request: Request) -> Response:
+        require_engine()
+        body = await _read(request, anthropic.CountTokensRequest, params.max_body_bytes)
+        prepared = anthropic.prepare_messages(state, anthropic.MessagesRequest(model=body.model, max_tokens=1, **body.fields()))
+        return JSONResponse({"input_tokens": len(prepared.prompt_tokens or ())})
 
     async def health(request: Request) -> Response:
         if state.ready:
@@ -147,6 +173,8 @@ def build_app(state: ServerState) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", v1("openai", models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", v1("openai", model), methods=["GET"]),
+        Route("/v1/messages/count_tokens", v1("anthropic", count_tokens), methods=["POST"]),
         Route("/v1/chat/completions", v1("openai", chat), methods=["POST"]),
         Route("/v1/completions", v1("openai", completions), methods=["POST"]),
         Route("/v1/messages", v1("anthropic", messages), methods=["POST"]),
