@@ -152,8 +152,10 @@ class SamplingBatch:
             return greedy
         x = logits if draw["index"] is None else logits[draw["index"]]
         x = x.astype(mx.float32)
-        logprobs = self._filter(x - mx.logsumexp(x, axis=-1, keepdims=True))
-        cdf = mx.cumsum(mx.softmax(logprobs * draw["inv_temp"], axis=-1), axis=-1)
+        if any(draw[f] is not None for f in ("top_p", "top_k", "log_min_p")):
+            x = self._filter(x - mx.logsumexp(x, axis=-1, keepdims=True))  # mlx-lm filters log-probs
+        # the softmax's own normalization makes the draw the same with or without it
+        cdf = mx.cumsum(mx.softmax(x * draw["inv_temp"], axis=-1), axis=-1)
         target = draw["u"][:, step : step + 1] * cdf[:, -1:]
         picks = mx.minimum((cdf < target).sum(axis=-1), x.shape[-1] - 1).astype(mx.uint32)
         return picks if draw["index"] is None else set_rows(greedy, draw["index"], picks)
@@ -166,25 +168,28 @@ class SamplingBatch:
         vocab = logprobs.shape[-1]
         floor = mx.array(-math.inf, dtype=mx.float32)
         thresholds = []
-        if draw["top_p"] is not None or draw["top_k"] is not None:
+        ascending = None
+        if draw["top_p"] is not None:  # mlx-lm's apply_top_p, one top_p per row
             ascending = mx.sort(logprobs, axis=-1)
-            if draw["top_p"] is not None:  # mlx-lm's apply_top_p, one top_p per row
-                top_p = mx.where(mx.isnan(draw["top_p"]), 1.0, draw["top_p"])
-                probs = mx.exp(ascending)
-                mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
-                total = mass_above[:, :1] + probs[:, :1]
-                dropped = (mass_above >= top_p * total).sum(axis=-1, keepdims=True)
-                cut = mx.take_along_axis(ascending, mx.minimum(dropped, vocab - 1), axis=-1)
-                thresholds.append(mx.where(mx.isnan(draw["top_p"]), floor, cut))
-            if draw["top_k"] is not None:
-                k = draw["top_k"]
-                position = np.where((k > 0) & (k < vocab), vocab - k, 0)[:, None]
-                thresholds.append(mx.take_along_axis(ascending, mx.array(position), axis=-1))
+            top_p = mx.where(mx.isnan(draw["top_p"]), 1.0, draw["top_p"])
+            probs = mx.exp(ascending)
+            mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+            total = mass_above[:, :1] + probs[:, :1]
+            dropped = (mass_above >= top_p * total).sum(axis=-1, keepdims=True)
+            cut = mx.take_along_axis(ascending, mx.minimum(dropped, vocab - 1), axis=-1)
+            thresholds.append(mx.where(mx.isnan(draw["top_p"]), floor, cut))
+        if draw["top_k"] is not None:
+            k = np.where(draw["top_k"] < vocab, draw["top_k"], 0)  # k >= vocab keeps every token
+            if ascending is None:
+                # the k-th largest is among the largest max(k): a partial selection (topk)
+                # instead of a full sort (on MLX's CPU backend 32 x 2048: 0.5 vs 3.7 ms)
+                ascending = mx.sort(mx.topk(logprobs, max(int(k.max()), 1), axis=-1), axis=-1)
+            width = ascending.shape[-1]
+            position = mx.array(np.where(k > 0, width - k, 0)[:, None])
+            thresholds.append(mx.where(mx.array(k[:, None] > 0), mx.take_along_axis(ascending, position, axis=-1), floor))
         if draw["log_min_p"] is not None:
             top = mx.max(logprobs, axis=-1, keepdims=True)
             thresholds.append(mx.where(mx.isnan(draw["log_min_p"]), floor, top + draw["log_min_p"]))
-        if not thresholds:
-            return logprobs
         threshold = thresholds[0]
         for t in thresholds[1:]:
             threshold = mx.maximum(threshold, t)
