@@ -289,7 +289,10 @@ async def _pump(events: Any, send: Any, request_id: str, *, task_status: Any = a
         task_status.started(scope)
         try:
             async for event in events:
-                await send.send(event)
+                try:  # no trip through the event loop per event: the reader takes them all at once
+                    send.send_nowait(event)
+                except anyio.WouldBlock:
+                    await send.send(event)
         except UnikernError as exc:  # the engine stopped under the request
             error = m.ErrorEvent(request_id, getattr(exc, "code", "stage_failed"), str(exc))
             with contextlib.suppress(anyio.WouldBlock, anyio.BrokenResourceError):
