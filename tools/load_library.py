@@ -155,15 +155,21 @@ def run_library(model: str, *, num_requests: int, concurrency: int, raising_frac
     ends: dict[str, int] = {}
     for outcome in outcomes.values():
         ends[outcome.get("end", "missing")] = ends.get(outcome.get("end", "missing"), 0) + 1
-    # a processor that never reached its failing call (the request ended first) is harmless
-    raised = {rid for rid, processor in raising.items() if processor.raised}
+    # a processor that never reached its failing call (the request ended first) is harmless;
+    # one that raised on a step past the request's stop string fails a token nobody sees:
+    # the request ends "stop", as the caller saw it, and is checked like the others
+    by_id = {b["id"]: b for b in requests}
+    past_stop = {rid for rid, p in raising.items()
+                 if p.raised and outcomes[rid].get("end") == "stop" and by_id[rid].get("stop")}
+    raised = {rid for rid, processor in raising.items() if processor.raised} - past_stop
     raised_ends = [outcomes[rid].get("end") for rid in raised]
     others = [outcomes[b["id"]].get("end") for b in requests if b["id"] not in raised]
     completed = [o for rid, o in outcomes.items() if rid not in raised and o.get("end") in ("length", "stop")]
     generated = sum(len(o["tokens"]) for o in outcomes.values())
     summary: dict[str, Any] = {
         "mode": "library", "model": model, "requests": len(requests), "concurrency": concurrency,
-        "raising_processors": len(raising), "processors_raised": len(raised), "ends": ends, "stage_fault": result.get("fault"),
+        "raising_processors": len(raising), "processors_raised": len(raised) + len(past_stop),
+        "raised_past_a_stop_string": len(past_stop), "ends": ends, "stage_fault": result.get("fault"),
         "generated_tokens": generated, "wall_seconds": round(result["wall"], 2),
         "tokens_per_second": round(generated / result["wall"], 1) if result["wall"] else 0.0,
         "ttft_seconds": {k: round(v, 4) for k, v in percentiles([o["first_token"] - o["sent"] for o in completed if "first_token" in o]).items()},
@@ -186,7 +192,7 @@ def run_library(model: str, *, num_requests: int, concurrency: int, raising_frac
 
 
 def print_library_report(summary: dict[str, Any]) -> None:
-    for key in ("requests", "raising_processors", "processors_raised", "ends", "stage_fault", "generated_tokens", "wall_seconds",
+    for key in ("requests", "raising_processors", "processors_raised", "raised_past_a_stop_string", "ends", "stage_fault", "generated_tokens", "wall_seconds",
                 "tokens_per_second", "ttft_seconds", "total_seconds", "kv_blocks_used_at_end", "rss_mib", "tokens_vs_mlx_lm"):
         print(f"{key:>24}: {summary[key]}")
     for criterion, ok in summary["criteria"].items():
