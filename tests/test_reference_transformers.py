@@ -139,8 +139,6 @@ class LogitsRecorder:
 
 
 def paged_runner(model_dir: Path):
-    from unikern.platform import shared_bridge
-    from unikern.platform.bridge import apply_torch_logits_processors
     from unikern.stages.execute.model import ModelGeometry
     from unikern.stages.execute.runner import ModelRunner
     from unikern.stages.kv.pool import KVPool
@@ -150,11 +148,8 @@ def paged_runner(model_dir: Path):
     pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
                   dtype=geo.dtype, block_size=BLOCK, kernel_block_size=KERNEL_BLOCK, num_blocks=32,
                   slab_blocks=32)
-
-    def hook(rows, logits) -> None:  # what the execute stage hands the runner
-        apply_torch_logits_processors(logits, rows, shared_bridge())
-
-    return ModelRunner(model, pool, hook, cpu_kernels=True)
+    # the runner hands each processor a zero-copy view of its row (the shared bridge)
+    return ModelRunner(model, pool, cpu_kernels=True)
 
 
 def paged_logits(model_dir: Path, rows: dict[str, list[int]], shared: dict[str, tuple[str, int]]) -> dict:
