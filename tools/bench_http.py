@@ -127,6 +127,23 @@ def prompts(n: int, prompt_tokens: int) -> list[str]:
     return [f"# request {i}\n{body}" for i in range(n)]
 
 
+def full_length_prompts(model: Path, n: int, prompt_tokens: int, max_tokens: int) -> list[str]:
+    """`n` prompts whose greedy continuation (mlx-lm's) reaches max_tokens without an
+    end-of-sequence token, so every server generates the same number of tokens."""
+    from mlx_lm import load
+
+    from unikern.testing.reference import greedy_reference
+
+    lm, tokenizer = load(str(model))
+    chosen: list[str] = []
+    for text in prompts(40 * n, prompt_tokens):
+        if len(greedy_reference(lm, tokenizer, tokenizer.encode(text), max_tokens).tokens) == max_tokens:
+            chosen.append(text)
+            if len(chosen) == n:
+                return chosen
+    raise SystemExit(f"fewer than {n} of {40 * n} prompts run {max_tokens} tokens without an end of sequence")
+
+
 async def one_request(client: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -249,6 +266,7 @@ def main() -> int:
             parser.error("--llama-server needs --gguf or --convert-script")
         gguf = convert_to_gguf(model, Path(args.convert_script), Path(tempfile.gettempdir()) / f"{model.name}-f32.gguf")
 
+    pool = full_length_prompts(model, max(args.levels) * args.requests_per_stream, args.prompt_tokens, args.max_tokens)
     logs = Path(tempfile.mkdtemp(prefix="bench_http-"))
     servers = make_servers(args, model, gguf, logs)
     for server in servers:
@@ -262,7 +280,7 @@ def main() -> int:
         for server in live:  # warm-up: loads, first kernels, the largest batch shape once
             asyncio.run(run_batch(server, prompts(max(args.levels), args.prompt_tokens), max(args.levels), 8))
         for level in args.levels:
-            texts = prompts(level * args.requests_per_stream, args.prompt_tokens)
+            texts = pool[: level * args.requests_per_stream]
             for round_ in range(args.rounds):
                 order = live[round_ % len(live):] + live[: round_ % len(live)]
                 for server in order:
