@@ -80,17 +80,22 @@ class ScheduleStage(StageBase):
         task_status.started()
 
         async def handle(message: Any) -> None:
-            output = await self.handle(ctx, message)
-            # the next step goes out before this one's tokens: the model computes while
-            # the event loop detokenizes and delivers
-            if self.in_flight is None and self.scheduler.has_work():
-                self.in_flight = self.scheduler.schedule()
-                if self.in_flight is not None:
-                    await ctx.send(self.in_flight)
-            if output is not None and (output.tokens or output.finished):
-                await ctx.send(output)
+            await self.step(ctx, await self.handle(ctx, message))
 
         await serve_inbox(ctx, handle)
+
+    async def step(self, ctx: StageContext, output: m.StepOutput | None) -> None:
+        """One turn of the engine: the policy plans the next Step (Scheduler.schedule),
+        the execute stage runs it on the model thread and answers StepDone, which
+        Scheduler.on_step_done turns into this StepOutput for the output stage. The next
+        step goes out before this one's tokens, so the model computes while the event
+        loop detokenizes and delivers."""
+        if self.in_flight is None and self.scheduler.has_work():
+            self.in_flight = self.scheduler.schedule()
+            if self.in_flight is not None:
+                await ctx.send(self.in_flight)
+        if output is not None and (output.tokens or output.finished):
+            await ctx.send(output)
 
     def setup(self, ctx: StageContext) -> None:
         """Hook for subclasses: runs once the scheduler exists, before start-up ends."""
