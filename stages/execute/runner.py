@@ -159,6 +159,10 @@ class ModelRunner:
         for group in groups:
             rows = [(w.block_table, w.start_pos, len(w.token_ids)) for w in group]
             logits = self._logits(rows, [list(w.token_ids) for w in group], [w.state_slot for w in group])
+            if group is not groups[-1]:
+                # the next group writes the pool: this one's reads must be done first, or MLX
+                # copies every layer's whole array to keep them for it (the budget, on cpu)
+                mx.eval(logits, self.pool.keys, self.pool.values)
             if all(w.sample for w in group):
                 logits_rows.append(logits)
                 order.extend(group)

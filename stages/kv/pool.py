@@ -13,18 +13,31 @@ transposed result sends SDPA down a slow strided path).
 Blocks 0 and 1 are reserved: block 0 stays zero and padded positions of a batch read
 it, so unwritten memory is never even gathered; padded positions write into block 1.
 
-Lazy allocation: MLX commits every page it creates (mx.zeros writes them), so the pool
-starts empty and grows in slabs as blocks are first used; idle tail slabs are given
-back. `eager` commits the whole budget at start, for comparison.
+Memory, by backend (chosen explicitly from the platform):
+- cpu: every layer's arrays span the whole budget from the start, but as reserved zero
+  pages (pages.reserve_zeros): a page commits when a block on it is first written, and
+  `release` gives the pages of any blocks back (madvise), whatever their ids. Nothing is
+  ever copied to grow or shrink; `resident_bytes` counts the committed pages (mincore).
+- metal, cuda: madvise does not reach MLX's GPU buffers, so the pool grows in slabs by
+  concatenation (a copy, peaking at old + new size) and shrinks its idle tail the same way.
+`eager` commits the whole budget at start, for comparison; a NaN fill (tests that prove
+masking) is written, so committed, everywhere and never released.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import mlx.core as mx
+import numpy as np
+import structlog
 
+from unikern.platform.bridge import mlx_buffer
+from unikern.stages.kv import pages
 from unikern.stages.kv.cache_kinds import new_state
+
+log = structlog.get_logger()
 
 
 class KVPool:
@@ -41,11 +54,16 @@ class KVPool:
         slab_blocks: int,
         eager: bool = False,
         fill_value: float = 0.0,
+        backend: str | None = None,
     ) -> None:
         if block_size % kernel_block_size:
             raise ValueError(
                 f"block_size {block_size} must be a whole multiple of kernel_block_size {kernel_block_size}"
             )
+        if backend is None:
+            from unikern.platform import current_platform
+
+            backend = current_platform().backend
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -55,31 +73,150 @@ class KVPool:
         self.num_blocks = num_blocks  # the budget: a ceiling
         self.slab_blocks = max(1, min(slab_blocks, num_blocks))
         self.fill_value = fill_value  # tests fill unwritten slots with NaN
-        self.capacity_blocks = 0  # blocks actually allocated
+        self.eager = eager
+        # whole-budget arrays of reserved pages: only where madvise reaches the buffers
+        self.reserved = backend == "cpu"
+        # pages that may be given back: zeros that nobody asked to be committed
+        self.releases_pages = self.reserved and not eager and fill_value == 0.0
+        self.capacity_blocks = 0  # blocks addressable now
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
         self.grow_events = 0
-        self.shrink_events = 0
-        if eager:
+        self.shrink_events = 0  # times memory was given back
+        self.released_bytes = 0  # page bytes handed back by `release`, in all
+        self.relocations = 0  # arrays found at a new address: MLX copied instead of writing in place
+        self.uses = 0  # ensure_capacity calls: one per step that writes, watched for idleness
+        self._addresses: list[int] = []  # each array's buffer (cpu), read on the model thread
+        self._array_bytes = 0
+        if self.reserved:
+            self._reserve()
+        elif eager:
             self.ensure_capacity(num_blocks)
+
+    # ---- geometry -----------------------------------------------------------------------
 
     @property
     def bytes_per_block(self) -> int:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.size
 
     @property
-    def resident_bytes(self) -> int:
-        return self.capacity_blocks * self.bytes_per_block
+    def _chunk_bytes(self) -> int:
+        """One block of one head of one array: the contiguous unit of the layout."""
+        return self.block_size * self.head_dim * self.dtype.size
 
-    def _new(self, num_blocks: int, first: bool = False) -> mx.array:
-        shape = (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
-        array = new_state(shape, self.dtype, "KVCache", self.fill_value)
-        if first:  # the reserved zero block
-            array[:, : self.block_size, :] = 0
-        return array
+    def _head_ranges(self, address: int, first: int, end: int) -> list[tuple[int, int]]:
+        """Byte ranges of blocks [first, end) in one array, per head, adjacent ones merged."""
+        chunk, head_bytes = self._chunk_bytes, self.num_blocks * self._chunk_bytes
+        ranges: list[tuple[int, int]] = []
+        for h in range(self.num_kv_heads):
+            lo, hi = address + h * head_bytes + first * chunk, address + h * head_bytes + end * chunk
+            if ranges and ranges[-1][1] == lo:
+                ranges[-1] = (ranges[-1][0], hi)
+            else:
+                ranges.append((lo, hi))
+        return ranges
+
+    # ---- memory in use --------------------------------------------------------------------
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the pool that are committed: pages written since their release (cpu),
+        or the slabs allocated (metal, cuda)."""
+        if not self.reserved:
+            return self.capacity_blocks * self.bytes_per_block
+        total = 0
+        for address in self._addresses:
+            vec = self._resident(address, self._array_bytes)
+            first_page = pages.interior(address, self._array_bytes)[0]
+            for lo, hi in self._head_ranges(address, 0, 1):  # block 0: read, so mapped, never written
+                lo, hi = pages.interior(lo, hi - lo)
+                vec[(lo - first_page) // pages.PAGE_BYTES : (hi - first_page) // pages.PAGE_BYTES] = 0
+            total += int(vec.sum())
+        return total * pages.PAGE_BYTES
+
+    def committed_blocks(self) -> int:
+        """Blocks with memory committed (cpu: any page of the block in the first layer's
+        keys, as every layer is written alike; block 0 is only ever read)."""
+        if not self.reserved:
+            return self.capacity_blocks
+        if not self._addresses:
+            return 0
+        address, nbytes = self._addresses[0], self._array_bytes
+        page = pages.PAGE_BYTES
+        counts = np.concatenate([[0], np.cumsum(self._resident(address, nbytes), dtype=np.int64)])
+        first_page = pages.interior(address, nbytes)[0]
+        starts = np.arange(self.num_blocks, dtype=np.int64) * self._chunk_bytes
+        head_bytes = self.num_blocks * self._chunk_bytes
+        committed = np.zeros(self.num_blocks, bool)
+        for h in range(self.num_kv_heads):
+            lo = (address + h * head_bytes + starts - first_page) // page
+            hi = -(-(address + h * head_bytes + starts + self._chunk_bytes - first_page) // page)
+            lo, hi = np.clip(lo, 0, len(counts) - 1), np.clip(hi, 0, len(counts) - 1)
+            committed |= counts[hi] > counts[lo]
+        return int(committed[1:].sum())
+
+    def _resident(self, address: int, nbytes: int) -> np.ndarray:
+        try:
+            return pages.resident_pages(address, nbytes)
+        except OSError:  # unmapped: the array moved (a copy), which committed all of it
+            first, end = pages.interior(address, nbytes)
+            return np.ones((end - first) // pages.PAGE_BYTES, np.uint8)
+
+    # ---- cpu: one reservation --------------------------------------------------------------
+
+    def _reserve(self) -> None:
+        """Arrays for the whole budget, one at a time: reserved zeros commit nothing;
+        eager zeros and a NaN fill commit one array more at each step, as asked."""
+        shape = (self.num_kv_heads, self.num_blocks * self.block_size, self.head_dim)
+        for arrays in (self.keys, self.values):
+            for _ in range(self.num_layers):
+                if self.releases_pages:
+                    array = pages.reserve_zeros(shape, self.dtype)
+                else:
+                    array = new_state(shape, self.dtype, "KVCache", self.fill_value)
+                    array[:, : self.block_size, :] = 0  # the reserved zero block
+                    mx.eval(array)
+                arrays.append(array)
+        self._addresses = [mlx_buffer(a)[0] for a in self.keys + self.values]
+        self._array_bytes = self.keys[0].nbytes
+        self.capacity_blocks = self.num_blocks
+        self.grow_events += 1
+
+    def release(self, keep: Collection[int] = ()) -> int:
+        """Give back the memory of every block not in `keep`; those blocks read as zeros
+        afterwards. Only while nothing writes them: the caller holds the books idle and
+        runs this on the model thread. Returns the committed bytes given back."""
+        if not self.reserved:
+            return self._shrink_to(max(keep, default=-1) + 1)
+        if not self.releases_pages:
+            return 0
+        arrays = self.keys + self.values
+        addresses = [mlx_buffer(a)[0] for a in arrays]
+        moved = sum(a != b for a, b in zip(addresses, self._addresses, strict=True))
+        if moved:  # MLX copied a whole array instead of writing in place: every page committed
+            log.warning("kv_pool_arrays_moved", arrays=moved)
+        self.relocations += moved
+        self._addresses = addresses
+        kept = sorted(b for b in set(keep) if 0 <= b < self.num_blocks)
+        bounds = zip([0] + [b + 1 for b in kept], kept + [self.num_blocks], strict=True)
+        runs = [(lo, hi) for lo, hi in bounds if hi > lo]
+        before = self.resident_bytes
+        for address in addresses:
+            for first, end in runs:
+                for lo, hi in self._head_ranges(address, first, end):
+                    pages.release(lo, hi - lo)
+        released = before - self.resident_bytes
+        mx.clear_cache()  # the step temporaries MLX keeps for reuse go back too
+        self.shrink_events += 1
+        self.released_bytes += released
+        return released
+
+    # ---- metal, cuda: slabs -----------------------------------------------------------------
 
     def ensure_capacity(self, num_blocks: int) -> None:
-        """Make blocks [0, num_blocks) addressable, growing in whole slabs."""
+        """Make blocks [0, num_blocks) addressable (growing in whole slabs where the backend
+        needs it); called before every step that writes the pool."""
+        self.uses += 1
         if num_blocks <= self.capacity_blocks:
             return
         if num_blocks > self.num_blocks:
@@ -89,20 +226,28 @@ class KVPool:
         target = min(self.num_blocks, math.ceil(target / self.slab_blocks) * self.slab_blocks)
         extra = target - self.capacity_blocks
         if self.capacity_blocks == 0:
-            self.keys = [self._new(extra, first=True) for _ in range(self.num_layers)]
-            self.values = [self._new(extra, first=True) for _ in range(self.num_layers)]
+            self.keys = [self._new_slab(extra, first=True) for _ in range(self.num_layers)]
+            self.values = [self._new_slab(extra, first=True) for _ in range(self.num_layers)]
         else:
-            self.keys = [mx.concatenate([k, self._new(extra)], axis=1) for k in self.keys]
-            self.values = [mx.concatenate([v, self._new(extra)], axis=1) for v in self.values]
+            self.keys = [mx.concatenate([k, self._new_slab(extra)], axis=1) for k in self.keys]
+            self.values = [mx.concatenate([v, self._new_slab(extra)], axis=1) for v in self.values]
         mx.eval(self.keys, self.values)
         self.capacity_blocks = target
         self.grow_events += 1
 
-    def shrink_to(self, num_blocks: int) -> None:
+    def _new_slab(self, num_blocks: int, first: bool = False) -> mx.array:
+        shape = (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
+        array = new_state(shape, self.dtype, "KVCache", self.fill_value)
+        if first:  # the reserved zero block
+            array[:, : self.block_size, :] = 0
+        return array
+
+    def _shrink_to(self, num_blocks: int) -> int:
         """Give back whole slabs above `num_blocks` (blocks there must be unused)."""
         target = math.ceil(num_blocks / self.slab_blocks) * self.slab_blocks
         if target >= self.capacity_blocks:
-            return
+            return 0
+        released = (self.capacity_blocks - target) * self.bytes_per_block
         if target == 0:
             self.keys, self.values = [], []
         else:
@@ -112,4 +257,6 @@ class KVPool:
             mx.eval(self.keys, self.values)
         self.capacity_blocks = target
         self.shrink_events += 1
+        self.released_bytes += released
         mx.clear_cache()
+        return released

@@ -1,5 +1,5 @@
 """kv_manager: the KV service. Owns the paged pool and its books and lends them (the `kv`
-resource) to schedule, execute and the mover; gives idle memory back."""
+resource) to schedule, execute and the mover; gives memory back once nothing runs."""
 
 from __future__ import annotations
 
@@ -25,8 +25,13 @@ class KVManagerParams(StageParams, frozen=True):
     kv_budget_bytes: int | None = None  # overrides memory_fraction
     activation_reserve_bytes: int = 512 * MiB
     allocation: Literal["lazy", "eager"] = "lazy"
-    slab_bytes: int = 64 * MiB  # the lazy pool grows and shrinks in slabs of this size
-    idle_trim_seconds: float = 2.0  # give idle slabs back after this long without work
+    slab_bytes: int = 64 * MiB  # metal, cuda: the lazy pool grows and shrinks in slabs of this size
+    # after this long with no block in use and nothing written, the memory of blocks that
+    # no prefix-cache entry names is given back
+    idle_trim_seconds: float = 2.0
+    # after this long idle the prefix cache is forgotten too and its memory given back
+    # (None: keep it, bounded by the budget, for whoever comes back to it)
+    idle_drop_cache_seconds: float | None = 300.0
     unwritten_fill: Literal["zeros", "nan"] = "zeros"  # nan: for tests that prove masking
     # host tier: cached blocks pushed out of the KV budget move here by accounting (on
     # unified memory it is the same RAM) and come back on a prefix hit; 0: none
@@ -51,11 +56,52 @@ class KVManagerParams(StageParams, frozen=True):
             problems.append(f"kv_budget_bytes: must be > 0, got {self.kv_budget_bytes}")
         if self.slab_bytes <= 0:
             problems.append(f"slab_bytes: must be > 0, got {self.slab_bytes}")
+        if self.idle_trim_seconds < 0:
+            problems.append(f"idle_trim_seconds: must be >= 0, got {self.idle_trim_seconds}")
+        if self.idle_drop_cache_seconds is not None and self.idle_drop_cache_seconds < 0:
+            problems.append(f"idle_drop_cache_seconds: must be >= 0 or null, got {self.idle_drop_cache_seconds}")
         if self.host_bytes < 0:
             problems.append(f"host_bytes: must be >= 0, got {self.host_bytes}")
         if self.state_checkpoints is not None and self.state_checkpoints < 1:
             problems.append(f"state_checkpoints: must be >= 1 or null, got {self.state_checkpoints}")
         return problems
+
+
+class IdleTrim:
+    """When to give memory back: the pool must have been idle (no block in use, no step
+    written) for `idle_seconds`: "free" gives back what no cache entry names; after
+    `drop_cache_seconds` "all" forgets the prefix cache too. Each once per idle spell,
+    and only after something was written."""
+
+    def __init__(self, idle_seconds: float, drop_cache_seconds: float | None) -> None:
+        self.idle_seconds = idle_seconds
+        self.drop_cache_seconds = drop_cache_seconds
+        self._uses = 0
+        self._idle_since: float | None = None
+        self._done: str | None = "all"  # nothing written yet: nothing to give back
+
+    def decide(self, now: float, blocks_in_use: int, uses: int) -> str | None:
+        """"free", "all" or None (nothing to do now), from the books and the pool's count
+        of writing steps as seen at `now`."""
+        if uses != self._uses:  # written since the last look: a new idle spell to come
+            self._uses, self._done = uses, None
+            self._idle_since = None
+            return None
+        if blocks_in_use:
+            self._idle_since = None
+            return None
+        if self._idle_since is None:  # idle from the first look that finds it so
+            self._idle_since = now
+            return None
+        idle = now - self._idle_since
+        drop = self.drop_cache_seconds
+        if self._done != "all" and drop is not None and idle >= max(drop, self.idle_seconds):
+            self._done = "all"
+        elif self._done is None and idle >= self.idle_seconds:
+            self._done = "free"
+        else:
+            return None
+        return self._done
 
 
 @dataclass
@@ -120,12 +166,20 @@ class KVManagerStage(ServiceBase):
             await anyio.sleep_forever()
 
     async def _trim_when_idle(self, thread) -> None:
-        kv = self.kv
+        p, kv = self.params, self.kv
+        trim = IdleTrim(p.idle_trim_seconds, p.idle_drop_cache_seconds)
+        poll = max(0.01, min(p.idle_trim_seconds / 4, 0.5))
         while True:
-            await anyio.sleep(self.params.idle_trim_seconds)
-            keep = kv.blocks.highest_used()
-            if keep < kv.pool.capacity_blocks:
-                await thread.run(kv.pool.shrink_to, keep)
+            await anyio.sleep(poll)
+            what = trim.decide(anyio.current_time(), kv.blocks.num_used, kv.pool.uses)
+            if what is None:
+                continue
+            if what == "all":
+                kv.blocks.evict_all_cached()
+            keep = set(kv.blocks.hash_to_block.values())
+            # the books are idle now and thread.run queues the release before any step
+            # that could write a block handed out from here on
+            await thread.run(kv.pool.release, keep)
 
     def stats(self) -> dict[str, Any]:
         kv = getattr(self, "kv", None)
@@ -139,8 +193,11 @@ class KVManagerStage(ServiceBase):
                 "blocks_total": kv.blocks.num_blocks,
                 "blocks_used": kv.blocks.num_used,
                 "blocks_cached": kv.blocks.num_cached,
-                "blocks_allocated": kv.pool.capacity_blocks,
+                "blocks_allocated": kv.pool.committed_blocks(),
                 "allocation": self.params.allocation,
+                "releases": kv.pool.shrink_events,
+                "released_bytes": kv.pool.released_bytes,
+                "relocations": kv.pool.relocations,
             },
             "tiers": _tier_stats(kv),
         }
