@@ -85,3 +85,42 @@ def test_anthropic_tool_use(served) -> None:
     follow_up = [*ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": block.id, "name": block.name, "input": block.input}]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "sunny"}]}]
     assert client.messages.create(model="m", max_tokens=8, messages=follow_up, tools=[tool]).stop_reason == "tool_use"
+
+
+# ---- the splitter alone: markers split across tokens ---------------------------------------
+
+
+def splitter():
+    from types import SimpleNamespace
+
+    from mlx_lm.tool_parsers import json_tools
+
+    from unikern.frontends.http.chat import ToolCallSplitter
+
+    tokenizer = SimpleNamespace(tool_call_start=json_tools.tool_call_start, tool_call_end=json_tools.tool_call_end,
+                                tool_parser=json_tools.parse_tool_call)
+    return ToolCallSplitter(tokenizer, [WEATHER])
+
+
+def test_markers_split_across_tokens_are_held_back_then_parsed() -> None:
+    split = splitter()
+    pieces = ["Let me check <", "tool_", 'call>{"name": "get_weather", ', '"arguments": {"city": "Paris"}}</tool', "_call> done <", "b>"]
+    shown, calls = [], []
+    for piece in pieces:
+        text, found = split.feed(piece)
+        shown.append(text)
+        calls += found
+    text, found = split.finish()
+    shown.append(text)
+    assert shown == ["Let me check ", "", "", "", " done ", "<b>", ""]
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris"})] and split.num_calls == 1
+
+
+def test_a_call_the_parser_refuses_stays_text() -> None:
+    split = splitter()
+    assert split.feed("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    text, calls = splitter().feed('<tool_call>{"name": "get_weather", "arguments": {}}')
+    assert (text, calls) == ("", [])
+    unterminated = splitter()
+    unterminated.feed('<tool_call>{"name": "get_weather", "arguments": {}}')
+    assert [c.name for c in unterminated.finish()[1]] == ["get_weather"]
