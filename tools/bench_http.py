@@ -233,7 +233,7 @@ def plot(summary: dict, levels: list[int], path: Path, title: str) -> None:
         xs = [j + i * width for j in range(len(levels))]
         for ax, key in zip(axes, ("throughput_tok_s", "ttft_p50_ms", "itl_p50_ms"), strict=False):
             ax.bar(xs, [summary[name][str(c)][key] or 0 for c in levels], width, label=name)
-    for ax, label in zip(axes, ("output tokens/s", "TTFT p50 (ms)", "ITL p50 (ms)"), strict=False):
+    for ax, label in zip(axes, ("output tokens/s (median round)", "TTFT p50 (ms)", "gap between text chunks p50 (ms)"), strict=False):
         ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(levels))], [f"{c} streams" for c in levels])
         ax.set_ylabel(label)
     axes[0].legend()
@@ -304,7 +304,9 @@ def main() -> int:
                 levels[str(c)]["vs_mlx_lm_per_round"] = ratios
     print(f"\nmodel {args.model}, {args.prompt_tokens}-token prompts (about), {args.max_tokens} tokens each, greedy, "
           f"{args.rounds} rounds x {args.requests_per_stream} requests per stream, interleaved; tok/s: the median round")
-    print(f"{'server':>10} {'streams':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'vs mlx_lm (rounds)':>24}")
+    print("ITL: the gap between streamed chunks that carry text; tok/chunk: tokens per such chunk")
+    print(f"{'server':>10} {'streams':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'tok/chunk':>9} "
+          f"{'vs mlx_lm (rounds)':>24}")
     for name, levels in summary.items():
         for c in args.levels:
             row = levels[str(c)]
@@ -312,7 +314,7 @@ def main() -> int:
             ratio = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
             itl = f"{row['itl_p50_ms']:.1f}" if row["itl_p50_ms"] is not None else "-"
             print(f"{name:>10} {c:>7} {row['throughput_tok_s']:>9.1f} {row['ttft_p50_ms']:>7.1f}ms {row['ttft_p99_ms']:>7.1f}ms "
-                  f"{itl:>6}ms {ratio:>24}")
+                  f"{itl:>6}ms {row['tokens_per_chunk']:>9.2f} {ratio:>24}")
     for server in servers:
         if server.error:
             print(f"{server.name}: not measured ({server.error.splitlines()[0]})")
