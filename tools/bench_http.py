@@ -1,20 +1,6 @@
 """The same streaming /v1/completions requests against `unikern serve`, `mlx_lm.server` and
-llama.cpp's `llama-server` on one model and machine, interleaved in one run.
-
-For each concurrency level (default 1, 8, 32 streams) and each round, every server gets
-the same batch of greedy requests in turn (the order rotates per round); the client is an
-async httpx loop in this process. Reported per server and level: output throughput
-(completion tokens / wall time of the batch), time to first token p50/p99 and
-inter-token latency p50 (gaps between streamed chunks that carry text). Writes
-tools/results/bench-http-<model>.json and .png.
-
-    python tools/bench_http.py --model llama-5m --llama-server /work/llama-build/build/bin/llama-server \\
-        --convert-script /work/llama-build/llama.cpp/convert_hf_to_gguf.py
-
-Both MLX servers run under the same BLAS (the one unikern preloads): a ratio across BLAS
-libraries would say nothing about the servers. A peer that cannot start is reported with
-the reason, and the others still run.
-"""
+llama.cpp's `llama-server` on one model and machine, interleaved in one run: throughput,
+TTFT p50/p99 and ITL p50 at 1, 8 and 32 streams; JSON and PNG under tools/results/."""
 
 from __future__ import annotations
 
@@ -34,6 +20,12 @@ from pathlib import Path
 
 import httpx
 
+# For each level and round every server gets the same batch of greedy requests in turn (the
+# order rotates per round); the client is an async httpx loop in this process. Both MLX
+# servers run under the BLAS unikern preloads: a ratio across BLAS libraries would say
+# nothing about the servers. A peer that cannot start is reported; the others still run.
+#   python tools/bench_http.py --model llama-5m --llama-server /work/llama-build/build/bin/llama-server \
+#       --convert-script <llama.cpp>/convert_hf_to_gguf.py
 ROOT = Path(__file__).resolve().parents[1]
 MAX_ATTEMPTS = 5
 RESULTS = ROOT / "tools" / "results"
@@ -243,7 +235,7 @@ def plot(summary: dict, levels: list[int], path: Path, title: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="llama-5m", help="a unikern.testing.modelgen preset or a model directory")
     parser.add_argument("--gguf", help="the model as GGUF for llama-server (default: converted with --convert-script)")
     parser.add_argument("--llama-server", help="path of a llama-server binary (omit to skip llama.cpp)")
