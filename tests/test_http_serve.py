@@ -26,7 +26,7 @@ stages:
   kv: {type: kv_manager, kv_budget_bytes: 67108864}
   execute: {type: mlx_execute}
   output: {type: output}
-server: {port: 0, api_key: from-the-file, drain_seconds: 60}
+server: {port: 0, api_key: from-the-file, drain_seconds: 120}
 """
 PROMPT = "def add(a, b):"  # greedy tiny-llama does not reach EOS within 1500 tokens from it
 MAX_TOKENS = 600
@@ -86,7 +86,7 @@ def stream_then_signal(served: Served, key: str, signum: int) -> tuple[list[dict
         first = next(line for line in lines if line.startswith("data:"))
         served.process.send_signal(signum)
         chunks = [json.loads(first[5:])] + [json.loads(x[5:]) for x in lines if x.startswith("data: {")]
-    return chunks, served.process.wait(timeout=120)
+    return chunks, served.process.wait(timeout=200)
 
 
 def test_settings_come_from_the_server_section(servers) -> None:
@@ -116,7 +116,7 @@ def test_sigint_past_the_drain_time_cancels_then_exits_0(servers) -> None:
 
 
 def test_the_server_section_is_checked_with_its_paths() -> None:
-    text = PIPELINE.replace("server: {port: 0, api_key: from-the-file, drain_seconds: 60}",
+    text = PIPELINE.replace("server: {port: 0, api_key: from-the-file, drain_seconds: 120}",
                             "server: {port: http, max_waiting: 0, colour: blue}")
     with pytest.raises(ConfigError) as caught:
         parse_pipeline(text)
@@ -127,6 +127,6 @@ def test_the_server_section_is_checked_with_its_paths() -> None:
 
 def test_flags_override_the_file() -> None:
     params = server_params(parse_pipeline(PIPELINE).server)
-    assert (params.port, params.api_key, params.drain_seconds) == (0, "from-the-file", 60.0)
+    assert (params.port, params.api_key, params.drain_seconds) == (0, "from-the-file", 120.0)
     flags = params.with_overrides(host=None, port=9000, api_key=None, drain_seconds=1.5)
     assert flags == ServerParams(port=9000, api_key="from-the-file", drain_seconds=1.5)
