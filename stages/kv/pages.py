@@ -67,8 +67,13 @@ class _UnwrittenNpy(io.RawIOBase):
     instead (the trick that lets MLX allocate without touching every page)."""
 
     def __init__(self, nbytes: int) -> None:
+        if nbytes % PAGE_BYTES:
+            raise ValueError(f"reserve whole pages: {nbytes} bytes is not a multiple of {PAGE_BYTES}")
         header = io.BytesIO()
-        np.lib.format.write_array_header_1_0(header, {"descr": "|u1", "fortran_order": False, "shape": (nbytes,)})
+        # pages x page bytes: MLX parses each dimension of a .npy header as a C int, so one
+        # dimension of every byte overflowed past 2 GiB (IndexError: stoi)
+        shape = (nbytes // PAGE_BYTES, PAGE_BYTES)
+        np.lib.format.write_array_header_1_0(header, {"descr": "|u1", "fortran_order": False, "shape": shape})
         self.header = header.getvalue()
         self.size = len(self.header) + nbytes
         self.pos = 0
@@ -108,15 +113,23 @@ def reserve_zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     boundary (so a block's pages are its own). Falls back to mx.zeros, committed then
     released, if MLX does not read into the array's own buffer."""
     nbytes = math.prod(shape) * dtype.size
-    stream = _UnwrittenNpy(nbytes + PAGE_BYTES)
+    if math.prod(shape) + PAGE_BYTES >= 2**31:  # as_strided takes a flat view of 32-bit size
+        log.warning("kv_pool_reserve_fallback", reason="an array of 2**31 elements or more")
+        return _zeros_released(shape, dtype)
+    loaded_bytes = (-(-nbytes // PAGE_BYTES) + 1) * PAGE_BYTES  # whole pages, plus one to align
+    stream = _UnwrittenNpy(loaded_bytes)
     raw = mx.load(stream, format="npy")
     mx.eval(raw)
     address = mlx_buffer(raw)[0]
-    if stream.data_reads != [(address, nbytes + PAGE_BYTES)]:
+    if sum(n for _, n in stream.data_reads) != loaded_bytes or stream.data_reads[0][0] != address:
         log.warning("kv_pool_reserve_fallback", reason="mx.load did not read into the array's buffer")
         return _zeros_released(shape, dtype)
     offset = -address % PAGE_BYTES
-    array = raw[offset : offset + nbytes].view(dtype).reshape(shape)
+    # a strided view from the first whole page (MLX's dimensions are 32-bit, so the bytes
+    # cannot be one flat axis past 2 GiB); the element offset needs dtype-aligned buffers
+    assert offset % dtype.size == 0, (address, dtype)
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    array = mx.as_strided(raw.view(dtype), shape, strides, offset // dtype.size)
     mx.eval(array)
     del raw  # the view alone holds the buffer now, so writes into it are donated in place
     if mlx_buffer(array)[0] != address + offset:
