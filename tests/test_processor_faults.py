@@ -5,6 +5,7 @@ requests sharing its steps go on with mlx-lm's tokens, and the engine keeps serv
 
 from __future__ import annotations
 
+import functools
 import json
 
 import anyio
@@ -55,15 +56,18 @@ FAULTY = {
 }
 
 
+async def complete_into(eng, outcomes: dict[str, object], key: str, **request) -> None:
+    """Run one request; its Completion or its RequestError lands in outcomes[key]."""
+    try:
+        outcomes[key] = await eng.complete(**request)
+    except RequestError as exc:
+        outcomes[key] = exc
+
+
 async def test_a_failing_processor_fails_its_request_only(tiny_llama):
     async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=SMALL_KV) as eng:
         outcomes: dict[str, object] = {}
-
-        async def one(key, **request):
-            try:
-                outcomes[key] = await eng.complete(**request)
-            except RequestError as exc:
-                outcomes[key] = exc
+        one = functools.partial(complete_into, eng, outcomes)
 
         async with anyio.create_task_group() as tg:
             for name, (fail, _) in FAULTY.items():
@@ -112,12 +116,7 @@ async def test_a_failing_grammar_matcher_fails_its_request_only(tiny_llama, monk
     monkeypatch.setattr(GrammarCompiler, "matcher", lambda self, fmt: None)  # always compile
     async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=SMALL_KV) as eng:
         outcomes: dict[str, object] = {}
-
-        async def one(key, **request):
-            try:
-                outcomes[key] = await eng.complete(**request)
-            except RequestError as exc:
-                outcomes[key] = exc
+        one = functools.partial(complete_into, eng, outcomes)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: one("bomb", prompt="n:", max_tokens=16,
