@@ -1,11 +1,6 @@
-"""Fault injection: a test hook, not a feature.
-
-`UNIKERN_INJECT_FAULT="<stage name>:<n>"` makes the named stage raise
-`RuntimeError("injected fault")` when it takes its n-th message (1-based) from its
-inbox, so tests can prove that a stage fault reaches every request in flight and stops
-the process. The router wraps only that stage's inbox, only when the variable is set:
-with it unset, stages get their inbox stream itself and nothing is counted.
-"""
+"""Fault injection, a test hook: `UNIKERN_INJECT_FAULT="<stage name>:<n>"` makes that stage
+raise `RuntimeError("injected fault")` on its n-th inbox message (1-based), so tests can
+prove that a stage fault reaches every request in flight and stops the process."""
 
 from __future__ import annotations
 
@@ -30,7 +25,11 @@ def planned_fault(environ: dict[str, str] | None = None) -> tuple[str, int] | No
 
 
 def wrap_inbox(stage: str, inbox: Any, plan: tuple[str, int] | None) -> Any:
-    """The inbox a stage should read: the stream itself unless `plan` targets this stage."""
+    """The inbox a stage should read: the stream itself unless `plan` targets this stage.
+
+    The router wraps only the planned stage's inbox, only when the variable is set: with it
+    unset, stages get their inbox stream itself and nothing is counted.
+    """
     if plan is None or plan[0] != stage:
         return inbox
     return FaultyInbox(inbox, plan[1])

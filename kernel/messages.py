@@ -1,9 +1,6 @@
-"""Messages that flow between stages.
-
-Every message is a frozen msgspec Struct tagged by its class name. The kernel routes a
-message to the one stage that consumes its type; KV bytes never travel in messages,
-only request ids, token ids, block ids and tables do.
-"""
+"""Messages that flow between stages: frozen msgspec Structs tagged by class name, each
+routed to the one stage that consumes its type. KV bytes never travel in messages, only
+request ids, token ids, block ids and tables do."""
 
 from __future__ import annotations
 

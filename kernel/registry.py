@@ -1,9 +1,6 @@
-"""The closed registry of stage types, by short name.
-
-Pipeline files name a `type` from this list; they can never import arbitrary code.
-Third-party stages join through the `unikern.stages` entry-point group, which a user
-installs on purpose.
-"""
+"""The closed registry of stage types, by short name: pipeline files name a `type` from this
+list, so they can never import arbitrary code. Third-party stages join through the
+`unikern.stages` entry-point group, which a user installs on purpose."""
 
 from __future__ import annotations
 

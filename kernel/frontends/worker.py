@@ -1,14 +1,5 @@
-"""`unikern worker`: serve the NDJSON protocol over stdin/stdout.
-
-Every line in gets an answer; a bad line gets an error event naming its line number and
-the worker keeps serving. End of input drains the requests in flight, then exits 0. A
-stage fault fails every request in flight and exits 1. SIGTERM/SIGINT stop reading,
-drain for up to `drain_seconds`, then cancel what is left; every request still gets its
-done (or error) event.
-
-Stdin is read on a daemon thread with `os.read`, so that stopping (a fault, a signal)
-never waits for the next input line, and a blocked read cannot hold a lock at exit.
-"""
+"""`unikern worker`: serve the NDJSON protocol over stdin/stdout, so that another process
+can drive an engine line by line."""
 
 from __future__ import annotations
 
@@ -55,6 +46,12 @@ class OversizeLine(msgspec.Struct, frozen=True):
 
 
 class Worker:
+    """Answers every line in; a bad line gets an error event naming its line number and
+    the worker keeps serving. End of input drains the requests in flight, then exits 0. A
+    stage fault fails every request in flight and exits 1. SIGTERM/SIGINT stop reading,
+    drain for up to `drain_seconds`, then cancel what is left; every request still gets its
+    done (or error) event."""
+
     def __init__(self, engine: Engine, out: BinaryIO, drain_seconds: float = 30.0) -> None:
         self.engine = engine
         self.out = out
@@ -213,7 +210,9 @@ def read_lines(fd: int, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes 
 
 
 def open_stdin_lines(fd: int = 0) -> anyio.abc.ObjectReceiveStream[bytes | OversizeLine]:
-    """Stdin lines as a stream fed by a daemon thread (see the module docstring)."""
+    """Stdin lines as a stream fed by a daemon thread reading with `os.read`, so that
+    stopping (a fault, a signal) never waits for the next input line, and a blocked read
+    cannot hold a lock at exit."""
     send, receive = anyio.create_memory_object_stream[Any](64)
     token = anyio.lowlevel.current_token()
 

@@ -1,17 +1,6 @@
-"""Fast BLAS for MLX's CPU backend: preload an optimized CBLAS before `mlx` is imported.
-
-MLX's Linux CPU wheel links the netlib reference BLAS (`mlx_cpu.libs/libblas-*.so`).
-Symbols are looked up in the global scope before a library's own dependencies, so a
-CBLAS loaded with RTLD_GLOBAL *before* `libmlx.so` is loaded serves MLX's
-`cblas_sgemm` instead. After `mlx.core` is imported its symbols are bound and
-nothing here can change them.
-
-`info()` does not assume: once MLX is loaded it reads the address in `libmlx.so`'s
-GOT slot for `cblas_sgemm` and asks `dladdr` which library it points into.
-
-This module must never import mlx at top level: `unikern/__init__.py` calls
-`preload()` before anything else imports mlx.
-"""
+"""Fast BLAS for MLX's CPU backend, whose Linux wheel links the netlib reference BLAS:
+preload an optimized CBLAS before `mlx` is imported. Never import mlx at top level here:
+`unikern/__init__.py` calls `preload()` before anything else imports mlx."""
 
 from __future__ import annotations
 
@@ -74,6 +63,11 @@ def preload(path: str | None = None) -> BlasInfo:
     the reference BLAS; an explicit path that is absent or unloadable raises
     `ConfigError`. Idempotent: the first successful decision stands for the process and
     is returned again; `info()` reports what MLX actually uses now.
+
+    Why it works: MLX's wheel links `mlx_cpu.libs/libblas-*.so`, but symbols are looked up
+    in the global scope before a library's own dependencies, so a CBLAS loaded with
+    RTLD_GLOBAL *before* `libmlx.so` serves MLX's `cblas_sgemm` instead. After
+    `mlx.core` is imported its symbols are bound and nothing here can change them.
     """
     with _state.lock:
         if _state.result is not None:
@@ -177,7 +171,11 @@ def _loaded_path(library: str) -> str:
 
 
 def info() -> BlasInfo:
-    """The library that serves (or, before `import mlx`, will serve) MLX's `cblas_sgemm`."""
+    """The library that serves (or, before `import mlx`, will serve) MLX's `cblas_sgemm`.
+
+    It does not assume: once MLX is loaded it reads the address in `libmlx.so`'s GOT slot
+    for `cblas_sgemm` and asks `dladdr` which library it points into.
+    """
     source: Source = _state.result.source if _state.result else "auto"
     if sys.platform == "darwin":
         return BlasInfo("Accelerate", source, "macOS: MLX links Apple Accelerate")

@@ -1,22 +1,6 @@
-"""Zero-copy bridge: MLX owns the big buffers, torch and numpy view them.
-
-Every view is checked: the torch tensor's `data_ptr()` (or the numpy array's data
-address) must equal the address MLX exports through DLPack, else `BridgeCopyError`.
-The one path that copies (`from_torch` when MLX cannot import without a copy, which
-is always the case on CPU in mlx 0.32) is counted and logged, or refused in strict mode.
-
-Lifetime: a view keeps the MLX buffer alive (torch through the DLPack deleter, numpy
-through the memoryview), so dropping the `mx.array` never frees memory under a view.
-While a view exists MLX does not donate the buffer to later ops (measured, mlx 0.32.4).
-
-Writes through a view are seen by every MLX op evaluated afterwards (MLX reads the
-buffer, it does not cache values); arrays MLX evaluated before the write keep the old
-values, as for any input that changes after use.
-
-Strides: transposed and sliced arrays are viewed with their strides, zero-copy.
-Negative strides (`a[::-1]`) are refused for torch, which cannot represent them
-(passing them to `torch.from_dlpack` aborts the process in torch 2.x).
-"""
+"""Zero-copy bridge: MLX owns the big buffers, torch and numpy view them; every view is
+checked against the address MLX exports and every copy is counted, so a silent copy of a
+large buffer cannot hide."""
 
 from __future__ import annotations
 
@@ -109,7 +93,25 @@ def mlx_buffer(a: mx.array) -> tuple[int, tuple[int, ...]]:
 
 
 class Bridge:
-    """Views MLX arrays from torch/numpy and imports torch tensors, counting every copy."""
+    """Views MLX arrays from torch/numpy and imports torch tensors, counting every copy.
+
+    Every view is checked: the torch tensor's `data_ptr()` (or the numpy array's data
+    address) must equal the address MLX exports through DLPack, else `BridgeCopyError`.
+    The one path that copies (`from_torch` when MLX cannot import without a copy, always
+    the case on CPU in mlx 0.32) is counted and logged, or refused in strict mode.
+
+    Lifetime: a view keeps the MLX buffer alive (torch through the DLPack deleter, numpy
+    through the memoryview), so dropping the `mx.array` never frees memory under a view.
+    While a view exists MLX does not donate the buffer to later ops (so in mlx 0.32.4).
+
+    Writes through a view are seen by every MLX op evaluated afterwards (MLX reads the
+    buffer, it does not cache values); arrays MLX evaluated before the write keep the old
+    values, as for any input that changes after use.
+
+    Strides: transposed and sliced arrays are viewed with their strides, zero-copy.
+    Negative strides (`a[::-1]`) are refused for torch, which cannot represent them
+    (passing them to `torch.from_dlpack` aborts the process in torch 2.x).
+    """
 
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict

@@ -1,9 +1,5 @@
-"""Platform accounting: which backend runs MLX, how much memory it has, and the KV budget.
-
-On unified memory (Apple Silicon, and MLX's CUDA backend, whose arrays live in CUDA
-managed memory) host and device share the same bytes, so pinned host buffers are never
-useful. Total memory is the system RAM on Metal and CPU, the device's memory on CUDA.
-"""
+"""Platform accounting: which backend runs MLX, how much memory it has, and the KV budget,
+so that sizing decisions come from one place."""
 
 from __future__ import annotations
 
@@ -21,6 +17,11 @@ Backend = Literal["metal", "cuda", "cpu"]
 
 
 class Platform(msgspec.Struct, frozen=True):
+    """What this machine is. On unified memory (Apple Silicon, and MLX's CUDA backend, whose
+    arrays live in CUDA managed memory) host and device share the same bytes, so pinned host
+    buffers are never useful. Total memory is the system RAM on Metal and CPU, the device's
+    memory on CUDA."""
+
     backend: Backend
     unified_memory: bool
     total_memory: int  # bytes

@@ -1,9 +1,5 @@
 """Wired weights: keep model weights resident so they never page out mid-generation.
-
-Metal: `mx.set_wired_limit(max_recommended_working_set_size)`. Linux: `mlock` the pages
-of every weight buffer, when RLIMIT_MEMLOCK (or CAP_IPC_LOCK, which lifts it) allows the
-total; otherwise nothing is wired and the report says why. The KV pool is never wired.
-"""
+The KV pool is never wired."""
 
 from __future__ import annotations
 
@@ -89,7 +85,12 @@ def _mib(n: float) -> str:
 
 
 class WeightWiring:
-    """Wires one set of weights at a time; holds references so the locked buffers live."""
+    """Wires one set of weights at a time; holds references so the locked buffers live.
+
+    Metal: `mx.set_wired_limit(max_recommended_working_set_size)`. Linux: `mlock` the pages
+    of every weight buffer, when RLIMIT_MEMLOCK (or CAP_IPC_LOCK, which lifts it) allows the
+    total; otherwise nothing is wired and the report says why.
+    """
 
     def __init__(
         self,

@@ -1,15 +1,6 @@
 """PyTorch kernels where MLX's CPU backend is slow (it evaluates `exp` one element at a
 time): the SwiGLU activation and the attention softmax, run in place on MLX's buffers
-through zero-copy views, for float32 models (measurements: README, "CPU kernels").
-
-Only the engine's own model instance changes: each MLP is swapped for `SwiGLU` (the
-same Linear modules) after a probe shows it computes what the original did. Attention
-needs one module-global wrapper, and no other route exists: mlx-lm's attention modules
-call their module's `scaled_dot_product_attention`, which dispatches on nothing but
-`cache.bits`, so keeping mlx-lm's model code unchanged means wrapping that name. The
-wrapper passes every call through untouched unless the cache is a paged cache with
-kernels on (`cache.cpu_attention`), so mlx-lm's own generate in the same process is
-unaffected."""
+through zero-copy views, for float32 models (see README, "CPU kernels")."""
 
 from __future__ import annotations
 
@@ -103,6 +94,14 @@ def _swap_mlp(layer: Any, hidden: int) -> bool:
 
 
 def _route_attention(layer: Any) -> bool:
+    """Wrap the module-global `scaled_dot_product_attention` of `layer`'s attention module.
+
+    No other route exists: mlx-lm's attention modules call their module's
+    `scaled_dot_product_attention`, which dispatches on nothing but `cache.bits`, so keeping
+    mlx-lm's model code unchanged means wrapping that name. The wrapper passes every call
+    through untouched unless the cache is a paged cache with kernels on
+    (`cache.cpu_attention`), so mlx-lm's own generate in the same process is unaffected.
+    """
     attn = getattr(layer, "self_attn", None)
     if attn is None:
         return False
@@ -128,7 +127,12 @@ def _route_attention(layer: Any) -> bool:
 
 
 def install(model: Any, dtype: mx.Dtype) -> dict[str, Any]:
-    """Swap in the kernels where they apply; returns what was done, for stats."""
+    """Swap in the kernels where they apply; returns what was done, for stats.
+
+    Only the engine's own model instance changes: each MLP is swapped for `SwiGLU` (the
+    same Linear modules) after a probe shows it computes what the original did; attention
+    goes through one module-global wrapper (`_route_attention`).
+    """
     import torch
 
     if dtype != mx.float32:

@@ -1,11 +1,5 @@
-"""The per-layer cache adapter that lets mlx-lm's model code run on the paged pool.
-
-mlx-lm attention layers call `rope(x, offset=cache.offset)`, then
-`cache.update_and_fetch(keys, values)`, then SDPA with the mask the model built through
-`cache.make_mask(...)`. This adapter writes the new keys/values into the pool at the
-batch's slots (an in-place scatter: the pool array is donated) and returns the
-keys/values its block tables name, gathered by kernel block.
-"""
+"""The per-layer cache adapter that lets mlx-lm's model code run, unchanged, on the paged
+pool, and the batch layouts that say where each forward reads and writes."""
 
 from __future__ import annotations
 
@@ -156,7 +150,13 @@ def window_layout(
 class PagedLayerCache:
     """What one attention layer sees as its cache during one forward. A windowed layer
     (`window` tokens) reads from the first key its earliest query can see where the
-    layout allows it, and masks exactly at the window's edge."""
+    layout allows it, and masks exactly at the window's edge.
+
+    mlx-lm attention layers call `rope(x, offset=cache.offset)`, then
+    `cache.update_and_fetch(keys, values)`, then SDPA with the mask the model built through
+    `cache.make_mask(...)`. `update_and_fetch` writes the new keys/values into the pool at
+    the batch's slots (an in-place scatter: the pool array is donated) and returns the
+    keys/values its block tables name, gathered by kernel block."""
 
     def __init__(
         self, pool: KVPool, layer: int, layout: BatchLayout, kernels: bool = False, window: int | None = None

@@ -1,12 +1,6 @@
 """Block bookkeeping for the paged KV pool: reference counts, a free list, and a prefix
 cache of full logical blocks keyed by chained hashes, evicted LRU. Plain synchronous
-code; the KV manager stage owns one and lends it to the scheduler.
-
-Host tier: with `host_blocks` > 0 the pool has that many more physical blocks, and a
-cached block pushed out of the device budget moves to a host LRU instead of being
-forgotten. On unified memory both tiers are the same RAM, so the move is a change of
-books, not of bytes; a prefix hit on a host block brings it back the same way. The
-device budget (`num_blocks`) bounds referenced + device-cached blocks."""
+code; the KV manager stage owns one and lends it to the scheduler."""
 
 from __future__ import annotations
 
@@ -37,7 +31,13 @@ def block_hash(parent: bytes | None, token_ids: Sequence[int], namespace: bytes)
 
 class BlockManager:
     """Logical blocks of `block_size` tokens. Ids are handed out lowest first, so the pool
-    stays compact and its tail can be given back when idle."""
+    stays compact and its tail can be given back when idle.
+
+    Host tier: with `host_blocks` > 0 the pool has that many more physical blocks, and a
+    cached block pushed out of the device budget moves to a host LRU instead of being
+    forgotten. On unified memory both tiers are the same RAM, so the move is a change of
+    books, not of bytes; a prefix hit on a host block brings it back the same way. The
+    device budget (`num_blocks`) bounds referenced + device-cached blocks."""
 
     def __init__(
         self,

@@ -1,19 +1,18 @@
-"""Which cache kinds may start from uncommitted (unwritten) memory and which must be zeroed.
-
-Attention KV is masked past each sequence's length, so a slot that was never written
-can never reach an output: it needs no zeroing (tests/test_parity.py fills the pool's
-unwritten slots with NaN and gets identical tokens). Recurrent state (SSM / Mamba
-`ArraysCache`) and quantized "mixed precision" caches read every element of their state
-at every step: they must start at zero.
-"""
+"""Which cache kinds may start from uncommitted (unwritten) memory and which must be zeroed,
+so that memory is zeroed only where a never-written value could reach an output."""
 
 from __future__ import annotations
 
 from typing import Any
 
+# attention KV is masked past each sequence's length, so a never-written slot can never
+# reach an output (tests/test_parity.py fills the pool's unwritten slots with NaN and gets
+# identical tokens)
 MASKED_KINDS = frozenset(
     {"KVCache", "BatchKVCache", "RotatingKVCache", "BatchRotatingKVCache", "ChunkedKVCache", "ConcatenateKVCache"}
 )
+# recurrent state (SSM / Mamba `ArraysCache`) and quantized "mixed precision" caches read
+# every element of their state at every step: they must start at zero
 ZEROED_KINDS = frozenset({"ArraysCache", "MambaCache", "QuantizedKVCache"})
 
 

@@ -1,28 +1,5 @@
-"""The paged KV pool: per layer, one MLX array [kv_heads, slots, head_dim].
-
-A logical block (prefix hashing, offload, disk files) is `block_size` consecutive slots;
-a kernel block is `kernel_block_size` slots, the unit sequence lengths are padded to in
-a batch. Both are ranges of the same slot axis, never copies: a block table expands to
-slots as b * block_size + arange(block_size) (see paged_cache.BatchLayout).
-
-Head-major layout, measured on the CPU backend (B=32, L=160, 2 KV heads, dim 64):
-gathering slots into [B, H, L, D] and running mx.fast.scaled_dot_product_attention took
-~2 ms per layer, against ~7 ms for a slot-major pool gathered by kernel block (its
-transposed result sends SDPA down a slow strided path).
-
-Blocks 0 and 1 are reserved: block 0 stays zero and padded positions of a batch read
-it, so unwritten memory is never even gathered; padded positions write into block 1.
-
-Memory, by backend (chosen explicitly from the platform):
-- cpu: every layer's arrays span the whole budget from the start, but as reserved zero
-  pages (pages.reserve_zeros): a page commits when a block on it is first written, and
-  `release` gives the pages of any blocks back (madvise), whatever their ids. Nothing is
-  ever copied to grow or shrink; `resident_bytes` counts the committed pages (mincore).
-- metal, cuda: madvise does not reach MLX's GPU buffers, so the pool grows in slabs by
-  concatenation (a copy, peaking at old + new size) and shrinks its idle tail the same way.
-`eager` commits the whole budget at start, for comparison; a NaN fill (tests that prove
-masking) is written, so committed, everywhere and never released.
-"""
+"""The paged KV pool: per layer, one MLX array [kv_heads, slots, head_dim], where every
+sequence's keys and values live, addressed by block tables instead of per-sequence caches."""
 
 from __future__ import annotations
 
@@ -41,6 +18,32 @@ log = structlog.get_logger()
 
 
 class KVPool:
+    """Per layer, one keys and one values array [kv_heads, slots, head_dim].
+
+    A logical block (prefix hashing, offload, disk files) is `block_size` consecutive slots;
+    a kernel block is `kernel_block_size` slots, the unit sequence lengths are padded to in
+    a batch. Both are ranges of the same slot axis, never copies: a block table expands to
+    slots as b * block_size + arange(block_size) (see paged_cache.BatchLayout).
+
+    Head-major, because gathering slots into [B, H, L, D] for
+    mx.fast.scaled_dot_product_attention is fast, while a slot-major pool's transposed
+    gather sends SDPA down a slow strided path.
+
+    Blocks 0 and 1 are reserved: block 0 stays zero and padded positions of a batch read
+    it, so unwritten memory is never even gathered; padded positions write into block 1.
+
+    Memory, by backend (chosen explicitly from the platform):
+    - cpu: every layer's arrays span the whole budget from the start, but as reserved zero
+      pages (pages.reserve_zeros): a page commits when a block on it is first written, and
+      `release` gives the pages of any blocks back (madvise), whatever their ids. Nothing is
+      ever copied to grow or shrink; `resident_bytes` counts the committed pages (mincore).
+    - metal, cuda: madvise does not reach MLX's GPU buffers, so the pool grows in slabs by
+      concatenation (a copy, peaking at old + new size) and shrinks its idle tail the same
+      way.
+    `eager` commits the whole budget at start, for comparison; a NaN fill (tests that prove
+    masking) is written, so committed, everywhere and never released.
+    """
+
     def __init__(
         self,
         *,

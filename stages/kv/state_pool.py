@@ -1,11 +1,6 @@
 """Recurrent state (mlx-lm ArraysCache layers: Mamba, gated delta nets) beside the paged
-KV pool: one slot per running request, zeroed on admission, plus checkpoint slots that
-hold the state at a logical-block boundary of a prompt, keyed by that block's chained
-hash, so a prefix hit restores the state instead of recomputing it.
-
-`StateBooks` is the plain bookkeeping the scheduler owns; `StatePool` the arrays the
-execute stage owns. Slot 0 is never written: it stays zero and is what admission copies
-(the `needs_zeroing` rule of cache_kinds)."""
+KV pool: one slot per running request plus checkpoint slots keyed by a logical block's
+chained hash, so a prefix hit restores the state instead of recomputing it."""
 
 from __future__ import annotations
 
@@ -22,7 +17,11 @@ ZERO_SLOT = 0
 
 
 class StateBooks:
-    """Request slots 1..max_seqs; checkpoint slots above them, evicted LRU once unpinned."""
+    """Request slots 1..max_seqs; checkpoint slots above them, evicted LRU once unpinned.
+
+    The plain bookkeeping the scheduler owns (`StatePool` holds the arrays, owned by the
+    execute stage). A request slot is zeroed on admission; a checkpoint slot holds the
+    state at a logical-block boundary of a prompt, keyed by that block's chained hash."""
 
     def __init__(self, max_seqs: int, num_checkpoints: int) -> None:
         self.max_seqs = max_seqs
@@ -115,7 +114,9 @@ class StateBooks:
 
 class StatePool:
     """Per recurrent layer, per state array: one MLX array [slots, ...], grown in chunks
-    as slots are first used; zeros, because a recurrence reads all of its state."""
+    as slots are first used; zeros, because a recurrence reads all of its state. Slot 0 is
+    never written: it stays zero and is what admission copies (the `needs_zeroing` rule
+    of cache_kinds)."""
 
     def __init__(self, layer_states: Sequence[Sequence[tuple[tuple[int, ...], Any]]], chunk_slots: int = 16) -> None:
         self.layer_states = [list(s) for s in layer_states]

@@ -1,12 +1,6 @@
 """The scheduler's side of recurrent state: a state slot per admitted sequence, zeroed or
 restored from a checkpoint at admission, and a checkpoint at every logical-block
-boundary a prompt's prefill crosses. Plain synchronous code, called by `Scheduler`.
-
-A prefix hit on a model with recurrent layers is only as long as the longest run of
-cached blocks whose last block has a state checkpoint: the KV of the attention layers
-comes from the blocks, the recurrent state from the checkpoint, both named by the same
-chained block hash. Checkpoints written by a step become visible at the next
-`schedule()` (one step is in flight at a time), and only if their sequence got there."""
+boundary a prompt's prefill crosses. Plain synchronous code, called by `Scheduler`."""
 
 from __future__ import annotations
 
@@ -34,7 +28,9 @@ class StateTracker:
 
     def limit_cached(self, tokens: list[int], max_cached_tokens: int) -> int:
         """How many prompt tokens a prefix hit may cover: whole blocks up to the last
-        one that has a state checkpoint."""
+        one that has a state checkpoint. The KV of the attention layers comes from the
+        blocks, the recurrent state from the checkpoint, both named by the same chained
+        block hash."""
         bs = self.blocks.block_size
         hashes = self.blocks.prefix_hashes(tokens)
         hits = len(self.blocks.lookup_prefix(hashes))
@@ -65,7 +61,9 @@ class StateTracker:
 
     def flush(self, by_id: dict[str, Any]) -> None:
         """Once the step in flight is back: keep the checkpoints its sequences reached,
-        and unpin the checkpoints their first chunks restored from."""
+        and unpin the checkpoints their first chunks restored from. So checkpoints written
+        by a step become visible at the next `schedule()` (one step is in flight at a
+        time), and only if their sequence got there."""
         for request_id, boundary, slot, block_hash in self.pending:
             seq = by_id.get(request_id)
             if seq is not None and request_id in self.admitted and seq.num_computed >= boundary:

@@ -1,13 +1,5 @@
 """Tiering policy, plain synchronous code: what to load before a request is scheduled,
-what to store, and in which order the offload mover works.
-
-`TierPlanner` is the schedule side. A prompt whose chained block hashes continue on
-disk after its device/host hits is held back: its hits are pinned (so loading cannot
-evict them), fresh blocks are allocated and pinned for the disk blocks, and one
-LoadBlocks asks the mover to fill them. When they are in, the loaded blocks are
-committed to the prefix cache and the request becomes admissible, holding its pins
-until admission, where they turn into prefix hits. Committed blocks not yet on disk are
-pinned and sent to be stored; the pin is dropped once the mover has copied them out."""
+what to store, and in which order the offload mover works."""
 
 from __future__ import annotations
 
@@ -34,6 +26,14 @@ class TierStats:
 
 
 class TierPlanner:
+    """The schedule side of tiering. A prompt whose chained block hashes continue on
+    disk after its device/host hits is held back: its hits are pinned (so loading cannot
+    evict them), fresh blocks are allocated and pinned for the disk blocks, and one
+    LoadBlocks asks the mover to fill them. When they are in, the loaded blocks are
+    committed to the prefix cache and the request becomes admissible, holding its pins
+    until admission, where they turn into prefix hits. Committed blocks not yet on disk are
+    pinned and sent to be stored; the pin is dropped once the mover has copied them out."""
+
     def __init__(self, blocks: BlockManager, on_disk: Callable[[bytes], bool]) -> None:
         self.blocks = blocks
         self.on_disk = on_disk

@@ -1,9 +1,6 @@
-"""schedule_tiered: the step loop of `schedule`, plus the schedule side of tiering.
-
-A request whose prefix continues on disk is held until the offload mover has loaded
-those blocks into the pool; blocks committed by a step are sent to be stored. The
-policy is `TierPlanner`; this stage only moves its messages.
-"""
+"""schedule_tiered: the step loop of `schedule`, plus the schedule side of tiering: a request
+whose prefix continues on disk is held until the offload mover has loaded those blocks into
+the pool, and blocks committed by a step are sent to be stored."""
 
 from __future__ import annotations
 
@@ -16,6 +13,8 @@ from unikern.stages.schedule.tier_planner import TierPlanner
 
 
 class TieredScheduleStage(ScheduleStage):
+    """The policy is `TierPlanner`; this stage only moves its messages."""
+
     consumes = (*ScheduleStage.consumes, m.BlocksLoaded, m.BlocksStored)
     produces = (*ScheduleStage.produces, m.LoadBlocks, m.StoreBlocks)
     requires = (*ScheduleStage.requires, "disk")

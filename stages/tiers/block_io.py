@@ -1,15 +1,6 @@
-"""Whole logical blocks of the KV pool read and written through zero-copy numpy views.
-
-A logical block b of the head-major pool is, per layer and for keys and values, the
-slots [b*bs, (b+1)*bs) of every head: H strided pieces, not one contiguous range. So a
-block moves between the pool and a contiguous buffer laid out [2, L, H, bs, D] (the disk
-file's payload) by one strided numpy copy per layer and kind, through a view of the
-pool's own memory. Checked: a view that is not the pool's memory raises.
-
-Model thread only: the pool arrays are replaced by steps and by growth, and a live view
-stops MLX from updating the pool in place (every step would copy the whole pool), so
-views are taken and dropped within one call.
-"""
+"""Whole logical blocks of the KV pool read and written through zero-copy numpy views, so
+that offload moves a block between the pool and a contiguous buffer (the disk payload)
+without an extra copy."""
 
 from __future__ import annotations
 
@@ -29,7 +20,13 @@ _BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """The shape of one logical block as a contiguous payload: [2, L, H, bs, D]."""
+    """The shape of one logical block as a contiguous payload: [2, L, H, bs, D].
+
+    In the head-major pool a logical block b is, per layer and for keys and values, the
+    slots [b*bs, (b+1)*bs) of every head: H strided pieces, not one contiguous range. So a
+    block moves between the pool and this payload by one strided numpy copy per layer and
+    kind, through a view of the pool's own memory.
+    """
 
     num_layers: int
     num_kv_heads: int
@@ -70,7 +67,12 @@ class BlockLayout:
 @contextmanager
 def pool_views(pool: KVPool, bridge: Bridge) -> Iterator[tuple[list[np.ndarray], list[np.ndarray]]]:
     """(keys, values): per layer a writable [H, slots, D] view of the pool's own memory,
-    as unsigned ints of the same width (numpy has no bfloat16). Dropped on exit."""
+    as unsigned ints of the same width (numpy has no bfloat16). Dropped on exit.
+
+    Checked: a view that is not the pool's memory raises. Model thread only: the pool
+    arrays are replaced by steps and by growth, and a live view stops MLX from updating
+    the pool in place (every step would copy the whole pool), so views are taken and
+    dropped within one call."""
     bits = _BITS[pool.dtype.size]
     keys, values = [], []
     try:

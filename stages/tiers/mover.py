@@ -1,19 +1,6 @@
-"""offload_mover: moves logical KV blocks between the pool and the disk tier.
-
-Loads (a request is held until they land) go before stores, and at most
-`max_inflight_blocks` blocks move at once (`OffloadQueue`). The pool is touched only on
-the model thread, between steps, in pieces of at most `max_blocks_per_call` blocks:
-one strided memcpy per layer through zero-copy views (`block_io`). Compression,
-checksums and file I/O run on worker threads, off the model thread, so a step never
-waits for zstd. Measured on these CPUs (tools/bench_offload.py): copying a block out
-costs a few percent of compressing it.
-
-A store's blocks stay pinned (by the schedule stage) until their bytes have been copied
-out; then BlocksStored unpins them and the copy goes to disk. At shutdown, stores under
-way are finished (for up to `drain_timeout_s` from then) and stores still queued are
-dropped; both are counted (`offload.shutdown_flushed_blocks`, `..._dropped_blocks`) and
-logged (`offload.shutdown`).
-"""
+"""offload_mover: moves logical KV blocks between the pool and the disk tier, touching the
+pool only on the model thread between steps and running compression, checksums and file
+I/O on worker threads, so a step never waits for zstd."""
 
 from __future__ import annotations
 
@@ -70,6 +57,17 @@ class MoverStats:
 
 
 class OffloadMoverStage(StageBase):
+    """Loads (a request is held until they land) go before stores, and at most
+    `max_inflight_blocks` blocks move at once (`OffloadQueue`). The pool is touched in
+    pieces of at most `max_blocks_per_call` blocks: one strided memcpy per layer through
+    zero-copy views (`block_io`).
+
+    A store's blocks stay pinned (by the schedule stage) until their bytes have been copied
+    out; then BlocksStored unpins them and the copy goes to disk. At shutdown, stores under
+    way are finished (for up to `drain_timeout_s` from then) and stores still queued are
+    dropped; both are counted (`offload.shutdown_flushed_blocks`, `..._dropped_blocks`) and
+    logged (`offload.shutdown`)."""
+
     Params = OffloadParams
     consumes = (m.LoadBlocks, m.StoreBlocks)
     produces = (m.BlocksLoaded, m.BlocksStored)

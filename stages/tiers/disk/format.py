@@ -1,23 +1,6 @@
-"""The on-disk format of one KV block: a checked header, then byte-shuffled zstd.
-
-A float's high byte (sign, exponent) repeats across a tensor while its low mantissa
-bytes are noise; storing all byte 0s, then all byte 1s, ... ("byte planes") lets zstd
-find the repetition. Layout (little-endian):
-
-    fixed   "<4sBBBBBBHIQQ16sI" magic b"UKKV", version, codec, element size, ndim,
-                                dtype name length, key length, reserved (0),
-                                token count, raw length, body length,
-                                blake2b-128 of the raw (unshuffled) payload,
-                                crc32 of the body (a flip zstd would not notice)
-    dtype   ascii name           e.g. b"bfloat16"
-    shape   ndim x uint64
-    key     key length bytes     the block's hash: a renamed file is detected
-    crc32   uint32               over everything above
-    body    body length bytes    zstd frame of the byte planes, or the raw bytes
-
-Nothing is trusted before it is checked; every failure is a `CorruptBlockError`
-naming what was wrong.
-"""
+"""The on-disk format of one KV block: a checked header, then byte-shuffled zstd, so that
+KV compresses better than with plain zstd and a damaged or renamed file is always
+detected. Nothing is trusted before it is checked."""
 
 from __future__ import annotations
 
@@ -34,6 +17,17 @@ import zstandard
 
 from unikern.errors import UnikernError
 
+# Layout (little-endian):
+#     fixed   "<4sBBBBBBHIQQ16sI" magic b"UKKV", version, codec, element size, ndim,
+#                                 dtype name length, key length, reserved (0),
+#                                 token count, raw length, body length,
+#                                 blake2b-128 of the raw (unshuffled) payload,
+#                                 crc32 of the body (a flip zstd would not notice)
+#     dtype   ascii name           e.g. b"bfloat16"
+#     shape   ndim x uint64
+#     key     key length bytes     the block's hash: a renamed file is detected
+#     crc32   uint32               over everything above
+#     body    body length bytes    zstd frame of the byte planes, or the raw bytes
 MAGIC = b"UKKV"
 FORMAT_VERSION = 1
 FIXED_HEADER = struct.Struct("<4sBBBBBBHIQQ16sI")
@@ -68,7 +62,8 @@ class Codec(IntEnum):
 
 
 class CorruptBlockError(UnikernError):
-    """A block file failed a check: bad magic, version, length, key or checksum."""
+    """A block file failed a check: bad magic, version, length, key or checksum. Every
+    failure to decode a file raises this, naming what was wrong."""
 
 
 class BlockFormatError(UnikernError, ValueError):
@@ -137,7 +132,11 @@ def as_byte_view(payload: memoryview | bytes | np.ndarray) -> np.ndarray:
 
 
 def shuffle(raw: np.ndarray, element_size: int) -> np.ndarray:
-    """Byte planes of `raw`: byte 0 of every element, then byte 1, ..."""
+    """Byte planes of `raw`: byte 0 of every element, then byte 1, ...
+
+    A float's high byte (sign, exponent) repeats across a tensor while its low mantissa
+    bytes are noise; storing the bytes by plane lets zstd find the repetition.
+    """
     if element_size == 1:
         return raw
     elements = raw.reshape(-1, element_size)

@@ -1,13 +1,6 @@
-"""disk_tier: the compressed disk tier of the KV cache, lent to the offload mover.
-
-One checked, byte-shuffled zstd file per logical block (`disk_format`), kept by a
-`DiskStore` under `path/<namespace>`. The namespace changes whenever blocks stop being
-interchangeable: the model (its identity plus a sample of its weight files' bytes, so
-two checkpoints with one config never share files), the KV dtype, the payload layout
-and the block size. Files survive restarts; a bad file is a miss, never an error. One engine at a time
-uses a store directory (`DirectoryLock`): a second one on the same model and path is
-refused at start with the holder's pid.
-"""
+"""disk_tier: the compressed disk tier of the KV cache, lent to the offload mover, so that
+cached prefixes survive restarts. One checked, byte-shuffled zstd file per logical block
+(`disk_format`), kept by a `DiskStore`; a bad file is a miss, never an error."""
 
 from __future__ import annotations
 
@@ -151,7 +144,14 @@ class DiskTier:
 
 def open_disk_tier(params: DiskTierParams, model_id: str, layout: BlockLayout) -> DiskTier:
     """Lock, then open (creating it if missing) the store for this model and layout: the
-    lock comes first, as opening sweeps half-written files. Blocking."""
+    lock comes first, as opening sweeps half-written files. Blocking.
+
+    The store lives under `path/<namespace>`. The namespace changes whenever blocks stop
+    being interchangeable: the model (its identity plus a sample of its weight files'
+    bytes, so two checkpoints with one config never share files), the KV dtype, the
+    payload layout and the block size. One engine at a time uses a store directory
+    (`DirectoryLock`): a second one on the same model and path is refused at start with
+    the holder's pid."""
     namespace = make_namespace(model_id, layout.dtype, LAYOUT, layout.block_size)
     root = Path(os.path.expanduser(params.path))
     try:

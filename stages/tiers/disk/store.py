@@ -1,11 +1,5 @@
 """The compressed disk tier's storage: one checked file per KV block, LRU under a byte cap.
-
-Files live in `root/<namespace>/<key hex>.ukkv`. They are written to a private temp file
-and renamed into place, so a reader sees a whole file or none; a crash leaves only a
-`.tmp-*` file, swept at the next start. Files are verified when read, not at start-up.
-One `DiskStore` (one process) owns a directory: the index and the byte cap are its own.
-Synchronous and thread-safe; the disk stage calls it from a worker thread.
-"""
+Synchronous and thread-safe; the disk stage calls it from a worker thread."""
 
 from __future__ import annotations
 
@@ -67,7 +61,12 @@ class _Entry:
 
 class DiskStore:
     """Blocks on disk under `root/namespace`, at most `capacity_bytes` of files (a block
-    being written adds one temp file on top). `level` is the zstd level."""
+    being written adds one temp file on top). `level` is the zstd level.
+
+    Files live in `root/<namespace>/<key hex>.ukkv`. They are written to a private temp
+    file and renamed into place, so a reader sees a whole file or none; a crash leaves only
+    a `.tmp-*` file, swept at the next start. Files are verified when read, not at start-up.
+    One `DiskStore` (one process) owns a directory: the index and the byte cap are its own."""
 
     def __init__(
         self,
