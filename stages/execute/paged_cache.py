@@ -156,7 +156,7 @@ class PagedLayerCache:
     `cache.update_and_fetch(keys, values)`, then SDPA with the mask the model built through
     `cache.make_mask(...)`. `update_and_fetch` writes the new keys/values into the pool at
     the batch's slots (an in-place scatter: the pool array is donated) and returns the
-    keys/values its block tables name, gathered by kernel block."""
+    keys/values its block tables name, gathered per token slot (the length padded to the kernel block)."""
 
     def __init__(
         self, pool: KVPool, layer: int, layout: BatchLayout, kernels: bool = False, window: int | None = None
