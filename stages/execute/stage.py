@@ -65,7 +65,9 @@ class MLXExecuteStage(StageBase):
 
             await ctx.all_started()
             pool = ctx.resource("kv").pool
-            runner = await thread.run(ModelRunner, loaded.model, pool, shared_bridge(), kernels, compile_decode)
+            runner = await thread.run(
+                ModelRunner, loaded.model, pool, shared_bridge(), kernels, compile_decode, loaded.geometry
+            )
             self.runner = runner
             salt = self.params.seed
 
