@@ -82,15 +82,19 @@ class PromptEncoder:
                 )
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise RequestError("this model has no chat template: send `prompt` instead of `messages`")
-        try:
-            tokens = self.tokenizer.apply_chat_template(
-                list(chat), add_generation_prompt=True, tokenize=True
-            )
-        except Exception as exc:
-            raise RequestError(f"messages: the chat template failed: {exc}") from exc
-        if isinstance(tokens, dict) or hasattr(tokens, "input_ids"):
-            tokens = tokens["input_ids"]
-        return list(tokens)
+        return chat_prompt_tokens(self.tokenizer, list(chat))
+
+
+def chat_prompt_tokens(tokenizer: Any, turns: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Prompt token ids of a conversation through the model's chat template, ready for
+    the assistant's turn; a template that fails is a RequestError saying why."""
+    try:
+        tokens = tokenizer.apply_chat_template(turns, tools=tools or None, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # the template's own raise_exception, or a bad turn
+        raise RequestError(f"messages: the chat template failed: {exc}") from exc
+    if isinstance(tokens, dict) or hasattr(tokens, "input_ids"):
+        tokens = tokens["input_ids"]
+    return [int(t) for t in tokens]
 
 
 class TokenizeStage(StageBase):

@@ -8,7 +8,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from unikern.errors import RequestError
 from unikern.frontends.http.errors import APIError
+from unikern.stages.tokenize import chat_prompt_tokens
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -68,12 +70,9 @@ def render_chat(tokenizer: Any, turns: list[dict[str, Any]], tools: list[dict[st
     if getattr(tokenizer, "chat_template", None) is None:
         raise APIError(400, "this model has no chat template: use /v1/completions with a prompt")
     try:
-        tokens = tokenizer.apply_chat_template(turns, tools=tools or None, add_generation_prompt=True, tokenize=True)
-    except Exception as exc:  # the template's own raise_exception, or a bad turn
-        raise APIError(400, f"messages: the chat template failed: {exc}", param="messages") from None
-    if isinstance(tokens, dict) or hasattr(tokens, "input_ids"):
-        tokens = tokens["input_ids"]
-    return [int(t) for t in tokens]
+        return chat_prompt_tokens(tokenizer, turns, tools)
+    except RequestError as exc:
+        raise APIError(400, str(exc), param="messages") from None
 
 
 def tool_call_id(prefix: str = "call_") -> str:
