@@ -62,7 +62,7 @@ step models-1b $M/llama-1b/config.json python3 "$REPO/tools/bench_gpu.py" models
 step gguf-1b $M/llama-1b-bf16.gguf python3 "$REPO/tools/bench_gpu.py" gguf --out $M --shapes 1b --quantize \
   --llama-cpp $G/llama.cpp --llama-bin $BIN
 step models-8b $M/llama-8b-q4/config.json python3 "$REPO/tools/bench_gpu.py" models --out $M --shapes 8b --quantize 8b
-step gguf-8b-bf16 $M/llama-8b-bf16.gguf python3 "$REPO/tools/bench_gpu.py" gguf --out $M --shapes 8b --quantize \
+step gguf-8b-bf16 $M/llama-8b-q4_0.gguf python3 "$REPO/tools/bench_gpu.py" gguf --out $M --shapes 8b --quantize \
   --llama-cpp $G/llama.cpp --llama-bin $BIN
 if [ -n "${BUILD_PID:-}" ]; then
   wait $BUILD_PID; say "llama.cpp build: rc=$? $(tail -1 $RES/llama-build.log)"
