@@ -67,3 +67,25 @@ async def test_windowed_prefix_comes_back_from_disk_after_a_restart(tmp_path):
     assert runs[1].token_ids == runs[0].token_ids
     ok, note = compare_greedy(runs[1].token_ids, reference_greedy(path, prompt, MAX_TOKENS))
     assert ok, note
+
+
+@pytest.mark.parametrize("family", ["qwen3-next", "nemotron-h"])
+async def test_hybrid_prefix_comes_back_from_disk_after_a_restart(family, tmp_path):
+    """The first engine stores the prefix's KV blocks and the state checkpoints at their
+    ends; a fresh engine on the same disk directory loads both (nothing is in memory) and
+    16 requests sharing the 600-token prefix each prefill only their own tail."""
+    path = family_model(family)
+    overrides = {**OVERRIDES, "kv": {"kv_budget_bytes": 32 << 20, "host_bytes": 0}, "disk": {"path": str(tmp_path / "kv")}}
+    async with unikern.Engine.from_pipeline("generate-offload", model=path, overrides=overrides) as engine:
+        first = await engine.complete(prompt_tokens=PROMPTS[0], max_tokens=MAX_TOKENS)
+    assert engine.stats()["offload"]["states_stored"] == 2  # after blocks 1 and 2
+    async with unikern.Engine.from_pipeline("generate-offload", model=path, overrides=overrides) as engine:
+        results = await complete_all(engine, PROMPTS, MAX_TOKENS)
+        stats = engine.stats()
+    assert first.usage.cached_tokens == 0
+    assert [r.usage.cached_tokens for r in results] == [512] * 16
+    assert results[0].token_ids == first.token_ids
+    assert stats["offload"]["states_loaded"] == 1 and stats["kv"]["states"]["loaded"] == 1
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        ok, note = compare_greedy(result.token_ids, reference_greedy(path, prompt, MAX_TOKENS))
+        assert ok, f"{family}: {note}"

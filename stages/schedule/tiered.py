@@ -1,6 +1,7 @@
 """schedule_tiered: the step loop of `schedule`, plus the schedule side of tiering: a request
-whose prefix continues on disk is held until the offload mover has loaded those blocks into
-the pool, and blocks committed by a step are sent to be stored."""
+whose prefix continues on disk is held until the offload mover has loaded those blocks (and,
+for recurrent models, the state checkpoint at their end) into the pools, and blocks and
+checkpoints committed by a step are sent to be stored."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class TieredScheduleStage(ScheduleStage):
 
     def setup(self, ctx: StageContext) -> None:
         disk = ctx.resource("disk")
-        self.planner = TierPlanner(self.scheduler.blocks, disk.contains)
+        self.planner = TierPlanner(self.scheduler.blocks, disk.contains, self.scheduler.states, disk.contains_state)
 
     async def on_tokenized(self, ctx: StageContext, request: m.Tokenized) -> bool:
         if not await super().on_tokenized(ctx, request):
@@ -40,6 +41,7 @@ class TieredScheduleStage(ScheduleStage):
                 for request_id, pins in self.planner.loaded(message):
                     if not self.scheduler.release(request_id, pins):
                         self.scheduler.blocks.free(pins)
+                        self.planner.cancel(request_id)  # a checkpoint it held
             case m.BlocksStored():
                 self.planner.stored(message)
             case m.Abort(request_id=rid):
@@ -47,10 +49,14 @@ class TieredScheduleStage(ScheduleStage):
                 output = await super().handle(ctx, message)
             case _:
                 output = await super().handle(ctx, message)
+        return output
+
+    async def step(self, ctx: StageContext, output: m.StepOutput | None) -> None:
+        # after the step is planned: planning commits the checkpoints the last step reached
+        await super().step(ctx, output)
         store = self.planner.plan_store()
         if store is not None:
             await ctx.send(store)
-        return output
 
     def stats(self) -> dict[str, Any]:
         stats = super().stats()
@@ -63,5 +69,9 @@ class TieredScheduleStage(ScheduleStage):
                 "loads_done": s.loads_done,
                 "load_failures": s.load_failures,
                 "stores_requested": s.stores_requested,
+                "state_loads_requested": s.state_loads_requested,
+                "state_loads_done": s.state_loads_done,
+                "state_load_failures": s.state_load_failures,
+                "state_stores_requested": s.state_stores_requested,
             }
         return stats
