@@ -1,10 +1,12 @@
 """Prefix caching for sliding-window and hybrid recurrent models: 16 requests sharing a
 600-token prefix are served from cache (attention blocks, and for recurrent layers the
 state checkpoint at the last shared block boundary), with mlx-lm's greedy tokens; a
-windowed model's prefix comes back from the disk tier after a restart."""
+windowed model's prefix, and a hybrid model's with its state checkpoint, come back from the
+disk tier after a restart."""
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
 import unikern
@@ -78,6 +80,9 @@ async def test_hybrid_prefix_comes_back_from_disk_after_a_restart(family, tmp_pa
     overrides = {**OVERRIDES, "kv": {"kv_budget_bytes": 32 << 20, "host_bytes": 0}, "disk": {"path": str(tmp_path / "kv")}}
     async with unikern.Engine.from_pipeline("generate-offload", model=path, overrides=overrides) as engine:
         first = await engine.complete(prompt_tokens=PROMPTS[0], max_tokens=MAX_TOKENS)
+        with anyio.move_on_after(10):  # stores run alongside; a shutdown drops the unstarted
+            while engine.stats()["offload"]["states_stored"] < 2:  # noqa: ASYNC110 (polling stats)
+                await anyio.sleep(0.01)
     assert engine.stats()["offload"]["states_stored"] == 2  # after blocks 1 and 2
     async with unikern.Engine.from_pipeline("generate-offload", model=path, overrides=overrides) as engine:
         results = await complete_all(engine, PROMPTS, MAX_TOKENS)

@@ -47,16 +47,18 @@ class TieredScheduleStage(ScheduleStage):
             case m.Abort(request_id=rid):
                 self.planner.cancel(rid)
                 output = await super().handle(ctx, message)
+            case m.StepDone():
+                output = await super().handle(ctx, message)
+                if self.scheduler.states is not None:
+                    # commit the checkpoints this step reached now (planning the next step
+                    # would), so they go to be stored before that step runs
+                    self.scheduler.states.flush(self.scheduler.by_id)
             case _:
                 output = await super().handle(ctx, message)
-        return output
-
-    async def step(self, ctx: StageContext, output: m.StepOutput | None) -> None:
-        # after the step is planned: planning commits the checkpoints the last step reached
-        await super().step(ctx, output)
         store = self.planner.plan_store()
         if store is not None:
             await ctx.send(store)
+        return output
 
     def stats(self) -> dict[str, Any]:
         stats = super().stats()
