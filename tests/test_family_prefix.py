@@ -94,3 +94,25 @@ async def test_hybrid_prefix_comes_back_from_disk_after_a_restart(family, tmp_pa
     for prompt, result in zip(PROMPTS, results, strict=True):
         ok, note = compare_greedy(result.token_ids, reference_greedy(path, prompt, MAX_TOKENS))
         assert ok, f"{family}: {note}"
+
+
+async def test_a_checkpoint_evicted_from_memory_comes_back_from_disk(tmp_path):
+    """Two checkpoint slots: a second prefix pushes the first one's checkpoints out of
+    memory, while its KV blocks stay in the pool; a prompt sharing the first prefix then
+    loads the checkpoint from disk and prefills only its own tail."""
+    path = family_model("nemotron-h")
+    other = [(7 * j) % 1000 + 5 for j in range(600)]
+    overrides = {"kv": {"kv_budget_bytes": 32 << 20, "host_bytes": 0, "state_checkpoints": 2},
+                 "disk": {"path": str(tmp_path / "kv")}}
+    async with unikern.Engine.from_pipeline("generate-offload", model=path, overrides=overrides) as engine:
+        for i, prompt in enumerate((PROMPTS[0], other + [1])):
+            await engine.complete(prompt_tokens=prompt, max_tokens=2)
+            with anyio.move_on_after(10):  # stored before the next prompt needs the slots
+                while engine.stats()["offload"]["states_stored"] < 2 * (i + 1):  # noqa: ASYNC110 (polling stats)
+                    await anyio.sleep(0.01)
+        result = await engine.complete(prompt_tokens=PROMPTS[1], max_tokens=MAX_TOKENS)
+        stats = engine.stats()
+    assert stats["kv"]["states"]["evicted"] >= 2 and stats["offload"]["states_loaded"] == 1
+    assert result.usage.cached_tokens == 512
+    ok, note = compare_greedy(result.token_ids, reference_greedy(path, PROMPTS[1], MAX_TOKENS))
+    assert ok, note
