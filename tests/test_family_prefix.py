@@ -71,8 +71,8 @@ async def test_windowed_prefix_comes_back_from_disk_after_a_restart(tmp_path):
     assert ok, note
 
 
-@pytest.mark.parametrize("family", ["qwen3-next", "nemotron-h"])
-async def test_hybrid_prefix_comes_back_from_disk_after_a_restart(family, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3-next", "nemotron-h", "mamba2"])
+async def test_recurrent_prefix_comes_back_from_disk_after_a_restart(family, tmp_path):
     """The first engine stores the prefix's KV blocks and the state checkpoints at their
     ends; a fresh engine on the same disk directory loads both (nothing is in memory) and
     16 requests sharing the 600-token prefix each prefill only their own tail."""
