@@ -182,3 +182,19 @@ def test_after_a_restart_only_the_blocks_a_checkpoint_covers_are_loaded():
     bm2 = BlockManager(8, BS, NS)
     planner2 = TierPlanner(bm2, set(hashes).__contains__, StateTracker(bm2, 1, 2), lambda h: False)
     assert planner2.plan_load(request(tokens)) == (False, None)
+
+
+def test_a_checkpoint_in_memory_is_held_while_its_blocks_load():
+    bm = BlockManager(8, BS, NS)
+    tracker = StateTracker(bm, max_num_seqs=1, num_checkpoints=1)
+    tokens = list(range(10, 10 + BS)) + [99]
+    (h,) = bm.prefix_hashes(tokens)
+    tracker.books.commit(tracker.books.reserve(), h, BS)  # its KV block is only on disk
+    planner = TierPlanner(bm, {h}.__contains__, tracker, lambda block_hash: False)
+    hold, load = planner.plan_load(request(tokens))
+    assert hold and [r.block_hash for r in load.blocks] == [h] and load.state is None
+    assert tracker.books.reserve() is None  # held: another prompt's save cannot evict it
+    assert planner.loaded(m.BlocksLoaded("r", load.blocks, 1)) == [("r", [load.blocks[0].block_id])]
+    assert tracker.limit_cached(tokens, len(tokens) - 1) == BS
+    planner.cancel("r")
+    assert tracker.books.reserve() is not None

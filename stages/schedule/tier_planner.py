@@ -86,7 +86,7 @@ class TierPlanner:
                 break
             num_to_load += h not in self.loading
             chain.append(h)
-        state_ref, state_wait = None, None
+        state_ref, state_wait, end = None, None, 0
         if self.states is not None:  # only as far as a checkpoint reaches
             end, state_ref, state_wait = self._plan_state(hashes, len(hits) + len(chain))
             chain = chain[: max(end - len(hits), 0)]
@@ -107,6 +107,8 @@ class TierPlanner:
             self.stats.state_loads_requested += 1
         if state_wait is not None:
             staged.waiting_states.add(state_wait)
+        elif state_ref is None and end:  # the checkpoint is in memory: keep it there until admission
+            self.states.hold(rid, hashes[end - 1])
         return True, (m.LoadBlocks(rid, refs, state_ref) if refs or state_ref else None)
 
     def _plan_state(self, hashes: list[bytes], reach: int) -> tuple[int, m.StateRef | None, bytes | None]:

@@ -51,7 +51,7 @@ class MoverStats:
         self.bytes_read = 0  # raw (uncompressed) bytes
         self.bytes_written = 0
         self.shutdown_flushed_blocks = 0  # written after shutdown began
-        self.shutdown_dropped_blocks = 0  # queued or under way at shutdown, never written
+        self.shutdown_dropped_blocks = 0  # queued or under way at shutdown, never written (states too)
         self.states_loaded = 0  # recurrent-state checkpoints, verified and in their slots
         self.state_load_misses = 0
         self.states_stored = 0
