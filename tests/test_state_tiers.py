@@ -26,6 +26,7 @@ from unikern.stages.tiers.disk.format import (
 )
 from unikern.stages.tiers.disk.service import DiskTier
 from unikern.stages.tiers.disk.store import DiskStore
+from unikern.stages.tiers.queue import OffloadQueue
 from unikern.stages.tiers.state_io import StateLayout, copy_state_in, copy_state_out
 
 BS = 4
@@ -198,3 +199,17 @@ def test_a_checkpoint_in_memory_is_held_while_its_blocks_load():
     assert tracker.limit_cached(tokens, len(tokens) - 1) == BS
     planner.cancel("r")
     assert tracker.books.reserve() is not None
+
+
+def test_checkpoints_count_in_the_movers_bound_and_loads_go_first():
+    q = OffloadQueue(max_inflight_blocks=3)
+    state = m.StateRef(9, KEY, 8)
+    q.push(m.StoreBlocks(tuple(m.BlockRef(i, bytes([i]) * 16) for i in range(2)), (state, state)))
+    q.push(m.LoadBlocks("r", (), state))
+    load = q.next_job()
+    assert (load.kind, load.size, load.states) == ("load", 1, (state,))
+    store = q.next_job()
+    assert (store.kind, len(store.blocks), len(store.states)) == ("store", 2, 0) and q.next_job() is None
+    q.done(load)
+    assert q.next_job().states == (state,) and q.pending_blocks() == 1
+    assert q.drop_stores() == 1
