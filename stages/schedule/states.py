@@ -25,7 +25,8 @@ class StateTracker:
         self.books = StateBooks(max_num_seqs, num_checkpoints or max(64, 2 * max_num_seqs))
         self.admitted: dict[str, _Admitted] = {}
         self.pending: list[tuple[str, int, int, bytes]] = []  # (request, position, slot, hash)
-        # checkpoints loaded from a lower tier for a request not admitted yet: pinned until then
+        # the checkpoint a held request (its prefix loading from a lower tier) will restore
+        # from: pinned until it is admitted or dropped
         self.held: dict[str, int] = {}
 
     def limit_cached(self, tokens: list[int], max_cached_tokens: int) -> int:
@@ -46,8 +47,8 @@ class StateTracker:
         self.drop_hold(seq.request_id)  # its own pin (source) keeps what it restores
 
     def hold(self, request_id: str, block_hash: bytes) -> None:
-        """Keep the checkpoint after `block_hash` (just loaded for this waiting request)
-        from eviction until the request is admitted or dropped."""
+        """Keep the checkpoint after `block_hash` (loaded for this waiting request, or in
+        memory while its blocks load) from eviction until it is admitted or dropped."""
         self.drop_hold(request_id)
         slot = self.books.by_hash[block_hash]
         self.books.hold(slot)
