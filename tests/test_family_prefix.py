@@ -116,3 +116,24 @@ async def test_a_checkpoint_evicted_from_memory_comes_back_from_disk(tmp_path):
     assert result.usage.cached_tokens == 512
     ok, note = compare_greedy(result.token_ids, reference_greedy(path, PROMPTS[1], MAX_TOKENS))
     assert ok, note
+
+
+async def test_a_corrupt_checkpoint_file_is_a_miss_and_the_prompt_is_recomputed(tmp_path):
+    path = family_model("nemotron-h")
+    overrides = {"kv": {"kv_budget_bytes": 32 << 20, "host_bytes": 0}, "disk": {"path": str(tmp_path / "kv")}}
+    async with unikern.Engine.from_pipeline("generate-offload", model=path, overrides=overrides) as engine:
+        first = await engine.complete(prompt_tokens=PROMPTS[0], max_tokens=MAX_TOKENS)
+        with anyio.move_on_after(10):
+            while engine.stats()["offload"]["states_stored"] < 2:  # noqa: ASYNC110 (polling stats)
+                await anyio.sleep(0.01)
+    files = sorted((tmp_path / "kv").glob("*/*.ukkv"))
+    assert len(files) == 4  # two blocks, two checkpoints
+    for f in files:  # flip one body byte of every file: only checked reads can tell
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0x40
+        f.write_bytes(bytes(data))
+    async with unikern.Engine.from_pipeline("generate-offload", model=path, overrides=overrides) as engine:
+        again = await engine.complete(prompt_tokens=PROMPTS[0], max_tokens=MAX_TOKENS)
+        stats = engine.stats()
+    assert again.usage.cached_tokens == 0 and again.token_ids == first.token_ids
+    assert stats["offload"]["state_load_failures"] == 1 and stats["tiers"]["disk"]["corrupt_files"] >= 2
