@@ -66,13 +66,17 @@ class ModelRunner:
         cpu_kernels: bool = False,
         compile_decode: bool = False,
         geometry: ModelGeometry | None = None,
+        states: StatePool | None = None,
     ) -> None:
         self.model = model
         geometry = geometry or ModelGeometry(model)
         # per cache entry: which pool layer and window; None: every layer full attention
         self.layers = None if geometry.is_plain else geometry.layers
-        # recurrent layers' slots and checkpoints (ArraysCache models); None: none
-        self.states = StatePool([s.state for s in geometry.layers if s.kind == "state"]) if geometry.has_state else None
+        # recurrent layers' slots and checkpoints (ArraysCache models; the kv service's,
+        # which the offload mover also reaches); None: none
+        if states is None and geometry.has_state:
+            states = StatePool([s.state for s in geometry.layers if s.kind == "state"])
+        self.states = states if geometry.has_state else None
         # right padding would run padded steps through recurrences, which not every
         # mlx-lm family masks (nemotron-h does not): such models batch equal lengths only
         self.padding_limit = 1.0 if self.states is not None else PREFILL_PADDING_LIMIT

@@ -13,6 +13,7 @@ from unikern.platform import current_platform
 from unikern.stage import ServiceBase, StageContext, StageParams
 from unikern.stages.kv.blocks import BlockManager
 from unikern.stages.kv.pool import KVPool
+from unikern.stages.kv.state_pool import StatePool
 
 MiB = 1 << 20
 RESERVED_BLOCKS = 2  # block 0: always zero (padded reads); block 1: scratch (padded writes)
@@ -106,12 +107,15 @@ class IdleTrim:
 
 @dataclass
 class KVResource:
-    """The `kv` resource: the pool (bytes) and the books (block manager)."""
+    """The `kv` resource: the pool (bytes) and the books (block manager); for recurrent
+    models also the state pool (request and checkpoint slots), which the execute stage
+    runs on and the offload mover copies checkpoints out of and into."""
 
     pool: KVPool
     blocks: BlockManager
     budget_bytes: int
     state_checkpoints: int | None = None  # kv_manager's param, for the scheduler's state books
+    states: StatePool | None = None
 
 
 class KVManagerStage(ServiceBase):
@@ -157,7 +161,8 @@ class KVManagerStage(ServiceBase):
         books = BlockManager(
             num_blocks, p.block_size, namespace, reserved_blocks=RESERVED_BLOCKS, host_blocks=host_blocks
         )
-        self.kv = KVResource(pool, books, num_blocks * bytes_per_block, p.state_checkpoints)
+        states = StatePool([s.state for s in geometry.layers if s.kind == "state"]) if geometry.has_state else None
+        self.kv = KVResource(pool, books, num_blocks * bytes_per_block, p.state_checkpoints, states)
         ctx.provide("kv", self.kv)
         task_status.started()
         if p.allocation == "lazy":
