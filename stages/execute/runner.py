@@ -93,6 +93,17 @@ class ModelRunner:
         traceable = not self.kernels["enabled"] and self.layers is None
         self.compiled = CompiledDecode(model, self.num_layers) if compile_decode and traceable else None
 
+    def _written(self) -> list:
+        """What a forward writes: the pool and, in recurrent models, the state slots.
+        Evaluating them all finishes the forward's reads of the pool too: a recurrent
+        layer after the last attention layer (nemotron-h's M*M-) holds the attention's
+        read of the pool in its state's pending graph, which evaluating the pool alone
+        leaves pending; the next write into a pool array with a read pending is not done
+        in place: MLX copies the whole array (on cpu, the whole budget, committed)."""
+        if self.states is None:
+            return [self.pool.keys, self.pool.values]
+        return [self.pool.keys, self.pool.values, self.states.arrays]
+
     def _caches(self, layout: BatchLayout, slots: list[int] | None = None) -> list:
         """The per-layer caches of one forward; `slots`: the rows' state slots."""
         kernels = self.kernels["enabled"]
@@ -166,7 +177,7 @@ class ModelRunner:
             if group is not groups[-1]:
                 # the next group writes the pool: this one's reads must be done first, or MLX
                 # copies every layer's whole array to keep them for it (the budget, on cpu)
-                mx.eval(logits, self.pool.keys, self.pool.values)
+                mx.eval(logits, *self._written())
             if all(w.sample for w in group):
                 logits_rows.append(logits)
                 order.extend(group)
@@ -175,8 +186,8 @@ class ModelRunner:
                     if w.sample:
                         logits_rows.append(logits[i : i + 1])
                         order.append(w)
-        if not order:
-            mx.eval(self.pool.keys, self.pool.values)
+        if not order:  # the state slots are this forward's only output: they read the pool
+            mx.eval(*self._written())
             return m.StepDone(step.step_id, {})
         stacked = logits_rows[0] if len(logits_rows) == 1 else mx.concatenate(logits_rows)
         return self._sample(step.step_id, order, stacked, seeds)
@@ -206,7 +217,7 @@ class ModelRunner:
         reported = batch.logprobs(logits, tokens) or ()
         guarded = [i for i, w in enumerate(order) if w.processors or w.grammar is not None]
         usable = row_is_usable(logits, guarded) if guarded else mx.array([])
-        mx.eval(tokens, usable, *reported, self.pool.keys, self.pool.values)
+        mx.eval(tokens, usable, *reported, *self._written())
         for i, ok in zip(guarded, usable.tolist(), strict=True):
             if not ok:
                 failed.setdefault(order[i].request_id, "no token is possible: the logits processors or "
@@ -263,7 +274,7 @@ class ModelRunner:
             mx.async_eval(inputs)
             sampled.append(inputs)
         columns = mx.stack(sampled, axis=1)  # one sync for the window's tokens and writes
-        mx.eval(columns, *(a for r in reported for a in r), self.pool.keys, self.pool.values)
+        mx.eval(columns, *(a for r in reported for a in r), *self._written())
         tokens = {w.request_id: row for row, w in zip(columns.tolist(), work, strict=True)}
         reports = batch.logprob_reports([[a.tolist() for a in r] for r in reported]) if reported else []
         logprobs = {work[i].request_id: r for i, r in zip(batch.logprob_rows, reports, strict=True)}
