@@ -237,13 +237,15 @@ def cmd_bench(args) -> dict:
     async def main():
         async with unikern.Engine.from_pipeline("generate", model=args.model, overrides=overrides) as engine:
             for c in levels:  # untimed: kernels built and decode steps traced for each shape
-                run_mlx_lm(model, tokenizer, prompts[c], args.max_tokens)
+                if "mlx-lm" in args.engines:
+                    run_mlx_lm(model, tokenizer, prompts[c], args.max_tokens)
                 await run_unikern(engine, prompts[c], args.max_tokens)
             for r in range(args.repeats):
                 for c in levels:
-                    runs[c]["mlx-lm"].append(run_mlx_lm(model, tokenizer, prompts[c], args.max_tokens))
+                    if "mlx-lm" in args.engines:
+                        runs[c]["mlx-lm"].append(run_mlx_lm(model, tokenizer, prompts[c], args.max_tokens))
                     runs[c]["unikern"].append(await run_unikern(engine, prompts[c], args.max_tokens))
-                if llama_bin and args.gguf:
+                if llama_bin and args.gguf and "llama.cpp" in args.engines:
                     for c, run in run_llama_cpp(llama_bin, args.gguf, levels, args.prompt_tokens,
                                                 args.max_tokens).items():
                         runs[c]["llama.cpp"].append(run)
@@ -324,6 +326,8 @@ def main() -> None:
     p.add_argument("--gguf", help="the same weights as GGUF, for llama.cpp")
     p.add_argument("--llama-bin", help="the folder holding llama-batched-bench")
     p.add_argument("--label", default="")
+    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES,
+                   help="unikern always runs; leave peers out for an A/B of unikern's settings")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prompt-tokens", type=int, default=64)

@@ -22,7 +22,7 @@ DEADLINE=$((SECONDS + ${GPU_BUDGET_S:-570}))
 say() { echo "== [$((SECONDS - START)) s] $*" | tee -a "$RES/summary.txt"; }
 left() { echo $((DEADLINE - SECONDS)); }
 save() { mkdir -p "$OUT/gpu" && cp -r "$RES"/. "$OUT/gpu/"; }
-trap save EXIT
+trap save EXIT  # (the tarball at the end carries what the per-file copy may leave out)
 
 if [ ! -e /tmp/py/mlx ] && [ $# -gt 0 ]; then
   say "setup"
@@ -42,9 +42,11 @@ build_llama() {  # only the three targets the benchmark needs
   cmake --build $G/llama-build -j14 --target llama-batched-bench llama-quantize llama-bench > $RES/llama-build.log 2>&1
 }
 
-step() {  # NAME DONE_FILE COMMAND...: runs it unless DONE_FILE exists or time is short
+want() { [ -z "${GPU_STEPS:-}" ] || [[ " $GPU_STEPS " == *" $1 "* ]]; }  # GPU_STEPS: a subset of the steps
+
+step() {  # NAME DONE_FILE COMMAND...: runs it unless DONE_FILE exists, time is short or GPU_STEPS leaves it out
   local name=$1 done_file=$2; shift 2
-  if [ -e "$done_file" ]; then return 0; fi
+  if [ -e "$done_file" ] || ! want "$name"; then return 0; fi
   if [ "$(left)" -lt 30 ]; then say "SKIPPED $name: $(left) s left"; return 1; fi
   local t0=$SECONDS
   timeout $(($(left) - 10)) "$@" > "$RES/$name.log" 2>&1
@@ -55,7 +57,7 @@ step() {  # NAME DONE_FILE COMMAND...: runs it unless DONE_FILE exists or time i
   return $rc
 }
 
-if [ ! -x $BIN/llama-batched-bench ]; then build_llama & BUILD_PID=$!; fi
+if [ ! -x $BIN/llama-batched-bench ] && want llama; then build_llama & BUILD_PID=$!; fi
 say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader)"
 M=$G/models
 step models-1b $M/llama-1b/config.json python3 "$REPO/tools/bench_gpu.py" models --out $M --shapes 1b --quantize
@@ -80,4 +82,13 @@ TAIL=12 step parity-1b $RES/parity-1b.json python3 "$REPO/tools/parity_check.py"
   --max-tokens 32 --json $RES/parity-1b.json
 TAIL=12 step profile-decode-1b $RES/profile-decode-1b.json python3 "$REPO/tools/profile_decode.py" \
   --model $M/llama-1b --tokens 64 --repeats 5 --json $RES/profile-decode-1b.json
+# execute.dequantize_rows (stages/execute/quantized.py): the 8B 4-bit model with MLX's
+# quantized kernel for every row count against dequantized weights from 8 rows
+TAIL=6 step bench-8b-q4-auto $RES/bench-gpu-8b-q4-auto.json python3 "$REPO/tools/bench_gpu.py" bench \
+  --model $M/llama-8b-q4 --engines mlx-lm unikern --repeats 3 --label "llama 8B shape, 4-bit, dequantize_rows auto" \
+  --json $RES/bench-gpu-8b-q4-auto.json
+TAIL=6 step bench-8b-q4-never $RES/bench-gpu-8b-q4-never.json python3 "$REPO/tools/bench_gpu.py" bench \
+  --model $M/llama-8b-q4 --engines unikern --repeats 3 --set execute.dequantize_rows=never \
+  --label "llama 8B shape, 4-bit, dequantize_rows never" --json $RES/bench-gpu-8b-q4-never.json
+(cd $RES && tar -czf $G/res.tgz . && mkdir -p "$OUT" && cp $G/res.tgz "$OUT/gpu-results.tgz")  # one file: every log
 say "done; $(left) s left"
