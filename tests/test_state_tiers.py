@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.test_disk_format import _rewrite_header
+from tests.test_offload import committed_prompt
 from unikern import messages as m
 from unikern.platform.bridge import Bridge
 from unikern.stages.kv.blocks import BlockManager
@@ -118,14 +119,6 @@ def test_disk_tier_keeps_states_beside_blocks_and_drops_a_corrupt_one(tmp_path):
 # ---- the books: evicted from memory, found on disk ------------------------------------------
 
 
-def cached_blocks(bm: BlockManager, tokens: list[int]) -> list[int]:
-    blocks, _ = bm.allocate_prompt(tokens, len(tokens))
-    for block_id, h in zip(blocks, bm.prefix_hashes(tokens), strict=False):
-        bm.commit_full_block(block_id, h)
-    bm.free(blocks)
-    return blocks
-
-
 def request(tokens: list[int], rid: str = "r") -> m.Tokenized:
     return m.Tokenized(rid, tuple(tokens), m.SamplingParams(max_tokens=2))
 
@@ -137,7 +130,7 @@ def test_a_checkpoint_evicted_from_memory_is_found_on_disk_and_loaded():
     planner = TierPlanner(bm, blocks_on_disk.__contains__, tracker, states_on_disk.__contains__)
     tokens = list(range(10, 10 + 2 * BS)) + [99]
     hashes = bm.prefix_hashes(tokens)
-    kv = cached_blocks(bm, tokens[: 2 * BS])
+    kv = committed_prompt(bm, tokens[: 2 * BS])
     books = tracker.books
     slot = books.reserve()
     books.commit(slot, hashes[1], 2 * BS)  # the state after block 2, as a prefill saves it
