@@ -108,6 +108,10 @@ class SeqWork(msgspec.Struct, frozen=True):
     state_slot: int = -1
     state_from: int = -1
     state_saves: tuple[tuple[int, int], ...] = ()
+    # a mixed model whose windowed layers keep their own tables (kv layer groups): their
+    # table, in their own pool's id space, one entry per logical block as `block_table`
+    # (the zero block where a block left the window); () when every layer reads block_table
+    window_table: tuple[int, ...] = ()
 
 
 class Step(Message, frozen=True):

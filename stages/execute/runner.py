@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -66,11 +67,21 @@ class ModelRunner:
         cpu_kernels: bool = False,
         compile_decode: bool = False,
         geometry: ModelGeometry | None = None,
+        window_pool: KVPool | None = None,
     ) -> None:
+        """`window_pool`: a mixed model's windowed layers when they keep their own pool and
+        tables (SeqWork.window_table); `pool` then holds the full layers alone."""
         self.model = model
         geometry = geometry or ModelGeometry(model)
         # per cache entry: which pool layer and window; None: every layer full attention
         self.layers = None if geometry.is_plain else geometry.layers
+        self.window_pool = window_pool
+        if window_pool is not None:  # each group's layers numbered within its own pool
+            kinds = [s.kind for s in geometry.layers]
+            self.layers = tuple(
+                replace(s, index=kinds[:i].count(s.kind)) if s.kind != "state" else s
+                for i, s in enumerate(geometry.layers)
+            )
         # recurrent layers' slots and checkpoints (ArraysCache models); None: none
         self.states = StatePool([s.state for s in geometry.layers if s.kind == "state"]) if geometry.has_state else None
         # right padding would run padded steps through recurrences, which not every
@@ -89,24 +100,38 @@ class ModelRunner:
         traceable = not self.kernels["enabled"] and self.layers is None
         self.compiled = CompiledDecode(model, self.num_layers) if compile_decode and traceable else None
 
-    def _caches(self, layout: BatchLayout, slots: list[int] | None = None) -> list:
-        """The per-layer caches of one forward; `slots`: the rows' state slots."""
+    def _caches(self, layout: BatchLayout, slots: list[int] | None = None, window_layout: BatchLayout | None = None) -> list:
+        """The per-layer caches of one forward; `slots`: the rows' state slots;
+        `window_layout`: the windowed layers' own (split layer groups)."""
         kernels = self.kernels["enabled"]
         if self.layers is None:
             return [PagedLayerCache(self.pool, i, layout, kernels) for i in range(self.num_layers)]
         slot_array = mx.array(slots) if self.states is not None else None
-        return [
-            StateLayerCache(self.states, s.index, slot_array) if s.kind == "state"
-            else PagedLayerCache(self.pool, s.index, layout, kernels, s.window)
-            for s in self.layers
-        ]
+        caches = []
+        for s in self.layers:
+            if s.kind == "state":
+                caches.append(StateLayerCache(self.states, s.index, slot_array))
+            elif s.kind == "window" and window_layout is not None:
+                caches.append(PagedLayerCache(self.window_pool, s.index, window_layout, kernels, s.window))
+            else:
+                caches.append(PagedLayerCache(self.pool, s.index, layout, kernels, s.window))
+        return caches
+
+    def _kv_arrays(self) -> list[list[mx.array]]:
+        """Every pool array a step writes: evaluated with the step's results."""
+        if self.window_pool is None:
+            return [self.pool.keys, self.pool.values]
+        return [self.pool.keys, self.pool.values, self.window_pool.keys, self.window_pool.values]
 
     def _logits(
-        self, rows: list[tuple[tuple[int, ...], int, int]], tokens: list[list[int]], slots: list[int] | None = None
+        self, rows: list[tuple[tuple[int, ...], int, int]], tokens: list[list[int]], slots: list[int] | None = None,
+        window_rows: list[tuple[tuple[int, ...], int, int]] | None = None,
     ) -> mx.array:
-        """One forward over right-padded rows; logits [B, vocab] at each row's last token."""
+        """One forward over right-padded rows; logits [B, vocab] at each row's last token.
+        `window_rows`: the same rows with the windowed layers' tables (split groups)."""
         layout = BatchLayout.build(self.pool, rows)
-        caches = self._caches(layout, slots)
+        window_layout = BatchLayout.build(self.window_pool, window_rows) if window_rows else None
+        caches = self._caches(layout, slots, window_layout)
         T = layout.num_tokens
         inputs = mx.array([t + [0] * (T - len(t)) for t in tokens], dtype=mx.int32)
         if T == 1:
@@ -127,6 +152,9 @@ class ModelRunner:
         grammar completed and those that failed on their own (processor, grammar)."""
         highest = max((max(w.block_table) for w in step.work if w.block_table), default=-1)
         self.pool.ensure_capacity(highest + 1)
+        if self.window_pool is not None:
+            highest = max((max(w.window_table) for w in step.work if w.window_table), default=-1)
+            self.window_pool.ensure_capacity(highest + 1)
         small = sum(len(w.token_ids) for w in step.work) < SINGLE_THREAD_TOKENS
         previous = blas.set_num_threads(1) if small else None
         try:
@@ -158,11 +186,14 @@ class ModelRunner:
         order: list[m.SeqWork] = []
         for group in groups:
             rows = [(w.block_table, w.start_pos, len(w.token_ids)) for w in group]
-            logits = self._logits(rows, [list(w.token_ids) for w in group], [w.state_slot for w in group])
+            window_rows = None
+            if self.window_pool is not None:
+                window_rows = [(w.window_table, w.start_pos, len(w.token_ids)) for w in group]
+            logits = self._logits(rows, [list(w.token_ids) for w in group], [w.state_slot for w in group], window_rows)
             if group is not groups[-1]:
                 # the next group writes the pool: this one's reads must be done first, or MLX
                 # copies every layer's whole array to keep them for it (the budget, on cpu)
-                mx.eval(logits, self.pool.keys, self.pool.values)
+                mx.eval(logits, *self._kv_arrays())
             if all(w.sample for w in group):
                 logits_rows.append(logits)
                 order.extend(group)
@@ -172,7 +203,7 @@ class ModelRunner:
                         logits_rows.append(logits[i : i + 1])
                         order.append(w)
         if not order:
-            mx.eval(self.pool.keys, self.pool.values)
+            mx.eval(*self._kv_arrays())
             return m.StepDone(step.step_id, {})
         stacked = logits_rows[0] if len(logits_rows) == 1 else mx.concatenate(logits_rows)
         return self._sample(step.step_id, order, stacked, seeds)
@@ -202,7 +233,7 @@ class ModelRunner:
         reported = batch.logprobs(logits, tokens) or ()
         guarded = [i for i, w in enumerate(order) if w.processors or w.grammar is not None]
         usable = row_is_usable(logits, guarded) if guarded else mx.array([])
-        mx.eval(tokens, usable, *reported, self.pool.keys, self.pool.values)
+        mx.eval(tokens, usable, *reported, *self._kv_arrays())
         for i, ok in zip(guarded, usable.tolist(), strict=True):
             if not ok:
                 failed.setdefault(order[i].request_id, "no token is possible: the logits processors or "
@@ -236,20 +267,28 @@ class ModelRunner:
         # attention needs no mask, which keeps MLX on its fused decode kernel; several
         # rows read one host-built slot table, masked, through the compiled step if any
         compiled = self.compiled if len(work) > 1 else None
-        window = None
+        window = split = None
         if len(work) > 1:
             window = DecodeWindow(self.pool, rows, step.num_steps, bucketed=compiled is not None)
+            if self.window_pool is not None:
+                split = DecodeWindow(self.window_pool, [(w.window_table, w.start_pos) for w in work], step.num_steps)
         sampled: list[mx.array] = []
         reported: list[tuple[mx.array, ...]] = []
         for i in range(step.num_steps):
             if compiled is not None:
                 logits = compiled(self.pool, window, inputs, i)
             else:
+                window_layout = None
                 if window is not None:
                     layout = window.step(i)
+                    window_layout = split.step(i) if split is not None else None
                 else:
                     layout = BatchLayout.build(self.pool, [(w.block_table, w.start_pos + i, 1) for w in work])
-                caches = self._caches(layout, [w.state_slot for w in work])
+                    if self.window_pool is not None:
+                        window_layout = BatchLayout.build(
+                            self.window_pool, [(w.window_table, w.start_pos + i, 1) for w in work]
+                        )
+                caches = self._caches(layout, [w.state_slot for w in work], window_layout)
                 logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
             logits = batch.process(logits)
             inputs = batch.sample(logits, i)
@@ -259,7 +298,7 @@ class ModelRunner:
             mx.async_eval(inputs)
             sampled.append(inputs)
         columns = mx.stack(sampled, axis=1)  # one sync for the window's tokens and writes
-        mx.eval(columns, *(a for r in reported for a in r), self.pool.keys, self.pool.values)
+        mx.eval(columns, *(a for r in reported for a in r), *self._kv_arrays())
         tokens = {w.request_id: row for row, w in zip(columns.tolist(), work, strict=True)}
         reports = batch.logprob_reports([[a.tolist() for a in r] for r in reported]) if reported else []
         logprobs = {work[i].request_id: r for i, r in zip(batch.logprob_rows, reports, strict=True)}

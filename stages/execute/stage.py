@@ -64,9 +64,10 @@ class MLXExecuteStage(StageBase):
             task_status.started()
 
             await ctx.all_started()
-            pool = ctx.resource("kv").pool
+            kv = ctx.resource("kv")
             runner = await thread.run(
-                ModelRunner, loaded.model, pool, shared_bridge(), kernels, compile_decode, loaded.geometry
+                ModelRunner, loaded.model, kv.pool, shared_bridge(), kernels, compile_decode, loaded.geometry,
+                kv.window_pool,
             )
             self.runner = runner
             salt = self.params.seed

@@ -11,8 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 from unikern import messages as m
 from unikern.stages.kv.blocks import BlockManager, OutOfBlocks, block_hash
+from unikern.stages.schedule.groups import WindowGroup
 from unikern.stages.schedule.states import StateTracker
-from unikern.stages.schedule.windows import release_out_of_window, released_window
+from unikern.stages.schedule.windows import (
+    allocate_window_table,
+    release_out_of_window,
+    released_window,
+    split_window,
+    window_blocks_at_once,
+    window_hit,
+)
 
 if TYPE_CHECKING:
     from unikern.stages.execute.model import ModelGeometry
@@ -35,6 +43,7 @@ class Sequence:
     grammar: Any = None  # the request's grammar matcher (Tokenized.grammar)
     num_computed: int = 0  # tokens whose KV is in the pool
     blocks: list[int] = field(default_factory=list)
+    window_blocks: list[int] = field(default_factory=list)  # a mixed model's window group (groups.py)
     block_hashes: list[bytes] = field(default_factory=list)  # of full, committed blocks
     cached_tokens: int | None = None  # set at first admission
     num_preemptions: int = 0
@@ -81,7 +90,10 @@ class Scheduler:
         max_waiting: int | None = None,
         geometry: ModelGeometry | None = None,
         state_checkpoints: int | None = None,
+        window_blocks: BlockManager | None = None,
     ) -> None:
+        """`window_blocks`: the books of a mixed model's windowed layers when they keep a
+        table of their own (kv_manager's layer groups); `blocks` then serves the full ones."""
         self.blocks = blocks
         # models with recurrent layers (execute.model.ModelGeometry.has_state): state slots
         # and their checkpoints at block boundaries; None for attention-only models
@@ -90,6 +102,10 @@ class Scheduler:
         # every attention layer windowed: blocks past every window go back (schedule.windows);
         # their table entries then name the reserved zero block, so the pool needs one
         self.window = released_window(geometry) if blocks.reserved_blocks else None
+        window = split_window(geometry)
+        if window_blocks is not None and window is None:
+            raise ValueError("window_blocks given, but the model does not mix full and windowed layers")
+        self.window_group = WindowGroup(window_blocks, window) if window_blocks is not None else None
         # admission bound: requests queued beyond it are refused as overloaded (None: no bound)
         self.max_waiting = max_waiting
         self.num_refused_overloaded = 0
@@ -122,13 +138,9 @@ class Scheduler:
         if request.request_id in self.by_id:
             return Refusal("bad_request", f"request id {request.request_id!r} is already in flight")
         prompt_len = len(request.prompt_tokens)
-        capacity_tokens = self.blocks.num_blocks * self.blocks.block_size
-        if prompt_len + 1 > capacity_tokens:
-            return Refusal(
-                "bad_request",
-                f"the prompt needs {prompt_len + 1} KV slots but the whole KV pool holds "
-                f"{capacity_tokens}; raise kv.memory_fraction or kv.kv_budget_bytes",
-            )
+        too_big = self._never_fits(prompt_len + 1)
+        if too_big is not None:
+            return Refusal("bad_request", too_big)
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
             # refused at once, so callers back off instead of queueing without end
             self.num_refused_overloaded += 1
@@ -149,6 +161,31 @@ class Scheduler:
         )
         self.by_id[seq.request_id] = seq
         self.waiting.append(seq)
+        return None
+
+    def _never_fits(self, num_tokens: int) -> str | None:
+        """Why a sequence of `num_tokens` tokens could never be held, even alone in an
+        empty pool; None if it can. A windowed table holds at most its window and a chunk
+        at once, whatever the length; a full one holds every block."""
+        bs = self.blocks.block_size
+        chunk = min(num_tokens, self.max_prefill_chunk)
+        groups = [("", self.blocks, self.window)]
+        if self.window_group is not None:
+            groups.append((" of the windowed layers", self.window_group.books, self.window_group.window))
+        for name, books, window in groups:
+            if window is None:
+                need = books.blocks_needed(num_tokens)
+                what = f"{num_tokens} tokens"
+            else:
+                need = min(books.blocks_needed(num_tokens), window_blocks_at_once(window, bs, chunk))
+                what = f"its {window}-token window and a {chunk}-token prefill chunk"
+            if need > books.num_blocks:
+                return (
+                    f"the prompt needs {need * bs} KV slots{name} at once ({what}; {need} blocks of {bs}) "
+                    f"but the whole KV pool{name} holds {books.num_blocks * bs} ({books.num_blocks} blocks); "
+                    f"raise kv.memory_fraction or kv.kv_budget_bytes"
+                    + (", or lower schedule.max_prefill_chunk" if window else "")
+                )
         return None
 
     def abort(self, request_id: str, reason: m.FinishReason) -> m.Finished | None:
@@ -182,6 +219,9 @@ class Scheduler:
         if self.window is not None:
             for seq in self.running:
                 release_out_of_window(self.blocks, seq, self.window)
+        if self.window_group is not None:
+            for seq in self.running:
+                self.window_group.release(seq)
         budget = self.max_num_batched_tokens
         work: list[m.SeqWork] = []
         scheduled: set[str] = set()
@@ -243,15 +283,21 @@ class Scheduler:
         if steps <= 1:
             return 1
         extra = 0
+        extra_window = 0
+        group = self.window_group
         for w in work:
             seq = self.by_id[w.request_id]
             extra += self.blocks.blocks_needed(seq.num_computed + steps) - len(seq.blocks)
-        if extra > self.blocks.num_free:
+            if group is not None:
+                extra_window += group.missing(seq, seq.num_computed + steps)
+        if extra > self.blocks.num_free or (group is not None and extra_window > group.books.num_free):
             return 1
         for w in work:
             seq = self.by_id[w.request_id]
             for _ in range(self.blocks.blocks_needed(seq.num_computed + steps) - len(seq.blocks)):
                 seq.blocks.append(self.blocks.allocate_one())
+            if group is not None:
+                group.grow(seq, seq.num_computed + steps)
         # the rows must name the blocks just added
         work[:] = [self._work(self.by_id[w.request_id], 1) for w in work]
         return steps
@@ -270,6 +316,7 @@ class Scheduler:
             history=tuple(seq.tokens) if start + chunk == len(seq.tokens) and _needs_history(seq) else (),
             grammar=seq.grammar,
             **(self.states.fields(seq, start, chunk) if self.states is not None else {}),
+            **({"window_table": tuple(seq.window_blocks)} if self.window_group is not None else {}),
         )
 
     def _admit(self, seq: Sequence) -> bool:
@@ -278,20 +325,54 @@ class Scheduler:
         if self.states is not None:  # only as far as a state checkpoint reaches
             max_cached = self.states.limit_cached(seq.tokens, max_cached)
         try:
-            seq.blocks, cached = self.blocks.allocate_prompt(seq.tokens, max_cached)
+            if self.window is None and self.window_group is None:
+                seq.blocks, cached = self.blocks.allocate_prompt(seq.tokens, max_cached)
+            else:
+                cached = self._allocate_windowed(seq, max_cached)
         except OutOfBlocks:
             return False
         if self.states is not None:
             self.states.admit(seq, cached)
         seq.num_computed = cached
-        if self.window is not None:  # hit blocks before the window, fresh ones past the first chunk
-            release_out_of_window(self.blocks, seq, self.window, until=cached + self.max_prefill_chunk)
         seq.block_hashes = self.blocks.prefix_hashes(seq.tokens)[: cached // self.blocks.block_size]
         if seq.cached_tokens is None:
             seq.cached_tokens = cached
         self.blocks.free(seq.pinned)  # the sequence holds its own references now
         seq.pinned = []
         return True
+
+    def _allocate_windowed(self, seq: Sequence, max_cached: int) -> int:
+        """Admission when a table is windowed: a prefix hit as long as every table has
+        what the first computed query reads (the full table: every block before it; a
+        windowed one: the blocks of its window), windowed tables holding only those and
+        the first chunk's blocks. Returns the cached token count; OutOfBlocks takes nothing."""
+        bs, group = self.blocks.block_size, self.window_group
+        hashes = self.blocks.prefix_hashes(seq.tokens)
+        hit = max_cached // bs
+        while True:  # shorter hits, until every table (and a state checkpoint) has it
+            h = hit
+            if self.window is None:
+                h = min(h, len(self.blocks.lookup_prefix(hashes[:h])))
+            else:
+                h = window_hit(self.blocks, hashes, h, self.window)
+            if group is not None:
+                h = group.hit(hashes, h)
+            if self.states is not None:
+                h = self.states.limit_cached(seq.tokens, h * bs) // bs
+            if h == hit:
+                break
+            hit = h
+        until = min(len(seq.tokens), hit * bs + self.max_prefill_chunk)
+        if group is not None and not group.check_room(hashes, hit, until):
+            raise OutOfBlocks("the windowed layers' pool is full")
+        if self.window is None:
+            seq.blocks, cached = self.blocks.allocate_prompt(seq.tokens, hit * bs)
+        else:
+            seq.blocks = allocate_window_table(self.blocks, hashes, hit, self.window, until)
+            cached = hit * bs
+        if group is not None:
+            group.admit(seq, hashes, hit, until)
+        return cached
 
     def _release_pins(self) -> bool:
         """Unpin every waiting sequence's blocks (they stay cached, but evictable)."""
@@ -306,7 +387,8 @@ class Scheduler:
         sequences (never one already in this step) while blocks are short. False when
         seq itself had to be preempted."""
         needed = self.blocks.blocks_needed(num_tokens) - len(seq.blocks)
-        while needed > self.blocks.num_free:
+        group = self.window_group
+        while needed > self.blocks.num_free or (group is not None and group.missing(seq, num_tokens) > group.books.num_free):
             victim = self.running[-1]
             if victim.request_id in scheduled:
                 raise RuntimeError("scheduler invariant broken: preempting a scheduled sequence")
@@ -315,6 +397,8 @@ class Scheduler:
                 return False
         for _ in range(max(needed, 0)):
             seq.blocks.append(self.blocks.allocate_one())
+        if group is not None:
+            group.grow(seq, num_tokens)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -323,6 +407,8 @@ class Scheduler:
             self.states.release(seq.request_id)
         self.blocks.free(seq.blocks)
         seq.blocks = []
+        if self.window_group is not None:
+            self.window_group.free(seq)
         seq.block_hashes = []
         seq.num_computed = 0
         seq.num_preemptions += 1
@@ -386,8 +472,8 @@ class Scheduler:
             return "stop"
         if seq.num_generated >= seq.params.max_tokens or len(seq.tokens) >= self.context_length:
             return "length"
-        if self.blocks.blocks_needed(len(seq.tokens)) > self.blocks.num_blocks:
-            return "length"  # the next token would not fit even in an empty pool
+        if self.window is None and self.blocks.blocks_needed(len(seq.tokens)) > self.blocks.num_blocks:
+            return "length"  # the next token would not fit even in an empty pool (windowed: it always does)
         return None
 
     def _commit_full_blocks(self, seq: Sequence) -> None:
@@ -398,12 +484,16 @@ class Scheduler:
             h = block_hash(parent, seq.tokens[i * bs : (i + 1) * bs], self.blocks.namespace)
             seq.block_hashes.append(h)
             self.blocks.commit_full_block(seq.blocks[i], h)
+            if self.window_group is not None:
+                self.window_group.commit(seq, i, h)
 
     def _finish(self, seq: Sequence, reason: m.FinishReason, error: str | None = None) -> m.Finished:
         del self.by_id[seq.request_id]
         if seq in self.running:
             self.running.remove(seq)
             self.blocks.free(seq.blocks)
+            if self.window_group is not None:
+                self.window_group.free(seq)
             if self.states is not None:
                 self.states.release(seq.request_id)
         elif seq in self.waiting:

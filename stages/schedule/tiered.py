@@ -20,6 +20,7 @@ class TieredScheduleStage(ScheduleStage):
     requires = (*ScheduleStage.requires, "disk")
 
     def setup(self, ctx: StageContext) -> None:
+        ctx.resource("kv").require_one_group("schedule_tiered")
         disk = ctx.resource("disk")
         self.planner = TierPlanner(self.scheduler.blocks, disk.contains)
 

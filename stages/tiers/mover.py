@@ -74,6 +74,7 @@ class OffloadMoverStage(StageBase):
     requires = ("kv", "model", "disk")
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
+        ctx.resource("kv").require_one_group("offload_mover")
         self.pool = ctx.resource("kv").pool
         self.thread = ctx.resource("model").thread
         self.disk = ctx.resource("disk")

@@ -1,0 +1,243 @@
+"""Layer groups of a mixed model (full and windowed attention layers, e.g. gemma3): the
+windowed layers keep block tables of their own, in their own pool and id space, holding
+only the blocks their window reaches, while the full layers hold every block. Measured
+through stats.kv on a gemma3 model with a ~2,000-token request (tokens: mlx-lm's), and
+through the scheduler's books under a fake pool that checks every read of both tables."""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+
+import anyio
+import pytest
+
+import unikern
+from tests.conftest import compare_greedy, reference_greedy
+from unikern import messages as m
+from unikern.stages.execute.model import LayerSlot
+from unikern.stages.kv.blocks import BlockManager
+from unikern.stages.schedule.policy import Scheduler
+from unikern.stages.schedule.windows import ZERO_BLOCK
+
+WINDOW, BLOCK, CHUNK, LOOKAHEAD_MAX = 200, 64, 512, 8
+PROMPT = [(5 * j) % 1000 + 9 for j in range(1900)]
+MAX_TOKENS = 100  # 2,000 tokens in all
+OVERRIDES = {
+    "kv": {"kv_budget_bytes": 32 << 20, "block_size": BLOCK, "kernel_block_size": 16},
+    "schedule": {"max_prefill_chunk": CHUNK, "decode_lookahead": 4, "decode_lookahead_max": LOOKAHEAD_MAX},
+}
+DECODE_BOUND = -(-WINDOW // BLOCK) + 1  # the window's blocks + 1 (the lookahead fits: see test_window_blocks)
+PREFILL_BOUND = -(-(WINDOW - 1 + CHUNK) // BLOCK) + 1
+
+
+def gemma3_model() -> str:
+    from unikern.testing.families import cached_family_model
+
+    return str(cached_family_model("tiny-gemma3", sliding_window=WINDOW))
+
+
+@pytest.mark.anyio
+async def test_gemma3_window_group_holds_only_its_window_while_the_full_group_holds_all():
+    path = gemma3_model()
+    decode: list[tuple[int, int]] = []  # (full group, window group) blocks in use
+    prefill: list[int] = []
+    async with unikern.Engine.from_pipeline("generate", model=path, overrides=OVERRIDES) as engine:
+        groups = engine.stats()["kv"]["groups"]
+        assert [(g["layers"], g["num_layers"], g["window"]) for g in groups] == [("full", 2, None),
+                                                                                 ("window", 2, WINDOW)]
+        done = anyio.Event()
+
+        async def watch_prefill() -> None:
+            while not done.is_set():
+                prefill.append(engine.stats()["kv"]["groups"][1]["blocks_used"])
+                await anyio.sleep(0.001)
+
+        tokens: list[int] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_prefill)
+            async for event in engine.generate(prompt_tokens=PROMPT, max_tokens=MAX_TOKENS):
+                if isinstance(event, m.TokenEvent):
+                    done.set()
+                    tokens.append(event.token_id)
+                    kv = engine.stats()["kv"]
+                    decode.append((kv["groups"][0]["blocks_used"], kv["groups"][1]["blocks_used"]))
+            done.set()
+        # a prompt sharing 1,500 tokens hits both groups: the full one's every block, the
+        # window group's blocks of the last window before the hit (cached as they left it)
+        shared = PROMPT[:1500] + [9, 8, 7]
+        again = await engine.complete(prompt_tokens=shared, max_tokens=16)
+        kv = engine.stats()["kv"]
+        assert kv["blocks_used"] == 0 and kv["groups"][1]["blocks_used"] == 0
+    assert len(tokens) == MAX_TOKENS, "an early EOS: the request is no longer 2,000 tokens"
+    window_used = [w for _, w in decode]
+    assert max(window_used) <= DECODE_BOUND, window_used
+    assert max(prefill) <= PREFILL_BOUND, prefill
+    # the full group holds every block of the sequence (read after each token, so the
+    # last readings may come after the request ended and freed them)
+    full_used = [f for f, _ in decode]
+    assert max(full_used) >= -(-(len(PROMPT) + MAX_TOKENS - 2) // BLOCK), full_used
+    assert full_used[0] >= -(-len(PROMPT) // BLOCK), full_used
+    print(f"gemma3, {len(PROMPT)} + {MAX_TOKENS} tokens, {BLOCK}-token blocks, window {WINDOW}: window group "
+          f"held at most {max(prefill)} blocks prefilling, {max(window_used)} decoding; full group {max(full_used)}")
+    assert again.usage.cached_tokens == 1500 // BLOCK * BLOCK
+    for prompt, ours in ((PROMPT, tokens), (shared, again.token_ids)):
+        ok, note = compare_greedy(ours, reference_greedy(path, prompt, len(ours)))
+        assert ok, note
+
+
+# ---- the policy alone, over a fake pool --------------------------------------------------
+
+W, BS = 10, 4
+MIXED = SimpleNamespace(layers=(LayerSlot("window", 0, window=W), LayerSlot("full", 1)), has_state=False)
+ALL_WINDOWED = SimpleNamespace(layers=(LayerSlot("window", 0, window=W), LayerSlot("window", 1, window=W)),
+                               has_state=False)
+
+
+def fake_token(request_id: str, context: tuple[int, ...]) -> int:
+    digest = hashlib.blake2b(repr((request_id, context)).encode(), digest_size=8).digest()
+    return 1 + int.from_bytes(digest, "little") % 60
+
+
+class FakePool:
+    """Writes each fed token into the slots both tables name and, for every query, reads
+    the full table's whole context and the window table's last W keys back, checking
+    them against the sequence's tokens: a wrong, released-too-early or reused window
+    block fails here."""
+
+    def __init__(self) -> None:
+        self.full: dict[tuple[int, int], int] = {}
+        self.window: dict[tuple[int, int], int] = {}
+        self.tokens: dict[str, list[int]] = {}
+
+    def run(self, sched: Scheduler, step: m.Step) -> dict[str, list[int]]:
+        sampled: dict[str, list[int]] = {}
+        for w in step.work:
+            seq_tokens = self.tokens.setdefault(w.request_id, list(sched.by_id[w.request_id].tokens))
+            feed = list(w.token_ids)
+            out = []
+            for i in range(step.num_steps):
+                start = w.start_pos + (0 if i == 0 else len(w.token_ids) + i - 1)
+                for j, token in enumerate(feed):
+                    p = start + j
+                    self.full[(w.block_table[p // BS], p % BS)] = token
+                    if sched.window_group is not None:
+                        self.window[(w.window_table[p // BS], p % BS)] = token
+                    else:  # all windowed: the one table is the window's
+                        assert w.block_table[p // BS] != ZERO_BLOCK
+                    q = p  # this query: check what it reads
+                    context = seq_tokens[: q + 1]
+                    lo = max(0, q - W + 1)
+                    if sched.window_group is not None:
+                        assert [self.full[(w.block_table[k // BS], k % BS)] for k in range(q + 1)] == context
+                        table = w.window_table
+                    else:
+                        table = w.block_table
+                    assert all(table[k // BS] != ZERO_BLOCK for k in range(lo, q + 1)), (w.request_id, q, table)
+                    got = [(self.window if sched.window_group is not None else self.full)[(table[k // BS], k % BS)]
+                           for k in range(lo, q + 1)]
+                    assert got == context[lo:], (w.request_id, q)
+                if not w.sample:
+                    break
+                token = fake_token(w.request_id, tuple(seq_tokens[max(0, len(seq_tokens) - W):]))
+                seq_tokens.append(token)
+                out.append(token)
+                feed = [token]
+            if w.sample:
+                sampled[w.request_id] = out
+        return sampled
+
+
+def drive(sched: Scheduler, pool: FakePool, watch=None) -> dict[str, m.Finished]:
+    finished = {}
+    while sched.has_work():
+        step = sched.schedule()
+        assert step is not None, "nothing schedulable while requests wait"
+        if watch is not None:
+            watch(step)
+        outcome = sched.on_step_done(step, pool.run(sched, step))
+        for f in outcome.finished:
+            finished[f.request_id] = f
+            pool.tokens.pop(f.request_id, None)
+    return finished
+
+
+def scheduler(geometry, num_blocks: int, window_blocks: int | None, **kw) -> Scheduler:
+    books = BlockManager(num_blocks, BS, b"ns", reserved_blocks=2)
+    wbooks = BlockManager(window_blocks, BS, b"ns/w", reserved_blocks=2) if window_blocks else None
+    return Scheduler(books, max_num_seqs=4, max_num_batched_tokens=16, max_prefill_chunk=8, eos_token_ids=[0],
+                     context_length=4096, decode_lookahead=2, decode_lookahead_max=4, geometry=geometry,
+                     window_blocks=wbooks, **kw)
+
+
+def request(rid: str, prompt: list[int], max_tokens: int) -> m.Tokenized:
+    return m.Tokenized(rid, tuple(prompt), m.SamplingParams(max_tokens=max_tokens))
+
+
+def test_mixed_tables_window_holds_its_window_full_holds_all_and_hits_need_both():
+    sched = scheduler(MIXED, num_blocks=64, window_blocks=24)  # nothing evicted: 20 blocks in all
+    pool = FakePool()
+    prompt = [(3 * j) % 50 + 1 for j in range(60)]
+    held: list[int] = []
+
+    def watch(step: m.Step) -> None:
+        for w in step.work:
+            assert len(w.window_table) == len(w.block_table) or not w.sample  # one entry per logical block
+            held.append(sum(1 for b in w.window_table if b != ZERO_BLOCK))
+        assert sched.window_group.books.num_used == sum(
+            sum(1 for b in s.window_blocks if b != ZERO_BLOCK) for s in sched.running)
+
+    assert sched.add(request("a", prompt, 20)) is None
+    assert drive(sched, pool, watch)["a"].usage.completion_tokens == 20
+    # at most the window's blocks and a chunk (prefill), or the window's + lookahead (decode)
+    assert max(held) <= -(-(W - 1 + 8) // BS) + 1, held
+    assert sched.blocks.num_used == 0 and sched.window_group.books.num_used == 0
+    # a hit takes the full group's chain and the window group's last window before it
+    assert sched.add(request("b", prompt[:41] + [7, 7], 4)) is None
+    done = drive(sched, pool)
+    assert done["b"].usage.cached_tokens == 40
+    # the window group's cache gone, the full group's still there: no hit at all (the
+    # first computed query would read keys the window group no longer has)
+    sched.window_group.books.evict_all_cached()
+    assert sched.add(request("c", prompt[:41] + [8, 8], 4)) is None
+    assert drive(sched, pool)["c"].usage.cached_tokens == 0
+
+
+def test_a_window_group_shortens_a_hit_to_where_its_window_is_cached():
+    sched = scheduler(MIXED, num_blocks=64, window_blocks=12)
+    pool = FakePool()
+    prompt = [(7 * j) % 50 + 1 for j in range(40)]
+    assert sched.add(request("a", prompt, 1)) is None
+    drive(sched, pool)
+    # forget the window group's blocks 7-9 (positions 28-39): a 40-token hit needs 31-39
+    wbooks = sched.window_group.books
+    hashes = sched.blocks.prefix_hashes(prompt)
+    for h in hashes[7:]:
+        wbooks._free_cached.pop(wbooks.hash_to_block[h])
+        wbooks._forget(wbooks.hash_to_block[h])
+    assert sched.add(request("b", prompt + [5, 5], 2)) is None
+    # the longest hit whose window (from hit - 9) is cached ends at block 7 (28 tokens)
+    assert drive(sched, pool)["b"].usage.cached_tokens == 28
+
+
+def test_an_all_windowed_model_admits_a_prompt_longer_than_the_pool():
+    """Only the window and a chunk are held at once, so a 100-token prompt runs on 6
+    blocks (24 slots); the prefix cache keeps what left the window."""
+    sched = scheduler(ALL_WINDOWED, num_blocks=6, window_blocks=None)
+    pool = FakePool()
+    prompt = [(11 * j) % 50 + 1 for j in range(100)]
+    assert sched.add(request("a", prompt, 12)) is None
+    assert drive(sched, pool)["a"].usage.completion_tokens == 12
+    # a prompt that needs more than the pool at once (window + a chunk) is refused, clearly
+    small = scheduler(ALL_WINDOWED, num_blocks=4, window_blocks=None)
+    refusal = small.add(request("b", prompt, 4))
+    assert refusal is not None and refusal.code == "bad_request"
+    assert "10-token window and a 8-token prefill chunk" in refusal.message and "max_prefill_chunk" in refusal.message
+
+
+def test_a_window_group_too_small_for_one_window_is_refused_by_name():
+    sched = scheduler(MIXED, num_blocks=64, window_blocks=3)
+    refusal = sched.add(request("a", list(range(1, 30)), 4))
+    assert refusal is not None and refusal.code == "bad_request"
+    assert "of the windowed layers" in refusal.message
+    assert sched.add(request("b", [1, 2, 3], 4)) is None  # short enough: 1 block
