@@ -241,3 +241,16 @@ def test_a_window_group_too_small_for_one_window_is_refused_by_name():
     assert refusal is not None and refusal.code == "bad_request"
     assert "of the windowed layers" in refusal.message
     assert sched.add(request("b", [1, 2, 3], 4)) is None  # short enough: 1 block
+
+
+@pytest.mark.anyio
+async def test_offload_pipelines_refuse_split_groups_at_start_up(tmp_path):
+    """The tiers move whole blocks of one table; a mixed model's split groups are refused
+    by name at start-up (generate-offload itself sets kv.layer_groups: shared)."""
+    from unikern.errors import UnikernError
+
+    path = gemma3_model()
+    overrides = {"kv": {"kv_budget_bytes": 32 << 20, "layer_groups": "auto"}, "disk": {"path": str(tmp_path / "kv")}}
+    with pytest.raises(UnikernError, match=r"windowed layers keep block tables of their own .* set kv.layer_groups: shared"):
+        async with unikern.Engine.from_pipeline("generate-offload", model=path, overrides=overrides):
+            pass

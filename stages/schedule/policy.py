@@ -6,73 +6,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from unikern import messages as m
 from unikern.stages.kv.blocks import BlockManager, OutOfBlocks, block_hash
-from unikern.stages.schedule.groups import WindowGroup
+from unikern.stages.schedule.groups import WindowGroup, allocate_windowed, never_fits
+from unikern.stages.schedule.sequence import Refusal, Sequence, StepOutcome, needs_history
 from unikern.stages.schedule.states import StateTracker
-from unikern.stages.schedule.windows import (
-    allocate_window_table,
-    release_out_of_window,
-    released_window,
-    split_window,
-    window_blocks_at_once,
-    window_hit,
-)
+from unikern.stages.schedule.windows import release_out_of_window, released_window, split_window
 
 if TYPE_CHECKING:
     from unikern.stages.execute.model import ModelGeometry
-
-
-def _needs_history(seq: Sequence) -> bool:
-    """Logits processors see every token so far; penalties look at the latest ones."""
-    p = seq.params
-    penalized = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-    return bool(seq.processors) or penalized
-
-
-@dataclass
-class Sequence:
-    request_id: str
-    tokens: list[int]  # prompt, then generated tokens
-    num_prompt_tokens: int
-    params: m.SamplingParams
-    processors: tuple = ()  # per-request callables on the logits (Submit.processors)
-    grammar: Any = None  # the request's grammar matcher (Tokenized.grammar)
-    num_computed: int = 0  # tokens whose KV is in the pool
-    blocks: list[int] = field(default_factory=list)
-    window_blocks: list[int] = field(default_factory=list)  # a mixed model's window group (groups.py)
-    block_hashes: list[bytes] = field(default_factory=list)  # of full, committed blocks
-    cached_tokens: int | None = None  # set at first admission
-    num_preemptions: int = 0
-    # blocks held for this sequence until its first admission (its prefix, just loaded
-    # from a lower tier), so nothing evicts them while it waits
-    pinned: list[int] = field(default_factory=list)
-    held: bool = False  # not admissible yet: its prefix is still loading
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.num_prompt_tokens
-
-    @property
-    def usage(self) -> m.Usage:
-        return m.Usage(self.num_prompt_tokens, self.num_generated, self.cached_tokens or 0)
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why `Scheduler.add` turned a request away: `code` is the error event's code."""
-
-    code: str  # "bad_request" (can never be served) or "overloaded" (try again later)
-    message: str
-
-
-@dataclass
-class StepOutcome:
-    tokens: list[m.TokenOut] = field(default_factory=list)
-    finished: list[m.Finished] = field(default_factory=list)
 
 
 class Scheduler:
@@ -138,7 +82,7 @@ class Scheduler:
         if request.request_id in self.by_id:
             return Refusal("bad_request", f"request id {request.request_id!r} is already in flight")
         prompt_len = len(request.prompt_tokens)
-        too_big = self._never_fits(prompt_len + 1)
+        too_big = never_fits(self.blocks, self.window, self.window_group, prompt_len + 1, self.max_prefill_chunk)
         if too_big is not None:
             return Refusal("bad_request", too_big)
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
@@ -161,31 +105,6 @@ class Scheduler:
         )
         self.by_id[seq.request_id] = seq
         self.waiting.append(seq)
-        return None
-
-    def _never_fits(self, num_tokens: int) -> str | None:
-        """Why a sequence of `num_tokens` tokens could never be held, even alone in an
-        empty pool; None if it can. A windowed table holds at most its window and a chunk
-        at once, whatever the length; a full one holds every block."""
-        bs = self.blocks.block_size
-        chunk = min(num_tokens, self.max_prefill_chunk)
-        groups = [("", self.blocks, self.window)]
-        if self.window_group is not None:
-            groups.append((" of the windowed layers", self.window_group.books, self.window_group.window))
-        for name, books, window in groups:
-            if window is None:
-                need = books.blocks_needed(num_tokens)
-                what = f"{num_tokens} tokens"
-            else:
-                need = min(books.blocks_needed(num_tokens), window_blocks_at_once(window, bs, chunk))
-                what = f"its {window}-token window and a {chunk}-token prefill chunk"
-            if need > books.num_blocks:
-                return (
-                    f"the prompt needs {need * bs} KV slots{name} at once ({what}; {need} blocks of {bs}) "
-                    f"but the whole KV pool{name} holds {books.num_blocks * bs} ({books.num_blocks} blocks); "
-                    f"raise kv.memory_fraction or kv.kv_budget_bytes"
-                    + (", or lower schedule.max_prefill_chunk" if window else "")
-                )
         return None
 
     def abort(self, request_id: str, reason: m.FinishReason) -> m.Finished | None:
@@ -313,7 +232,7 @@ class Scheduler:
             params=seq.params,
             num_generated=seq.num_generated,
             processors=seq.processors,
-            history=tuple(seq.tokens) if start + chunk == len(seq.tokens) and _needs_history(seq) else (),
+            history=tuple(seq.tokens) if start + chunk == len(seq.tokens) and needs_history(seq) else (),
             grammar=seq.grammar,
             **(self.states.fields(seq, start, chunk) if self.states is not None else {}),
             **({"window_table": tuple(seq.window_blocks)} if self.window_group is not None else {}),
@@ -328,7 +247,9 @@ class Scheduler:
             if self.window is None and self.window_group is None:
                 seq.blocks, cached = self.blocks.allocate_prompt(seq.tokens, max_cached)
             else:
-                cached = self._allocate_windowed(seq, max_cached)
+                cached = allocate_windowed(
+                    seq, self.blocks, self.window, self.window_group, self.states, max_cached, self.max_prefill_chunk
+                )
         except OutOfBlocks:
             return False
         if self.states is not None:
@@ -340,39 +261,6 @@ class Scheduler:
         self.blocks.free(seq.pinned)  # the sequence holds its own references now
         seq.pinned = []
         return True
-
-    def _allocate_windowed(self, seq: Sequence, max_cached: int) -> int:
-        """Admission when a table is windowed: a prefix hit as long as every table has
-        what the first computed query reads (the full table: every block before it; a
-        windowed one: the blocks of its window), windowed tables holding only those and
-        the first chunk's blocks. Returns the cached token count; OutOfBlocks takes nothing."""
-        bs, group = self.blocks.block_size, self.window_group
-        hashes = self.blocks.prefix_hashes(seq.tokens)
-        hit = max_cached // bs
-        while True:  # shorter hits, until every table (and a state checkpoint) has it
-            h = hit
-            if self.window is None:
-                h = min(h, len(self.blocks.lookup_prefix(hashes[:h])))
-            else:
-                h = window_hit(self.blocks, hashes, h, self.window)
-            if group is not None:
-                h = group.hit(hashes, h)
-            if self.states is not None:
-                h = self.states.limit_cached(seq.tokens, h * bs) // bs
-            if h == hit:
-                break
-            hit = h
-        until = min(len(seq.tokens), hit * bs + self.max_prefill_chunk)
-        if group is not None and not group.check_room(hashes, hit, until):
-            raise OutOfBlocks("the windowed layers' pool is full")
-        if self.window is None:
-            seq.blocks, cached = self.blocks.allocate_prompt(seq.tokens, hit * bs)
-        else:
-            seq.blocks = allocate_window_table(self.blocks, hashes, hit, self.window, until)
-            cached = hit * bs
-        if group is not None:
-            group.admit(seq, hashes, hit, until)
-        return cached
 
     def _release_pins(self) -> bool:
         """Unpin every waiting sequence's blocks (they stay cached, but evictable)."""
