@@ -31,18 +31,22 @@ DECODE_BOUND = -(-WINDOW // BLOCK) + 1  # the window's blocks + 1 (the lookahead
 PREFILL_BOUND = -(-(WINDOW - 1 + CHUNK) // BLOCK) + 1
 
 
-def gemma3_model() -> str:
+def mixed_model(family: str = "gemma3") -> str:
     from unikern.testing.families import cached_family_model
 
-    return str(cached_family_model("tiny-gemma3", sliding_window=WINDOW))
+    return str(cached_family_model(f"tiny-{family}", sliding_window=WINDOW))
 
 
+# gpt-oss (sinks) with every unwritten slot NaN: a released or never-written slot that
+# reached an output would show
 @pytest.mark.anyio
-async def test_gemma3_window_group_holds_only_its_window_while_the_full_group_holds_all():
-    path = gemma3_model()
+@pytest.mark.parametrize(("family", "fill"), [("gemma3", "zeros"), ("gpt-oss", "nan")])
+async def test_window_group_holds_only_its_window_while_the_full_group_holds_all(family, fill):
+    path = mixed_model(family)
     decode: list[tuple[int, int]] = []  # (full group, window group) blocks in use
     prefill: list[int] = []
-    async with unikern.Engine.from_pipeline("generate", model=path, overrides=OVERRIDES) as engine:
+    overrides = {**OVERRIDES, "kv": {**OVERRIDES["kv"], "unwritten_fill": fill}}
+    async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
         groups = engine.stats()["kv"]["groups"]
         assert [(g["layers"], g["num_layers"], g["window"]) for g in groups] == [("full", 2, None),
                                                                                  ("window", 2, WINDOW)]
@@ -78,7 +82,7 @@ async def test_gemma3_window_group_holds_only_its_window_while_the_full_group_ho
     full_used = [f for f, _ in decode]
     assert max(full_used) >= -(-(len(PROMPT) + MAX_TOKENS - 2) // BLOCK), full_used
     assert full_used[0] >= -(-len(PROMPT) // BLOCK), full_used
-    print(f"gemma3, {len(PROMPT)} + {MAX_TOKENS} tokens, {BLOCK}-token blocks, window {WINDOW}: window group "
+    print(f"{family}, {len(PROMPT)} + {MAX_TOKENS} tokens, {BLOCK}-token blocks, window {WINDOW}: window group "
           f"held at most {max(prefill)} blocks prefilling, {max(window_used)} decoding; full group {max(full_used)}")
     assert again.usage.cached_tokens == 1500 // BLOCK * BLOCK
     for prompt, ours in ((PROMPT, tokens), (shared, again.token_ids)):
@@ -249,8 +253,24 @@ async def test_offload_pipelines_refuse_split_groups_at_start_up(tmp_path):
     by name at start-up (generate-offload itself sets kv.layer_groups: shared)."""
     from unikern.errors import UnikernError
 
-    path = gemma3_model()
+    path = mixed_model()
     overrides = {"kv": {"kv_budget_bytes": 32 << 20, "layer_groups": "auto"}, "disk": {"path": str(tmp_path / "kv")}}
     with pytest.raises(UnikernError, match=r"windowed layers keep block tables of their own .* set kv.layer_groups: shared"):
         async with unikern.Engine.from_pipeline("generate-offload", model=path, overrides=overrides):
             pass
+
+
+@pytest.mark.anyio
+async def test_idle_trim_gives_back_both_groups_memory():
+    path = mixed_model()
+    overrides = {"kv": {**OVERRIDES["kv"], "idle_trim_seconds": 0.1, "idle_drop_cache_seconds": 0.3}}
+    async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
+        await engine.complete(prompt_tokens=PROMPT[:600], max_tokens=4)
+        busy = engine.stats()
+        deadline = anyio.current_time() + 20  # liveness only: the trim comes within a second
+        while (idle := engine.stats())["memory"]["kv_resident_bytes"] or any(
+            g["blocks_cached"] for g in idle["kv"]["groups"]
+        ):
+            assert anyio.current_time() < deadline, idle["kv"]
+            await anyio.sleep(0.05)
+    assert busy["kv"]["groups"][1]["blocks_cached"] > 0 and busy["memory"]["kv_resident_bytes"] > 0
