@@ -274,3 +274,35 @@ async def test_idle_trim_gives_back_both_groups_memory():
             assert anyio.current_time() < deadline, idle["kv"]
             await anyio.sleep(0.05)
     assert busy["kv"]["groups"][1]["blocks_cached"] > 0 and busy["memory"]["kv_resident_bytes"] > 0
+
+
+@pytest.mark.parametrize(("full_blocks", "window_blocks"), [(20, 40), (64, 8), (22, 7)])
+def test_many_requests_under_pressure_in_either_group_read_exactly_what_they_wrote(full_blocks, window_blocks):
+    """Ten requests of mixed lengths sharing prefixes, a pool short in the full group,
+    the window group or both: preemption, prefix hits and lookahead over both tables,
+    every read checked by the fake pool, and the same tokens as with room to spare."""
+    prompts = {f"r{i}": [(13 * j + (i % 3)) % 50 + 1 for j in range(5 + 7 * i)] for i in range(10)}
+
+    def run(full: int, window: int) -> tuple[dict[str, list[int]], int]:
+        sched = scheduler(MIXED, num_blocks=full, window_blocks=window)
+        pool = FakePool()
+        seen: dict[str, list[int]] = {}
+        for rid, prompt in prompts.items():
+            assert sched.add(request(rid, prompt, 9)) is None
+        while sched.has_work():
+            step = sched.schedule()
+            assert step is not None
+            for seq in sched.running:
+                held = sum(1 for b in seq.window_blocks if b != ZERO_BLOCK)
+                assert held <= -(-(W - 1 + 8) // BS) + 1, (seq.request_id, seq.window_blocks)
+            outcome = sched.on_step_done(step, pool.run(sched, step))
+            for out in outcome.tokens:
+                seen.setdefault(out.request_id, []).append(out.token_id)
+            for f in outcome.finished:
+                pool.tokens.pop(f.request_id, None)
+        assert sched.blocks.num_used == 0 and sched.window_group.books.num_used == 0
+        return seen, sched.num_preemptions
+
+    roomy, _ = run(256, 256)
+    tight, preemptions = run(full_blocks, window_blocks)
+    assert tight == roomy and preemptions > 0
