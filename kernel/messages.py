@@ -156,6 +156,9 @@ class BlockRef(msgspec.Struct, frozen=True):
 
     block_id: int
     block_hash: bytes
+    # a mixed model's windowed layers in their own pool (kv layer groups): the block of
+    # the same hash there; -1 when every layer lives in block_id's pool
+    window_block_id: int = -1
 
 
 class LoadBlocks(Message, frozen=True):

@@ -248,16 +248,30 @@ def test_a_window_group_too_small_for_one_window_is_refused_by_name():
 
 
 @pytest.mark.anyio
-async def test_offload_pipelines_refuse_split_groups_at_start_up(tmp_path):
-    """The tiers move whole blocks of one table; a mixed model's split groups are refused
-    by name at start-up (generate-offload itself sets kv.layer_groups: shared)."""
-    from unikern.errors import UnikernError
-
-    path = mixed_model()
-    overrides = {"kv": {"kv_budget_bytes": 32 << 20, "layer_groups": "auto"}, "disk": {"path": str(tmp_path / "kv")}}
-    with pytest.raises(UnikernError, match=r"windowed layers keep block tables of their own .* set kv.layer_groups: shared"):
-        async with unikern.Engine.from_pipeline("generate-offload", model=path, overrides=overrides):
-            pass
+async def test_split_groups_store_to_disk_and_load_back_after_a_restart(tmp_path):
+    """A disk file holds every layer of a block, in the model's layer order, whether the
+    pool is split in groups or shared: a prefix stored by a split engine comes back into
+    both groups of a fresh one (the window group's blocks of the last window included)
+    and into a shared one, with mlx-lm's tokens."""
+    path = mixed_model("gpt-oss")
+    prompt = PROMPT[:1000] + [42]
+    kv = {"kv_budget_bytes": 32 << 20, "block_size": BLOCK, "host_bytes": 0}
+    runs, stats = [], []
+    for layer_groups in ("auto", "auto", "shared"):  # the second and third start with only the disk warm
+        overrides = {"kv": {**kv, "layer_groups": layer_groups}, "disk": {"path": str(tmp_path / "kv")}}
+        async with unikern.Engine.from_pipeline("generate-offload", model=path, overrides=overrides) as engine:
+            runs.append(await engine.complete(prompt_tokens=prompt, max_tokens=8))
+            deadline = anyio.current_time() + 20  # stores still queued at close are dropped: wait
+            while engine.stats()["tiers"]["disk"]["files"] < 1000 // BLOCK:
+                assert anyio.current_time() < deadline, engine.stats()["tiers"]
+                await anyio.sleep(0.02)
+            stats.append(engine.stats())
+    assert [len(s["kv"]["groups"]) for s in stats] == [2, 2, 1]
+    assert [r.usage.cached_tokens for r in runs] == [0, 1000 // BLOCK * BLOCK, 1000 // BLOCK * BLOCK]
+    assert stats[1]["offload"]["loads_done"] == 1000 // BLOCK
+    assert runs[1].token_ids == runs[0].token_ids == runs[2].token_ids
+    ok, note = compare_greedy(runs[1].token_ids, reference_greedy(path, prompt, 8))
+    assert ok, note
 
 
 @pytest.mark.anyio
@@ -306,3 +320,38 @@ def test_many_requests_under_pressure_in_either_group_read_exactly_what_they_wro
     roomy, _ = run(256, 256)
     tight, preemptions = run(full_blocks, window_blocks)
     assert tight == roomy and preemptions > 0
+
+
+def test_the_tier_planner_moves_both_groups_blocks_of_one_hash():
+    """Stores pin the block of the same hash in both groups (and skip one whose window
+    block is gone: its file would be partial); loads fill a block in both, the window
+    group's going back to its cache once loaded."""
+    from unikern.stages.schedule.tier_planner import TierPlanner
+
+    books = BlockManager(16, BS, b"ns", reserved_blocks=2)
+    wbooks = BlockManager(8, BS, b"ns/w", reserved_blocks=2)
+    on_disk: set[bytes] = set()
+    planner = TierPlanner(books, on_disk.__contains__, wbooks)
+    tokens = list(range(1, 14))  # 3 full blocks
+    hashes = books.prefix_hashes(tokens)
+    full = [books.allocate_one() for _ in range(3)]
+    window = [wbooks.allocate_one() for _ in range(2)]  # block 0's window block already gone
+    for i in range(3):
+        books.commit_full_block(full[i], hashes[i])
+    for i in (1, 2):
+        wbooks.commit_full_block(window[i - 1], hashes[i])
+    store = planner.plan_store()
+    assert [(r.block_id, r.window_block_id) for r in store.blocks] == [(full[1], window[0]), (full[2], window[1])]
+    assert wbooks.ref_counts[window[0]] == 2  # pinned until copied out
+    planner.stored(store)
+    assert wbooks.ref_counts[window[0]] == 1
+    books.free(full)
+    wbooks.free(window)
+    books.evict_all_cached()
+    wbooks.evict_all_cached()
+    on_disk.update(hashes)
+    hold, load = planner.plan_load(m.Tokenized("r", tuple(tokens), m.SamplingParams(max_tokens=2)))
+    assert hold and all(r.window_block_id >= 2 for r in load.blocks) and wbooks.num_used == 3
+    ready = planner.loaded(m.BlocksLoaded("r", load.blocks, num_loaded=3))
+    assert [rid for rid, _ in ready] == ["r"]
+    assert wbooks.num_used == 0 and wbooks.lookup_prefix(hashes) == [r.window_block_id for r in load.blocks]

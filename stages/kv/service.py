@@ -43,7 +43,7 @@ class KVManagerParams(StageParams, frozen=True):
     state_checkpoints: int | None = None
     # models mixing full and windowed attention layers: "auto" gives the windowed layers
     # a pool and block tables of their own (holding only their window's blocks);
-    # "shared": one table for every layer, each holding every block (the tiers need it)
+    # "shared": one table for every layer, each holding every block (as before groups)
     layer_groups: Literal["auto", "shared"] = "auto"
     # blocks of the windowed layers' pool when it is their own (None: room for 64
     # sequences' windows); the full layers get the rest of the budget
@@ -125,16 +125,7 @@ class KVResource:
     # a mixed model's windowed layers, when they keep tables of their own (kv.groups)
     window_pool: KVPool | None = None
     window_blocks: BlockManager | None = None
-
-    def require_one_group(self, who: str) -> None:
-        """For members that read or write blocks of the pool by id as one table (the
-        offload tiers): refuse split layer groups at start-up."""
-        if self.window_blocks is not None:
-            raise ConfigError(
-                f"{who}: the model's windowed layers keep block tables of their own "
-                f"(kv.layer_groups: auto), which the offload tiers do not handle yet; "
-                f"set kv.layer_groups: shared in this pipeline"
-            )
+    attention_kinds: tuple[str, ...] = ()  # "full" | "window" per attention layer, in model order
 
     def pools(self) -> list[tuple[KVPool, BlockManager]]:
         pools = [(self.pool, self.blocks)]
@@ -197,6 +188,7 @@ class KVManagerStage(ServiceBase):
                 plan.window_num_blocks, p.block_size, namespace + b"/window", reserved_blocks=RESERVED_BLOCKS
             )
             self.kv.budget_bytes += plan.window_num_blocks * plan.window_bytes_per_block
+            self.kv.attention_kinds = tuple(s.kind for s in geometry.layers if s.kind != "state")
         ctx.provide("kv", self.kv)
         task_status.started()
         if p.allocation == "lazy":

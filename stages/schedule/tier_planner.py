@@ -32,10 +32,19 @@ class TierPlanner:
     LoadBlocks asks the mover to fill them. When they are in, the loaded blocks are
     committed to the prefix cache and the request becomes admissible, holding its pins
     until admission, where they turn into prefix hits. Committed blocks not yet on disk are
-    pinned and sent to be stored; the pin is dropped once the mover has copied them out."""
+    pinned and sent to be stored; the pin is dropped once the mover has copied them out.
 
-    def __init__(self, blocks: BlockManager, on_disk: Callable[[bytes], bool]) -> None:
+    Split layer groups (`window_blocks`: a mixed model's windowed layers' books): a file
+    holds every layer, so each load fills a block in both groups and each store copies
+    the block of the same hash from both (a block the window group no longer caches is
+    not stored). Loaded window blocks go back to its cache once loaded; admission takes
+    those its window needs, or shortens the hit."""
+
+    def __init__(
+        self, blocks: BlockManager, on_disk: Callable[[bytes], bool], window_blocks: BlockManager | None = None
+    ) -> None:
         self.blocks = blocks
+        self.window_blocks = window_blocks
         self.on_disk = on_disk
         self.staged: dict[str, Staged] = {}
         self.loading: dict[bytes, str] = {}  # hash -> request loading it
@@ -62,11 +71,16 @@ class TierPlanner:
             else:
                 break
         room = blocks.num_free - sum(1 for b in hits if blocks.ref_counts[b] == 0)
+        if self.window_blocks is not None:
+            room = min(room, self.window_blocks.num_free)
         to_load = to_load[: max(room, 0)]
         if room < 0 or (not to_load and not waiting_on):
             return False, None
         blocks.take(hits)
-        refs = tuple(m.BlockRef(blocks.allocate_one(), h) for h in to_load)
+        window = self.window_blocks
+        refs = tuple(
+            m.BlockRef(blocks.allocate_one(), h, window.allocate_one() if window is not None else -1) for h in to_load
+        )
         for h in to_load:
             self.loading[h] = request.request_id
         self.staged[request.request_id] = Staged(request.request_id, list(hits), waiting_on | set(to_load))
@@ -80,9 +94,13 @@ class TierPlanner:
         good, bad = done.blocks[: done.num_loaded], done.blocks[done.num_loaded :]
         for ref in good:
             blocks.commit_full_block(ref.block_id, ref.block_hash)
+            if self.window_blocks is not None:
+                self.window_blocks.commit_full_block(ref.window_block_id, ref.block_hash)
         self.stats.loads_done += len(good)
         self.stats.load_failures += len(bad)
         blocks.free([ref.block_id for ref in bad])  # never committed: back to the free list
+        if self.window_blocks is not None:  # cached now (or free, if bad): admission takes what it needs
+            self.window_blocks.free([ref.window_block_id for ref in done.blocks])
         owner = self.staged.get(done.request_id)
         if owner is not None:
             owner.pins += [ref.block_id for ref in good]
@@ -110,18 +128,28 @@ class TierPlanner:
     def plan_store(self) -> m.StoreBlocks | None:
         """Pin and send every newly committed block that is not on disk yet."""
         blocks = self.blocks
+        window = self.window_blocks
         refs = []
         for block_id, h in blocks.drain_commits():
             if h in self.storing or blocks.block_hashes[block_id] != h or self.on_disk(h):
                 continue
-            refs.append(m.BlockRef(block_id, h))
+            window_id = -1
+            if window is not None:
+                window_id = window.hash_to_block.get(h, -1)
+                if window_id < 0:
+                    continue  # its windowed layers' block is gone: the file would be partial
+            refs.append(m.BlockRef(block_id, h, window_id))
             self.storing.add(h)
         if not refs:
             return None
         blocks.take(ref.block_id for ref in refs)
+        if window is not None:
+            window.take(ref.window_block_id for ref in refs)
         self.stats.stores_requested += len(refs)
         return m.StoreBlocks(tuple(refs))
 
     def stored(self, done: m.BlocksStored) -> None:
         self.blocks.free([ref.block_id for ref in done.blocks])
+        if self.window_blocks is not None:
+            self.window_blocks.free([ref.window_block_id for ref in done.blocks])
         self.storing.difference_update(ref.block_hash for ref in done.blocks)

@@ -20,9 +20,8 @@ class TieredScheduleStage(ScheduleStage):
     requires = (*ScheduleStage.requires, "disk")
 
     def setup(self, ctx: StageContext) -> None:
-        ctx.resource("kv").require_one_group("schedule_tiered")
         disk = ctx.resource("disk")
-        self.planner = TierPlanner(self.scheduler.blocks, disk.contains)
+        self.planner = TierPlanner(self.scheduler.blocks, disk.contains, ctx.resource("kv").window_blocks)
 
     async def on_tokenized(self, ctx: StageContext, request: m.Tokenized) -> bool:
         if not await super().on_tokenized(ctx, request):

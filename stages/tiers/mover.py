@@ -15,7 +15,7 @@ import structlog
 from unikern import messages as m
 from unikern.platform import shared_bridge
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
-from unikern.stages.tiers.block_io import BlockLayout, copy_in, copy_out
+from unikern.stages.tiers.block_io import BlockLayout, copy_in, copy_out, tier_pools
 from unikern.stages.tiers.queue import Job, OffloadQueue
 
 log = structlog.get_logger("unikern")
@@ -74,8 +74,7 @@ class OffloadMoverStage(StageBase):
     requires = ("kv", "model", "disk")
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
-        ctx.resource("kv").require_one_group("offload_mover")
-        self.pool = ctx.resource("kv").pool
+        self.pool = tier_pools(ctx.resource("kv"))
         self.thread = ctx.resource("model").thread
         self.disk = ctx.resource("disk")
         self.layout = BlockLayout.of(self.pool)
@@ -182,7 +181,7 @@ class OffloadMoverStage(StageBase):
             num_loaded = 0
         self.mover.read_seconds += time.perf_counter() - start
         self.mover.bytes_read += num_loaded * self.layout.nbytes
-        block_ids = [ref.block_id for ref in job.blocks[:num_loaded]]
+        block_ids = [_ids(ref) for ref in job.blocks[:num_loaded]]
         if num_loaded and not await self._on_model_thread(copy_in, block_ids, buffers[:num_loaded]):
             num_loaded = 0
         self.mover.blocks_loaded += num_loaded
@@ -201,7 +200,7 @@ class OffloadMoverStage(StageBase):
         attempted = 0  # blocks whose write was tried (it may still have failed: a miss later)
         try:
             with scope:
-                copied = await self._on_model_thread(copy_out, [r.block_id for r in job.blocks], buffers)
+                copied = await self._on_model_thread(copy_out, [_ids(r) for r in job.blocks], buffers)
                 try:
                     ctx.send_nowait(m.BlocksStored(job.blocks))
                 except anyio.WouldBlock:  # unshielded: at shutdown nobody waits for the pins
@@ -241,3 +240,8 @@ class OffloadMoverStage(StageBase):
                 **self.mover.as_dict(),
             }
         }
+
+
+def _ids(ref: m.BlockRef) -> int | tuple[int, int]:
+    """A block as block_io addresses it: its id, or (full, window) ids for split groups."""
+    return ref.block_id if ref.window_block_id < 0 else (ref.block_id, ref.window_block_id)

@@ -16,7 +16,7 @@ import structlog
 
 from unikern.errors import ConfigError
 from unikern.stage import ServiceBase, StageContext, StageParams
-from unikern.stages.tiers.block_io import LAYOUT, BlockLayout
+from unikern.stages.tiers.block_io import LAYOUT, BlockLayout, tier_pools
 from unikern.stages.tiers.disk.format import BlockFormatError
 from unikern.stages.tiers.disk.lock import DirectoryLock
 from unikern.stages.tiers.disk.store import DiskStore, make_namespace
@@ -178,7 +178,7 @@ class DiskTierStage(ServiceBase):
     async def run(self, ctx: StageContext, *, task_status) -> None:
         loaded = ctx.resource("model")
         kv = ctx.resource("kv")
-        layout = BlockLayout.of(kv.pool)
+        layout = BlockLayout.of(tier_pools(kv))  # both layer groups' pools, if split
         fingerprint = await anyio.to_thread.run_sync(weights_fingerprint, loaded.path)
         model_id = f"{loaded.identity.hex()}.{fingerprint}/{Path(loaded.path).name}"
         self.disk = await anyio.to_thread.run_sync(open_disk_tier, self.params, model_id, layout)
