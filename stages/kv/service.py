@@ -206,13 +206,15 @@ class KVManagerStage(ServiceBase):
             what = trim.decide(anyio.current_time(), in_use, kv.pool.uses)
             if what is None:
                 continue
+            releases = []
             for pool, books in kv.pools():
                 if what == "all":
                     books.evict_all_cached()
-                keep = set(books.hash_to_block.values())
-                # the books are idle now and thread.run queues the release before any step
-                # that could write a block handed out from here on
-                await thread.run(pool.release, keep)
+                releases.append((pool, set(books.hash_to_block.values())))
+            # the books are idle now and thread.run queues the release (of every group's
+            # pool at once: no await in between) before any step that could write a
+            # block handed out from here on
+            await thread.run(_release_pools, releases)
 
     def stats(self) -> dict[str, Any]:
         kv = getattr(self, "kv", None)
@@ -236,6 +238,11 @@ class KVManagerStage(ServiceBase):
             },
             "tiers": _tier_stats(kv),
         }
+
+
+def _release_pools(releases: list[tuple[KVPool, set[int]]]) -> None:
+    for pool, keep in releases:
+        pool.release(keep)
 
 
 def _group_stats(kv: KVResource, plan: GroupPlan) -> list[dict[str, Any]]:
