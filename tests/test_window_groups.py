@@ -1,8 +1,9 @@
-"""Layer groups of a mixed model (full and windowed attention layers, e.g. gemma3): the
-windowed layers keep block tables of their own, in their own pool and id space, holding
-only the blocks their window reaches, while the full layers hold every block. Measured
-through stats.kv on a gemma3 model with a ~2,000-token request (tokens: mlx-lm's), and
-through the scheduler's books under a fake pool that checks every read of both tables."""
+"""Layer groups of a mixed model (full and windowed attention layers: gemma3, gpt-oss):
+the windowed layers keep block tables of their own, in their own pool and id space,
+holding only the blocks their window reaches, while the full layers hold every block.
+Measured through stats.kv on ~2,000-token requests (tokens: mlx-lm's), through the
+scheduler's books under a fake pool that checks every read of both tables, and across
+the tiers (disk files carry both groups' layers; idle trim releases both pools)."""
 
 from __future__ import annotations
 
