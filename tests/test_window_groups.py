@@ -356,3 +356,30 @@ def test_the_tier_planner_moves_both_groups_blocks_of_one_hash():
     ready = planner.loaded(m.BlocksLoaded("r", load.blocks, num_loaded=3))
     assert [rid for rid, _ in ready] == ["r"]
     assert wbooks.num_used == 0 and wbooks.lookup_prefix(hashes) == [r.window_block_id for r in load.blocks]
+
+
+@pytest.mark.anyio
+async def test_the_host_tier_keeps_both_groups_blocks_for_a_later_hit():
+    """Blocks pushed out of each group's device budget move to that group's host tier
+    (a host block holds a logical block in both groups), and a prefix hit brings the
+    full chain and the window group's last window back from it."""
+    path = mixed_model()
+    per_block = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads, head dim 16, float32
+    overrides = {
+        "kv": {"kv_budget_bytes": 48 * per_block, "window_blocks": 8, "host_bytes": 64 * 2 * per_block,
+               "block_size": BLOCK, "kernel_block_size": 16},
+        "schedule": {"max_prefill_chunk": 128, "max_num_batched_tokens": 128},
+    }
+    first = PROMPT[:1500]
+    other = [(9 * j) % 1000 + 11 for j in range(1500)]
+    async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
+        assert [g["blocks_total"] for g in engine.stats()["kv"]["groups"]] == [40, 8]
+        await engine.complete(prompt_tokens=first, max_tokens=2)
+        await engine.complete(prompt_tokens=other, max_tokens=2)  # pushes the first's blocks out
+        groups = engine.stats()["kv"]["groups"]
+        again = await engine.complete(prompt_tokens=first + [3, 4], max_tokens=8)
+        tiers = engine.stats()["tiers"]
+    assert groups[0]["host_blocks"] > 0 and groups[1]["host_blocks"] > 0, groups
+    assert again.usage.cached_tokens == 1500 // BLOCK * BLOCK and tiers["host"]["hits"] > 0
+    ok, note = compare_greedy(again.token_ids, reference_greedy(path, first + [3, 4], 8))
+    assert ok, note

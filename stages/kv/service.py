@@ -156,7 +156,8 @@ class KVManagerStage(ServiceBase):
                 f"kv: the KV budget of {budget} bytes holds no {p.block_size}-token block "
                 f"({bytes_per_block} bytes each); raise kv.memory_fraction or kv.kv_budget_bytes"
             )
-        host_blocks = p.host_bytes // bytes_per_block
+        # split groups: a host block holds a logical block in both, as a shared pool's would
+        host_blocks = p.host_bytes // (bytes_per_block + plan.window_bytes_per_block)
 
         def make_pool(num_layers: int, num_blocks: int, bytes_per_block: int) -> KVPool:
             return KVPool(
@@ -182,10 +183,11 @@ class KVManagerStage(ServiceBase):
         self.plan = plan
         if plan.window is not None:  # the window group: its own pool and id space
             self.kv.window_pool = await loaded.thread.run(
-                make_pool, plan.window_layers, plan.window_num_blocks, plan.window_bytes_per_block
+                make_pool, plan.window_layers, plan.window_num_blocks + host_blocks, plan.window_bytes_per_block
             )
             self.kv.window_blocks = BlockManager(
-                plan.window_num_blocks, p.block_size, namespace + b"/window", reserved_blocks=RESERVED_BLOCKS
+                plan.window_num_blocks, p.block_size, namespace + b"/window", reserved_blocks=RESERVED_BLOCKS,
+                host_blocks=host_blocks,
             )
             self.kv.budget_bytes += plan.window_num_blocks * plan.window_bytes_per_block
             self.kv.attention_kinds = tuple(s.kind for s in geometry.layers if s.kind != "state")
@@ -252,18 +254,21 @@ def _group_stats(kv: KVResource, plan: GroupPlan) -> list[dict[str, Any]]:
         groups.append(("window", plan.window_layers, plan.window, kv.window_blocks))
     return [
         {"layers": name, "num_layers": n, "window": window, "blocks_total": books.num_blocks,
-         "blocks_used": books.num_used, "blocks_cached": books.num_cached}
+         "blocks_used": books.num_used, "blocks_cached": books.num_cached, "host_blocks": books.num_host_cached}
         for name, n, window, books in groups
     ]
 
 
 def _tier_stats(kv: KVResource) -> dict[str, Any]:
+    """Blocks, hits and misses: the full group's (every layer's with one group); bytes:
+    every group's."""
     books = kv.blocks
+    host_bytes = sum(b.num_host_cached * pool.bytes_per_block for pool, b in kv.pools())
     tiers: dict[str, Any] = {
         "device": {
             "blocks": books.num_used,
-            # the pool's resident memory, less what the host tier holds (the same RAM)
-            "bytes": max(0, kv.pool.resident_bytes - books.num_host_cached * kv.pool.bytes_per_block),
+            # the pools' resident memory, less what the host tier holds (the same RAM)
+            "bytes": max(0, sum(pool.resident_bytes for pool, _ in kv.pools()) - host_bytes),
             "hits": books.hits - books.host_hits,
             "misses": books.misses + books.host_hits,  # not on the device
             "evictions": books.device_evictions,
@@ -272,7 +277,7 @@ def _tier_stats(kv: KVResource) -> dict[str, Any]:
     if books.host_blocks:
         tiers["host"] = {
             "blocks": books.num_host_cached,
-            "bytes": books.num_host_cached * kv.pool.bytes_per_block,
+            "bytes": host_bytes,
             "capacity_blocks": books.host_blocks,
             "hits": books.host_hits,
             "misses": books.host_misses,
