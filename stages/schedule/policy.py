@@ -223,6 +223,9 @@ class Scheduler:
 
     def _work(self, seq: Sequence, chunk: int) -> m.SeqWork:
         start = seq.num_computed
+        fields = self.states.fields(seq, start, chunk) if self.states is not None else {}
+        if self.window_group is not None:
+            fields["window_table"] = tuple(seq.window_blocks)
         return m.SeqWork(
             request_id=seq.request_id,
             token_ids=tuple(seq.tokens[start : start + chunk]),
@@ -234,8 +237,7 @@ class Scheduler:
             processors=seq.processors,
             history=tuple(seq.tokens) if start + chunk == len(seq.tokens) and needs_history(seq) else (),
             grammar=seq.grammar,
-            **(self.states.fields(seq, start, chunk) if self.states is not None else {}),
-            **({"window_table": tuple(seq.window_blocks)} if self.window_group is not None else {}),
+            **fields,
         )
 
     def _admit(self, seq: Sequence) -> bool:
