@@ -249,12 +249,13 @@ def test_a_window_group_too_small_for_one_window_is_refused_by_name():
 
 
 @pytest.mark.anyio
-async def test_split_groups_store_to_disk_and_load_back_after_a_restart(tmp_path):
+@pytest.mark.parametrize("family", ["gemma3", "gpt-oss"])
+async def test_split_groups_store_to_disk_and_load_back_after_a_restart(family, tmp_path):
     """A disk file holds every layer of a block, in the model's layer order, whether the
     pool is split in groups or shared: a prefix stored by a split engine comes back into
     both groups of a fresh one (the window group's blocks of the last window included)
     and into a shared one, with mlx-lm's tokens."""
-    path = mixed_model("gpt-oss")
+    path = mixed_model(family)
     prompt = PROMPT[:1000] + [42]
     kv = {"kv_budget_bytes": 32 << 20, "block_size": BLOCK, "host_bytes": 0}
     runs, stats = [], []
