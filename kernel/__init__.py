@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-try:  # load an optimized BLAS before anything imports mlx (see unikern.platform.blas)
-    from unikern.platform import blas as _blas
+# before anything imports mlx: load an optimized BLAS (see unikern.platform.blas), and
+# keep MLX's compiled GPU kernels under the user's cache dir (unikern.platform.kernel_cache)
+from unikern.platform import blas as _blas
+from unikern.platform import kernel_cache as _kernel_cache
 
-    _blas.preload()
-except ImportError:  # pragma: no cover - blas.py arrives with the platform layer
-    pass
+_blas.preload()
+_kernel_cache.configure()
 
-from unikern.engine import Completion, Engine
-from unikern.errors import ConfigError, RequestError, StageError, UnikernError
-from unikern.messages import DoneEvent, ErrorEvent, TokenEvent, Usage
+from unikern.engine import Completion, Engine  # noqa: E402 (after the two calls above)
+from unikern.errors import ConfigError, RequestError, StageError, UnikernError  # noqa: E402
+from unikern.messages import DoneEvent, ErrorEvent, TokenEvent, Usage  # noqa: E402
 
 __all__ = [
     "Completion",

@@ -161,34 +161,50 @@ class BlockRef(msgspec.Struct, frozen=True):
     window_block_id: int = -1
 
 
+class StateRef(msgspec.Struct, frozen=True):
+    """A recurrent-state checkpoint slot holding the state after the first `num_tokens`
+    prompt tokens, whose last full block is named `block_hash`."""
+
+    slot: int
+    block_hash: bytes
+    num_tokens: int
+
+
 class LoadBlocks(Message, frozen=True):
     """Fill these (allocated, pinned) blocks from the disk tier, in chain order, before
-    `request_id` is scheduled."""
+    `request_id` is scheduled; and the (reserved) checkpoint slot `state`, if given."""
 
     request_id: str
     blocks: tuple[BlockRef, ...]
+    state: StateRef | None = None
 
 
 class BlocksLoaded(Message, frozen=True):
     """The first `num_loaded` blocks of a LoadBlocks hold verified data; the rest do not
-    (missing or corrupt: the request recomputes them)."""
+    (missing or corrupt: the request recomputes them). `state_loaded`: the state slot
+    holds its verified checkpoint."""
 
     request_id: str
     blocks: tuple[BlockRef, ...]
     num_loaded: int
+    state: StateRef | None = None
+    state_loaded: bool = False
 
 
 class StoreBlocks(Message, frozen=True):
-    """Write these full, committed (and pinned) blocks to the disk tier."""
+    """Write these full, committed (and pinned) blocks, and these committed (and pinned)
+    state checkpoints, to the disk tier."""
 
     blocks: tuple[BlockRef, ...]
+    states: tuple[StateRef, ...] = ()
 
 
 class BlocksStored(Message, frozen=True):
-    """The pool memory of these blocks has been read (their bytes are on their way to
-    disk, or skipped): they may be unpinned."""
+    """The pool memory of these blocks and checkpoint slots has been read (their bytes are
+    on their way to disk, or skipped): they may be unpinned."""
 
     blocks: tuple[BlockRef, ...]
+    states: tuple[StateRef, ...] = ()
 
 
 # ---- schedule -> output -------------------------------------------------------------

@@ -186,7 +186,7 @@ def _rewrite_header(data: bytes, **changes: int) -> bytes:
     """Change fixed-header fields and recompute the header crc, as a buggy writer would."""
     fields = list(FIXED_HEADER.unpack_from(data))
     names = ["magic", "version", "codec", "element_size", "ndim", "dtype_len", "key_len",
-             "reserved", "token_count", "raw_length", "body_length", "checksum", "body_crc"]  # fmt: skip
+             "kind", "token_count", "raw_length", "body_length", "checksum", "body_crc"]  # fmt: skip
     for name, value in changes.items():
         fields[names.index(name)] = value
     header = parse_header(data)

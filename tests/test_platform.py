@@ -106,3 +106,30 @@ def test_kv_budget_that_leaves_nothing_names_the_numbers() -> None:
     message = str(caught.value)
     for number in (16 * GIB, 8 * GIB, 7 * GIB, GIB):
         assert str(number) in message
+
+
+def test_mlx_kernel_cache_defaults_to_the_user_cache_dir(tmp_path):
+    """unikern points MLX's kernel cache (MLX_PTX_CACHE_DIR) under the user's cache dir
+    at import, so a second start finds its compiled GPU kernels; a user's choice stays."""
+    import os
+    import subprocess
+    import sys
+    from importlib import metadata
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MLX_PTX_CACHE_DIR", "XDG_CACHE_HOME")}
+    env["HOME"] = str(tmp_path)
+    show = "import os, unikern; print(os.environ['MLX_PTX_CACHE_DIR'])"
+    out = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, check=True)
+    expected = tmp_path / ".cache" / "unikern" / "mlx-kernels" / metadata.version("mlx")
+    assert out.stdout.strip() == str(expected)
+    env["MLX_PTX_CACHE_DIR"] = str(tmp_path / "mine")
+    out = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(tmp_path / "mine")
+
+
+def test_kernel_cache_follows_xdg_cache_home():
+    from unikern.platform import kernel_cache
+
+    env = {"XDG_CACHE_HOME": "/x/cache", "HOME": "/home/u"}
+    assert kernel_cache.configure(env).startswith("/x/cache/unikern/mlx-kernels/")
+    assert env["MLX_PTX_CACHE_DIR"].startswith("/x/cache/")

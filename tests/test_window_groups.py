@@ -333,7 +333,7 @@ def test_the_tier_planner_moves_both_groups_blocks_of_one_hash():
     books = BlockManager(16, BS, b"ns", reserved_blocks=2)
     wbooks = BlockManager(8, BS, b"ns/w", reserved_blocks=2)
     on_disk: set[bytes] = set()
-    planner = TierPlanner(books, on_disk.__contains__, wbooks)
+    planner = TierPlanner(books, on_disk.__contains__, window_blocks=wbooks)
     tokens = list(range(1, 14))  # 3 full blocks
     hashes = books.prefix_hashes(tokens)
     full = [books.allocate_one() for _ in range(3)]

@@ -202,11 +202,11 @@ def summarize(batches: list[dict]) -> dict:
     }
 
 
-def convert_to_gguf(model: Path, script: Path, out: Path) -> Path:
+def convert_to_gguf(model: Path, script: Path, out: Path, outtype: str = "f32") -> Path:
     if out.exists():
         return out
     done = subprocess.run([sys.executable, "-c", CONVERT, str(script.parent), str(script), str(model), "--outfile",
-                           str(out), "--outtype", "f32"], capture_output=True, text=True)
+                           str(out), "--outtype", outtype], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"GGUF conversion failed:\n{done.stderr[-2000:]}")
     return out

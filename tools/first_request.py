@@ -2,8 +2,11 @@
 and off: seconds to `ready`, then per request the seconds to its first token and to
 `done`. Each variant is a new `python -m unikern worker` process; on CUDA pass
 --fresh-cache so each one starts with an empty MLX kernel cache, as a new machine does.
+--cold-warm instead starts two workers on unikern's default kernel cache (under a fresh
+XDG_CACHE_HOME): the first compiles every kernel, the second finds them (issue 17).
 
     python tools/first_request.py --model llama-80m [--variants auto never] [--json out.json]
+    python tools/first_request.py --model DIR --cold-warm
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from pathlib import Path
 from load import WorkerClient  # tools/ is on sys.path when run as a script
 
 
-def one_worker(model: str, warmup: str, requests: list[dict], fresh_cache: bool) -> dict:
-    env = {"MLX_PTX_CACHE_DIR": tempfile.mkdtemp(prefix="mlx-ptx-")} if fresh_cache else None
+def one_worker(model: str, warmup: str, requests: list[dict], fresh_cache: bool,
+               env: dict[str, str] | None = None) -> dict:
+    if fresh_cache:
+        env = {"MLX_PTX_CACHE_DIR": tempfile.mkdtemp(prefix="mlx-ptx-")}
     client = WorkerClient(model, sets=[f"execute.warmup={warmup}"], env=env)
     try:
         client.wait_ready(timeout=600)
@@ -43,6 +48,8 @@ def main() -> None:
     parser.add_argument("--model", default="llama-5m", help="a modelgen preset or a model directory")
     parser.add_argument("--variants", nargs="+", default=["auto", "never"], help="execute.warmup settings")
     parser.add_argument("--fresh-cache", action="store_true", help="an empty MLX_PTX_CACHE_DIR per worker")
+    parser.add_argument("--cold-warm", action="store_true",
+                        help="two workers on the default kernel cache under a fresh XDG_CACHE_HOME")
     parser.add_argument("--json")
     args = parser.parse_args()
     from unikern.testing.modelgen import cached_model
@@ -53,10 +60,14 @@ def main() -> None:
         {"op": "generate", "id": "r1", "prompt_tokens": list(range(7, 120)), "max_tokens": 16},
         {"op": "generate", "id": "r2", "prompt_tokens": list(range(9, 30)), "max_tokens": 16},
     ]
-    runs = [one_worker(model, v, requests, args.fresh_cache) for v in args.variants]
+    if args.cold_warm:  # MLX_PTX_CACHE_DIR empty: unikern picks its default under XDG_CACHE_HOME
+        env = {"XDG_CACHE_HOME": tempfile.mkdtemp(prefix="xdg-cache-"), "MLX_PTX_CACHE_DIR": ""}
+        runs = [dict(one_worker(model, "auto", requests, False, env), start=start) for start in ("cold", "warm")]
+    else:
+        runs = [one_worker(model, v, requests, args.fresh_cache) for v in args.variants]
     for run in runs:
         reqs = "  ".join(f"{r['id']} first {r['first_token_s']:.2f} s done {r['done_s']:.2f} s" for r in run["requests"])
-        print(f"warmup={run['warmup']:<6} ready {run['ready_s']:6.2f} s  {reqs}  exit {run['exit_code']}")
+        print(f"{run.get('start', '')}{' ' if 'start' in run else ''}warmup={run['warmup']:<6} ready {run['ready_s']:6.2f} s  {reqs}  exit {run['exit_code']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "runs": runs}, indent=1))
 

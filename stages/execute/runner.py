@@ -68,6 +68,7 @@ class ModelRunner:
         compile_decode: bool = False,
         geometry: ModelGeometry | None = None,
         window_pool: KVPool | None = None,
+        states: StatePool | None = None,
     ) -> None:
         """`window_pool`: a mixed model's windowed layers when they keep their own pool and
         tables (SeqWork.window_table); `pool` then holds the full layers alone."""
@@ -82,8 +83,11 @@ class ModelRunner:
                 replace(s, index=kinds[:i].count(s.kind)) if s.kind != "state" else s
                 for i, s in enumerate(geometry.layers)
             )
-        # recurrent layers' slots and checkpoints (ArraysCache models); None: none
-        self.states = StatePool([s.state for s in geometry.layers if s.kind == "state"]) if geometry.has_state else None
+        # recurrent layers' slots and checkpoints (ArraysCache models; the kv service's,
+        # which the offload mover also reaches); None: none
+        if states is None and geometry.has_state:
+            states = StatePool([s.state for s in geometry.layers if s.kind == "state"])
+        self.states = states if geometry.has_state else None
         # right padding would run padded steps through recurrences, which not every
         # mlx-lm family masks (nemotron-h does not): such models batch equal lengths only
         self.padding_limit = 1.0 if self.states is not None else PREFILL_PADDING_LIMIT
@@ -117,11 +121,20 @@ class ModelRunner:
                 caches.append(PagedLayerCache(self.pool, s.index, layout, kernels, s.window))
         return caches
 
-    def _kv_arrays(self) -> list[list[mx.array]]:
-        """Every pool array a step writes: evaluated with the step's results."""
-        if self.window_pool is None:
-            return [self.pool.keys, self.pool.values]
-        return [self.pool.keys, self.pool.values, self.window_pool.keys, self.window_pool.values]
+    def _written(self) -> list:
+        """What a forward writes: the pool (both groups' pools when split) and, in
+        recurrent models, the state slots. Evaluating them all finishes the forward's
+        reads of the pool too: a recurrent layer after the last attention layer
+        (nemotron-h's M*M-) holds the attention's read of the pool in its state's pending
+        graph, which evaluating the pool alone leaves pending; the next write into a pool
+        array with a read pending is not done in place: MLX copies the whole array (on
+        cpu, the whole budget, committed)."""
+        written: list = [self.pool.keys, self.pool.values]
+        if self.window_pool is not None:
+            written += [self.window_pool.keys, self.window_pool.values]
+        if self.states is not None:
+            written.append(self.states.arrays)
+        return written
 
     def _logits(
         self, rows: list[tuple[tuple[int, ...], int, int]], tokens: list[list[int]], slots: list[int] | None = None,
@@ -193,7 +206,7 @@ class ModelRunner:
             if group is not groups[-1]:
                 # the next group writes the pool: this one's reads must be done first, or MLX
                 # copies every layer's whole array to keep them for it (the budget, on cpu)
-                mx.eval(logits, *self._kv_arrays())
+                mx.eval(logits, *self._written())
             if all(w.sample for w in group):
                 logits_rows.append(logits)
                 order.extend(group)
@@ -202,8 +215,8 @@ class ModelRunner:
                     if w.sample:
                         logits_rows.append(logits[i : i + 1])
                         order.append(w)
-        if not order:
-            mx.eval(*self._kv_arrays())
+        if not order:  # the state slots are this forward's only output: they read the pool
+            mx.eval(*self._written())
             return m.StepDone(step.step_id, {})
         stacked = logits_rows[0] if len(logits_rows) == 1 else mx.concatenate(logits_rows)
         return self._sample(step.step_id, order, stacked, seeds)
@@ -233,7 +246,7 @@ class ModelRunner:
         reported = batch.logprobs(logits, tokens) or ()
         guarded = [i for i, w in enumerate(order) if w.processors or w.grammar is not None]
         usable = row_is_usable(logits, guarded) if guarded else mx.array([])
-        mx.eval(tokens, usable, *reported, *self._kv_arrays())
+        mx.eval(tokens, usable, *reported, *self._written())
         for i, ok in zip(guarded, usable.tolist(), strict=True):
             if not ok:
                 failed.setdefault(order[i].request_id, "no token is possible: the logits processors or "
@@ -298,7 +311,7 @@ class ModelRunner:
             mx.async_eval(inputs)
             sampled.append(inputs)
         columns = mx.stack(sampled, axis=1)  # one sync for the window's tokens and writes
-        mx.eval(columns, *(a for r in reported for a in r), *self._kv_arrays())
+        mx.eval(columns, *(a for r in reported for a in r), *self._written())
         tokens = {w.request_id: row for row, w in zip(columns.tolist(), work, strict=True)}
         reports = batch.logprob_reports([[a.tolist() for a in r] for r in reported]) if reported else []
         logprobs = {work[i].request_id: r for i, r in zip(batch.logprob_rows, reports, strict=True)}

@@ -12,6 +12,7 @@ from unikern.platform import current_platform, shared_bridge
 from unikern.platform.pinning import WeightWiring
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
 from unikern.stages.execute.model import load_model
+from unikern.stages.execute.quantized import AUTO_ROWS, route_quantized_layers
 from unikern.stages.execute.runner import ModelRunner, warm_up
 from unikern.stages.execute.thread import ModelThread
 from unikern.stages.models import DEFAULT_MODEL
@@ -37,6 +38,16 @@ class MLXExecuteParams(StageParams, frozen=True):
     # GPU kernels are built at start, not in the first requests (runner.warm_up);
     # "auto": on a GPU backend only
     warmup: Literal["auto", "always", "never"] = "auto"
+    # quantized weights: steps of at least this many rows dequantize each layer's weights
+    # and run a plain matmul, since MLX's CPU and CUDA quantized kernels cost a row's time
+    # per row (quantized.AUTO_ROWS); "auto": 8 on CPU and CUDA, off on Metal
+    dequantize_rows: int | Literal["auto", "never"] = "auto"
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        if isinstance(self.dequantize_rows, int) and self.dequantize_rows < 1:
+            problems.append(f"dequantize_rows: must be >= 1, \"auto\" or \"never\", got {self.dequantize_rows}")
+        return problems
 
 
 class MLXExecuteStage(StageBase):
@@ -54,7 +65,12 @@ class MLXExecuteStage(StageBase):
             loaded.thread = thread
             self.loaded = loaded
             self.wired = await thread.run(wiring.wire, loaded.weights, self.params.wire_weights)
-            on_cpu = current_platform().backend == "cpu"
+            backend = current_platform().backend
+            on_cpu = backend == "cpu"
+            rows = self.params.dequantize_rows
+            rows = AUTO_ROWS.get(backend) if rows == "auto" else None if rows == "never" else rows
+            self.quantized = {"dequantize_rows": rows,
+                              "routed_layers": await thread.run(route_quantized_layers, loaded.model, rows)}
             kernels = self.params.cpu_kernels and on_cpu
             compile_decode = _switch(self.params.compile_decode, auto=not on_cpu)
             if _switch(self.params.warmup, auto=not on_cpu):
@@ -67,7 +83,7 @@ class MLXExecuteStage(StageBase):
             kv = ctx.resource("kv")
             runner = await thread.run(
                 ModelRunner, loaded.model, kv.pool, shared_bridge(), kernels, compile_decode, loaded.geometry,
-                kv.window_pool,
+                kv.window_pool, kv.states,
             )
             self.runner = runner
             salt = self.params.seed
@@ -94,7 +110,8 @@ class MLXExecuteStage(StageBase):
         runner = getattr(self, "runner", None)
         compiled = runner.compiled if runner else None
         return {
-            "model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes},
+            "model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes,
+                      "quantized": getattr(self, "quantized", {"dequantize_rows": None, "routed_layers": 0})},
             "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
             "kernels": runner.kernels if runner else {"enabled": False, "reason": "no step run yet"},
             "compiled_decode": {

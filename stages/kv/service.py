@@ -14,6 +14,7 @@ from unikern.stage import ServiceBase, StageContext, StageParams
 from unikern.stages.kv.blocks import BlockManager
 from unikern.stages.kv.groups import GroupPlan, plan_groups
 from unikern.stages.kv.pool import KVPool
+from unikern.stages.kv.state_pool import StatePool
 
 MiB = 1 << 20
 RESERVED_BLOCKS = 2  # block 0: always zero (padded reads); block 1: scratch (padded writes)
@@ -116,12 +117,16 @@ class IdleTrim:
 
 @dataclass
 class KVResource:
-    """The `kv` resource: the pool (bytes) and the books (block manager)."""
+    """The `kv` resource: the pool (bytes) and the books (block manager); for recurrent
+    models also the state pool (request and checkpoint slots), which the execute stage
+    runs on and the offload mover copies checkpoints out of and into."""
 
     pool: KVPool
     blocks: BlockManager
     budget_bytes: int
     state_checkpoints: int | None = None  # kv_manager's param, for the scheduler's state books
+    # recurrent layers' slots and checkpoints (the runner's and the offload mover's); None: none
+    states: StatePool | None = None
     # a mixed model's windowed layers, when they keep tables of their own (kv.groups)
     window_pool: KVPool | None = None
     window_blocks: BlockManager | None = None
@@ -179,7 +184,8 @@ class KVManagerStage(ServiceBase):
             num_blocks, p.block_size, namespace, reserved_blocks=RESERVED_BLOCKS, host_blocks=host_blocks
         )
         budget_used = num_blocks * bytes_per_block
-        self.kv = KVResource(pool, books, budget_used, p.state_checkpoints)
+        states = StatePool([s.state for s in geometry.layers if s.kind == "state"]) if geometry.has_state else None
+        self.kv = KVResource(pool, books, budget_used, p.state_checkpoints, states)
         self.plan = plan
         if plan.window is not None:  # the window group: its own pool and id space
             self.kv.window_pool = await loaded.thread.run(

@@ -19,9 +19,10 @@ ZERO_SLOT = 0
 class StateBooks:
     """Request slots 1..max_seqs; checkpoint slots above them, evicted LRU once unpinned.
 
-    The plain bookkeeping the scheduler owns (`StatePool` holds the arrays, owned by the
-    execute stage). A request slot is zeroed on admission; a checkpoint slot holds the
-    state at a logical-block boundary of a prompt, keyed by that block's chained hash."""
+    The plain bookkeeping the scheduler owns (`StatePool` holds the arrays, lent by the KV
+    service). A request slot is zeroed on admission; a checkpoint slot holds the state at a
+    logical-block boundary of a prompt, keyed by that block's chained hash. A checkpoint
+    evicted here may still be on the disk tier (the tier planner looks there)."""
 
     def __init__(self, max_seqs: int, num_checkpoints: int) -> None:
         self.max_seqs = max_seqs
@@ -36,6 +37,10 @@ class StateBooks:
         self.saved = 0
         self.restored = 0
         self.evicted = 0
+        self.loaded = 0  # from a lower tier
+        # (slot, hash, tokens) of every commit, while a consumer (the tier planner) tracks
+        # them to store them; None: not recorded
+        self._committed: list[tuple[int, bytes, int]] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -61,11 +66,17 @@ class StateBooks:
         return 0
 
     def pin(self, block_hash: bytes) -> int:
+        """Pin the checkpoint a request restores from (counted as restored)."""
         slot = self.by_hash[block_hash]
-        self.pins[slot] = self.pins.get(slot, 0) + 1
-        self._lru.pop(slot, None)
+        self.hold(slot)
         self.restored += 1
         return slot
+
+    def hold(self, slot: int) -> None:
+        """One more pin on a committed checkpoint (being stored, or loaded for a request
+        not admitted yet): it is not evicted until `unpin`."""
+        self.pins[slot] = self.pins.get(slot, 0) + 1
+        self._lru.pop(slot, None)
 
     def unpin(self, slot: int) -> None:
         self.pins[slot] -= 1
@@ -90,15 +101,31 @@ class StateBooks:
         self.pins[slot] = 1
         return slot
 
-    def commit(self, slot: int, block_hash: bytes) -> None:
-        """The state written into `slot` is the state after the block named `block_hash`."""
+    def commit(self, slot: int, block_hash: bytes, num_tokens: int = 0, loaded: bool = False) -> None:
+        """The state written into `slot` is the state after the block named `block_hash`
+        (the first `num_tokens` tokens); `loaded`: it came from a lower tier."""
         if block_hash in self.by_hash:  # another request saved it first
             self.drop(slot)
             return
         self.by_hash[block_hash] = slot
         self.hash_of[slot] = block_hash
-        self.saved += 1
+        if loaded:
+            self.loaded += 1
+        else:
+            self.saved += 1
+        if self._committed is not None:
+            self._committed.append((slot, block_hash, num_tokens))
         self.unpin(slot)
+
+    def track_commits(self) -> None:
+        """Start recording commits for `drain_commits`."""
+        if self._committed is None:
+            self._committed = []
+
+    def drain_commits(self) -> list[tuple[int, bytes, int]]:
+        """(slot, hash, tokens) of the checkpoints committed since the last drain."""
+        drained, self._committed = self._committed or [], [] if self._committed is not None else None
+        return drained
 
     def drop(self, slot: int) -> None:
         del self.pins[slot]
@@ -109,7 +136,7 @@ class StateBooks:
                 "checkpoint_slots": self.num_checkpoints,
                 "checkpoint_slots_in_use": self.num_checkpoints - len(self._free_checkpoints),
                 "checkpoints": len(self.by_hash), "saved": self.saved, "restored": self.restored,
-                "evicted": self.evicted}
+                "evicted": self.evicted, "loaded": self.loaded}
 
 
 class StatePool:

@@ -25,6 +25,9 @@ class StateTracker:
         self.books = StateBooks(max_num_seqs, num_checkpoints or max(64, 2 * max_num_seqs))
         self.admitted: dict[str, _Admitted] = {}
         self.pending: list[tuple[str, int, int, bytes]] = []  # (request, position, slot, hash)
+        # the checkpoint a held request (its prefix loading from a lower tier) will restore
+        # from: pinned until it is admitted or dropped
+        self.held: dict[str, int] = {}
 
     def limit_cached(self, tokens: list[int], max_cached_tokens: int) -> int:
         """How many prompt tokens a prefix hit may cover: whole blocks up to the last
@@ -41,6 +44,20 @@ class StateTracker:
         hashes = self.blocks.prefix_hashes(seq.tokens[: seq.num_prompt_tokens])
         source = self.books.pin(hashes[cached_tokens // bs - 1]) if cached_tokens else ZERO_SLOT
         self.admitted[seq.request_id] = _Admitted(self.books.take_request_slot(), cached_tokens, source, hashes)
+        self.drop_hold(seq.request_id)  # its own pin (source) keeps what it restores
+
+    def hold(self, request_id: str, block_hash: bytes) -> None:
+        """Keep the checkpoint after `block_hash` (loaded for this waiting request, or in
+        memory while its blocks load) from eviction until it is admitted or dropped."""
+        self.drop_hold(request_id)
+        slot = self.books.by_hash[block_hash]
+        self.books.hold(slot)
+        self.held[request_id] = slot
+
+    def drop_hold(self, request_id: str) -> None:
+        slot = self.held.pop(request_id, None)
+        if slot is not None:
+            self.books.unpin(slot)
 
     def fields(self, seq: Any, start: int, num_tokens: int) -> dict[str, Any]:
         """The SeqWork fields of a chunk [start, start + num_tokens)."""
@@ -67,7 +84,7 @@ class StateTracker:
         for request_id, boundary, slot, block_hash in self.pending:
             seq = by_id.get(request_id)
             if seq is not None and request_id in self.admitted and seq.num_computed >= boundary:
-                self.books.commit(slot, block_hash)
+                self.books.commit(slot, block_hash, boundary)
             else:
                 self.books.drop(slot)
         self.pending = []

@@ -1,6 +1,7 @@
 """schedule_tiered: the step loop of `schedule`, plus the schedule side of tiering: a request
-whose prefix continues on disk is held until the offload mover has loaded those blocks into
-the pool, and blocks committed by a step are sent to be stored."""
+whose prefix continues on disk is held until the offload mover has loaded those blocks (and,
+for recurrent models, the state checkpoint at their end) into the pools, and blocks and
+checkpoints committed by a step are sent to be stored."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ class TieredScheduleStage(ScheduleStage):
 
     def setup(self, ctx: StageContext) -> None:
         disk = ctx.resource("disk")
-        self.planner = TierPlanner(self.scheduler.blocks, disk.contains, ctx.resource("kv").window_blocks)
+        self.planner = TierPlanner(
+            self.scheduler.blocks, disk.contains, self.scheduler.states, disk.contains_state,
+            ctx.resource("kv").window_blocks,
+        )
 
     async def on_tokenized(self, ctx: StageContext, request: m.Tokenized) -> bool:
         if not await super().on_tokenized(ctx, request):
@@ -40,11 +44,18 @@ class TieredScheduleStage(ScheduleStage):
                 for request_id, pins in self.planner.loaded(message):
                     if not self.scheduler.release(request_id, pins):
                         self.scheduler.blocks.free(pins)
+                        self.planner.cancel(request_id)  # a checkpoint it held
             case m.BlocksStored():
                 self.planner.stored(message)
             case m.Abort(request_id=rid):
                 self.planner.cancel(rid)
                 output = await super().handle(ctx, message)
+            case m.StepDone():
+                output = await super().handle(ctx, message)
+                if self.scheduler.states is not None:
+                    # commit the checkpoints this step reached now (planning the next step
+                    # would), so they go to be stored before that step runs
+                    self.scheduler.states.flush(self.scheduler.by_id)
             case _:
                 output = await super().handle(ctx, message)
         store = self.planner.plan_store()
@@ -63,5 +74,9 @@ class TieredScheduleStage(ScheduleStage):
                 "loads_done": s.loads_done,
                 "load_failures": s.load_failures,
                 "stores_requested": s.stores_requested,
+                "state_loads_requested": s.state_loads_requested,
+                "state_loads_done": s.state_loads_done,
+                "state_load_failures": s.state_load_failures,
+                "state_stores_requested": s.state_stores_requested,
             }
         return stats

@@ -1,6 +1,6 @@
-"""offload_mover: moves logical KV blocks between the pool and the disk tier, touching the
-pool only on the model thread between steps and running compression, checksums and file
-I/O on worker threads, so a step never waits for zstd."""
+"""offload_mover: moves logical KV blocks (and recurrent-state checkpoints) between the pools
+and the disk tier, touching the pools only on the model thread between steps and running
+compression, checksums and file I/O on worker threads, so a step never waits for zstd."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from unikern.platform import shared_bridge
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
 from unikern.stages.tiers.block_io import BlockLayout, copy_in, copy_out, tier_pools
 from unikern.stages.tiers.queue import Job, OffloadQueue
+from unikern.stages.tiers.state_io import StateLayout, copy_state_in, copy_state_out
 
 log = structlog.get_logger("unikern")
 
@@ -50,7 +51,10 @@ class MoverStats:
         self.bytes_read = 0  # raw (uncompressed) bytes
         self.bytes_written = 0
         self.shutdown_flushed_blocks = 0  # written after shutdown began
-        self.shutdown_dropped_blocks = 0  # queued or under way at shutdown, never written
+        self.shutdown_dropped_blocks = 0  # queued or under way at shutdown, never written (states too)
+        self.states_loaded = 0  # recurrent-state checkpoints, verified and in their slots
+        self.state_load_misses = 0
+        self.states_stored = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -66,7 +70,8 @@ class OffloadMoverStage(StageBase):
     out; then BlocksStored unpins them and the copy goes to disk. At shutdown, stores under
     way are finished (for up to `drain_timeout_s` from then) and stores still queued are
     dropped; both are counted (`offload.shutdown_flushed_blocks`, `..._dropped_blocks`) and
-    logged (`offload.shutdown`)."""
+    logged (`offload.shutdown`). State checkpoints (recurrent models) ride along: a load
+    may fill one checkpoint slot, a store may write checkpoints, with the same pins."""
 
     Params = OffloadParams
     consumes = (m.LoadBlocks, m.StoreBlocks)
@@ -74,7 +79,10 @@ class OffloadMoverStage(StageBase):
     requires = ("kv", "model", "disk")
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
-        self.pool = tier_pools(ctx.resource("kv"))
+        kv = ctx.resource("kv")
+        self.pool = tier_pools(kv)  # both groups' pools when split, as one
+        self.states = kv.states
+        self.state_layout = StateLayout.of(kv.states) if kv.states is not None else None
         self.thread = ctx.resource("model").thread
         self.disk = ctx.resource("disk")
         self.layout = BlockLayout.of(self.pool)
@@ -144,13 +152,15 @@ class OffloadMoverStage(StageBase):
             self.queue.done(job)
             self._wake.set()
 
-    async def _on_model_thread(self, fn, block_ids: list[int], buffers: list[np.ndarray]) -> bool:
-        """Run a pool copy in pieces of max_blocks_per_call blocks; False if it failed."""
+    async def _on_model_thread(self, fn, block_ids: list[int], buffers: list[np.ndarray], target=None) -> bool:
+        """Run a copy of the pool (or `target`, the state pool) in pieces of
+        max_blocks_per_call blocks; False if it failed."""
         step = self.params.max_blocks_per_call
+        target = self.pool if target is None else target
 
         def timed(ids: list[int], bufs: list[np.ndarray]) -> float:
             start = time.perf_counter()
-            fn(self.pool, self.bridge, ids, bufs)
+            fn(target, self.bridge, ids, bufs)
             return time.perf_counter() - start
 
         try:
@@ -166,33 +176,44 @@ class OffloadMoverStage(StageBase):
 
     async def _load(self, ctx: StageContext, job: Job) -> None:
         buffers = [self.layout.new_buffer() for _ in job.blocks]
+        state = job.states[0] if job.states else None
+        state_buffer = self.state_layout.new_buffer() if state is not None else None
 
-        def read_chain() -> int:
+        def read_all() -> tuple[int, bool]:
+            num_loaded = len(buffers)
             for i, (ref, buffer) in enumerate(zip(job.blocks, buffers, strict=True)):
                 if not self.disk.read(ref.block_hash, buffer):
-                    return i  # the chain breaks here: later blocks are useless
-            return len(buffers)
+                    num_loaded = i  # the chain breaks here: later blocks are useless
+                    break
+            state_ok = state is not None and self.disk.read_state(state.block_hash, state_buffer, state.num_tokens)
+            return num_loaded, state_ok
 
         start = time.perf_counter()
         try:
-            num_loaded = await anyio.to_thread.run_sync(read_chain)
+            num_loaded, state_loaded = await anyio.to_thread.run_sync(read_all)
         except Exception as exc:  # never fail the request: it recomputes instead
             log.warning("offload.load_failed", error=repr(exc))
-            num_loaded = 0
+            num_loaded, state_loaded = 0, False
         self.mover.read_seconds += time.perf_counter() - start
-        self.mover.bytes_read += num_loaded * self.layout.nbytes
+        self.mover.bytes_read += num_loaded * self.layout.nbytes + (self.state_layout.nbytes if state_loaded else 0)
         block_ids = [_ids(ref) for ref in job.blocks[:num_loaded]]
         if num_loaded and not await self._on_model_thread(copy_in, block_ids, buffers[:num_loaded]):
             num_loaded = 0
+        if state_loaded and not await self._on_model_thread(copy_state_in, [state.slot], [state_buffer], self.states):
+            state_loaded = False
         self.mover.blocks_loaded += num_loaded
         self.mover.load_misses += len(job.blocks) - num_loaded
-        await ctx.send(m.BlocksLoaded(job.request_id, job.blocks, num_loaded))
+        self.mover.states_loaded += state_loaded
+        self.mover.state_load_misses += state is not None and not state_loaded
+        await ctx.send(m.BlocksLoaded(job.request_id, job.blocks, num_loaded, state, state_loaded))
 
     async def _store(self, ctx: StageContext, job: Job) -> None:
         buffers = [self.layout.new_buffer() for _ in job.blocks]
+        state_buffers = [self.state_layout.new_buffer() for _ in job.states]
         # promised before the copy, so the disk tier keeps its directory lock until the
         # writes land (or are given up), even if it closes first
-        pending = list(zip(job.blocks, buffers, strict=True)) if self.disk.queue_writes(len(job.blocks)) else []
+        records = [*zip(job.blocks, buffers, strict=True), *zip(job.states, state_buffers, strict=True)]
+        pending = records if self.disk.queue_writes(len(records)) else []
         # shielded: the pins must come back, and stores under way should reach the disk
         # even when the engine is closing (for drain_timeout_s from then: _begin_shutdown)
         scope = anyio.CancelScope(shield=True, deadline=self._drain_deadline)
@@ -200,18 +221,28 @@ class OffloadMoverStage(StageBase):
         attempted = 0  # blocks whose write was tried (it may still have failed: a miss later)
         try:
             with scope:
-                copied = await self._on_model_thread(copy_out, [_ids(r) for r in job.blocks], buffers)
+                copied = not job.blocks or await self._on_model_thread(
+                    copy_out, [_ids(r) for r in job.blocks], buffers
+                )
+                if job.states:
+                    slots = [r.slot for r in job.states]
+                    copied = await self._on_model_thread(copy_state_out, slots, state_buffers, self.states) and copied
+                stored = m.BlocksStored(job.blocks, job.states)
                 try:
-                    ctx.send_nowait(m.BlocksStored(job.blocks))
+                    ctx.send_nowait(stored)
                 except anyio.WouldBlock:  # unshielded: at shutdown nobody waits for the pins
-                    self._tg.start_soon(ctx.send, m.BlocksStored(job.blocks))
+                    self._tg.start_soon(ctx.send, stored)
                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                     pass  # shutting down: nobody holds the pins any more
                 while copied and pending:
                     ref, buffer = pending[0]
                     start = time.perf_counter()
                     try:
-                        written = await anyio.to_thread.run_sync(self.disk.write, ref.block_hash, buffer)
+                        if isinstance(ref, m.StateRef):
+                            args = (self.disk.write_state, ref.block_hash, buffer, ref.num_tokens)
+                        else:
+                            args = (self.disk.write, ref.block_hash, buffer)
+                        written = await anyio.to_thread.run_sync(*args)
                     except Exception as exc:  # a lost store is only a future miss
                         log.warning("offload.store_failed", error=repr(exc))
                         written = False
@@ -220,14 +251,15 @@ class OffloadMoverStage(StageBase):
                     attempted += 1
                     self.disk.drop_writes(1)
                     if written:
-                        self.mover.blocks_stored += 1
+                        self.mover.states_stored += isinstance(ref, m.StateRef)
+                        self.mover.blocks_stored += not isinstance(ref, m.StateRef)
                         self.mover.bytes_written += buffer.nbytes
                         self.mover.shutdown_flushed_blocks += self.shutting_down
         finally:
             self._stores_under_way.discard(scope)
             self.disk.drop_writes(len(pending))
             if self.shutting_down or self.disk.closed:  # refused, not copied, or out of time
-                self.mover.shutdown_dropped_blocks += len(job.blocks) - attempted
+                self.mover.shutdown_dropped_blocks += job.size - attempted
 
     def stats(self) -> dict[str, Any]:
         queue = getattr(self, "queue", None)

@@ -1,6 +1,6 @@
-"""The on-disk format of one KV block: a checked header, then byte-shuffled zstd, so that
-KV compresses better than with plain zstd and a damaged or renamed file is always
-detected. Nothing is trusted before it is checked."""
+"""The on-disk format of one record (a KV block, or a recurrent-state checkpoint): a checked
+header, then byte-shuffled zstd, so that KV compresses better than with plain zstd and a
+damaged or renamed file is always detected. Nothing is trusted before it is checked."""
 
 from __future__ import annotations
 
@@ -19,13 +19,14 @@ from unikern.errors import UnikernError
 
 # Layout (little-endian):
 #     fixed   "<4sBBBBBBHIQQ16sI" magic b"UKKV", version, codec, element size, ndim,
-#                                 dtype name length, key length, reserved (0),
+#                                 dtype name length, key length, record kind,
 #                                 token count, raw length, body length,
 #                                 blake2b-128 of the raw (unshuffled) payload,
 #                                 crc32 of the body (a flip zstd would not notice)
 #     dtype   ascii name           e.g. b"bfloat16"
 #     shape   ndim x uint64
-#     key     key length bytes     the block's hash: a renamed file is detected
+#     key     key length bytes     the record's key: a renamed file is detected
+# The record kind (`RecordKind`) was a reserved 0 before state checkpoints: 0 is a KV block.
 #     crc32   uint32               over everything above
 #     body    body length bytes    zstd frame of the byte planes, or the raw bytes
 MAGIC = b"UKKV"
@@ -61,6 +62,13 @@ class Codec(IntEnum):
     ZSTD_SHUFFLE = 1
 
 
+class RecordKind(IntEnum):
+    """What a file holds; a reader names the kind it expects, so one is never read as the other."""
+
+    KV_BLOCK = 0  # keys and values of one logical block
+    STATE = 1  # recurrent-layer state after a logical block boundary (a state checkpoint)
+
+
 class CorruptBlockError(UnikernError):
     """A block file failed a check: bad magic, version, length, key or checksum. Every
     failure to decode a file raises this, naming what was wrong."""
@@ -84,6 +92,7 @@ class BlockHeader:
     body_crc: int
     key: bytes
     header_length: int
+    kind: RecordKind = RecordKind.KV_BLOCK
 
     @property
     def file_length(self) -> int:
@@ -165,8 +174,10 @@ def encode_block(
     token_count: int,
     level: int = 3,
     codec: Codec | None = None,
+    kind: RecordKind = RecordKind.KV_BLOCK,
 ) -> bytes:
-    """One block file's bytes. `codec=None` picks zstd+shuffle unless it saves too little."""
+    """One record file's bytes. `codec=None` picks zstd+shuffle unless it saves too little.
+    `token_count`: tokens the record covers (a state checkpoint: the prefix it follows)."""
     element_size = DTYPE_SIZES.get(dtype)
     if element_size is None:
         raise BlockFormatError(f"unknown dtype {dtype!r}; valid: {sorted(DTYPE_SIZES)}")
@@ -177,6 +188,8 @@ def encode_block(
         raise BlockFormatError(f"bad shape {shape}")
     if not 0 <= token_count < 2**32:
         raise BlockFormatError(f"token_count {token_count} out of range")
+    if kind not in RecordKind.__members__.values():
+        raise BlockFormatError(f"unknown record kind {kind!r}; valid: {[k.name for k in RecordKind]}")
     raw = as_byte_view(payload)
     expected_length = element_size * math.prod(shape)
     if raw.nbytes != expected_length:
@@ -203,7 +216,7 @@ def encode_block(
                 len(shape),
                 len(dtype_name),
                 len(key),
-                0,
+                RecordKind(kind),
                 token_count,
                 raw.nbytes,
                 len(body),
@@ -233,7 +246,7 @@ def parse_header(data: bytes | memoryview) -> BlockHeader:
         ndim,
         dtype_length,
         key_length,
-        reserved,
+        kind_id,
         token_count,
         raw_length,
         body_length,
@@ -255,8 +268,12 @@ def parse_header(data: bytes | memoryview) -> BlockHeader:
         raise CorruptBlockError("header checksum mismatch")
 
     # The crc matched, so what follows is what the writer wrote; these guard against bad writers.
-    if reserved != 0:
-        raise CorruptBlockError(f"reserved field is {reserved}, expected 0")
+    try:
+        kind = RecordKind(kind_id)
+    except ValueError:
+        raise CorruptBlockError(
+            f"unknown record kind {kind_id}; known: {[(k.value, k.name) for k in RecordKind]}"
+        ) from None
     try:
         codec = Codec(codec_id)
     except ValueError:
@@ -290,16 +307,25 @@ def parse_header(data: bytes | memoryview) -> BlockHeader:
         body_crc,
         key,
         header_length,
+        kind,
     )
 
 
 def decode_block(
-    data: bytes | memoryview, *, expected_key: bytes, out: np.ndarray | None = None
+    data: bytes | memoryview,
+    *,
+    expected_key: bytes,
+    out: np.ndarray | None = None,
+    expected_kind: RecordKind = RecordKind.KV_BLOCK,
 ) -> DecodedBlock:
-    """Check and decode a block file. With `out` (a writable uint8 array of the raw length)
+    """Check and decode a record file. With `out` (a writable uint8 array of the raw length)
     the payload lands there directly; if a check then fails, `out` holds garbage.
     Without `out`, a raw-codec payload is a read-only view of `data`."""
     header = parse_header(data)
+    if header.kind != expected_kind:
+        raise CorruptBlockError(
+            f"record kind mismatch: file holds {header.kind.name}, expected {RecordKind(expected_kind).name}"
+        )
     if header.key != expected_key:
         raise CorruptBlockError(
             f"key mismatch: file holds {header.key.hex()}, expected {bytes(expected_key).hex()}"

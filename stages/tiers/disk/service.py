@@ -1,6 +1,7 @@
 """disk_tier: the compressed disk tier of the KV cache, lent to the offload mover, so that
-cached prefixes survive restarts. One checked, byte-shuffled zstd file per logical block
-(`disk_format`), kept by a `DiskStore`; a bad file is a miss, never an error."""
+cached prefixes survive restarts. One checked, byte-shuffled zstd file per logical block,
+and per recurrent-state checkpoint (`disk_format`), kept by a `DiskStore`; a bad file is
+a miss, never an error."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import structlog
 from unikern.errors import ConfigError
 from unikern.stage import ServiceBase, StageContext, StageParams
 from unikern.stages.tiers.block_io import LAYOUT, BlockLayout, tier_pools
-from unikern.stages.tiers.disk.format import BlockFormatError
+from unikern.stages.tiers.disk.format import BlockFormatError, RecordKind
 from unikern.stages.tiers.disk.lock import DirectoryLock
 from unikern.stages.tiers.disk.store import DiskStore, make_namespace
+from unikern.stages.tiers.state_io import StateLayout
 
 log = structlog.get_logger("unikern")
 
@@ -59,12 +61,20 @@ def weights_fingerprint(model_path: str | Path) -> str:
 
 
 class DiskTier:
-    """The `disk` resource: block payloads in and out of a DiskStore, thread-safe.
-    OS errors are counted and turned into misses or skipped writes."""
+    """The `disk` resource: block payloads (and, for recurrent models, state checkpoints:
+    `state_layout`) in and out of a DiskStore, thread-safe. OS errors are counted and
+    turned into misses or skipped writes."""
 
-    def __init__(self, store: DiskStore, layout: BlockLayout, lock: DirectoryLock | None = None) -> None:
+    def __init__(
+        self,
+        store: DiskStore,
+        layout: BlockLayout,
+        lock: DirectoryLock | None = None,
+        state_layout: StateLayout | None = None,
+    ) -> None:
         self.store = store
         self.layout = layout
+        self.state_layout = state_layout
         self.lock = lock
         self.io_errors = 0
         self.shape_mismatches = 0
@@ -97,36 +107,61 @@ class DiskTier:
         return self.store.contains(block_hash)
 
     def write(self, block_hash: bytes, payload: np.ndarray) -> bool:
-        try:
-            return self.store.put(
-                block_hash,
-                payload,
-                dtype=self.layout.dtype,
-                shape=self.layout.shape,
-                token_count=self.layout.block_size,
+        layout = self.layout
+        return self._put(block_hash, payload, layout.dtype, layout.shape, layout.block_size, RecordKind.KV_BLOCK)
+
+    def read(self, block_hash: bytes, out: np.ndarray) -> bool:
+        """Decode a block straight into `out` (garbage there on a miss)."""
+        layout = self.layout
+        return self._get(block_hash, out, layout.dtype, layout.shape, layout.block_size, RecordKind.KV_BLOCK)
+
+    # ---- state checkpoints (recurrent models): the state after a block, keyed by its hash
+
+    def contains_state(self, block_hash: bytes) -> bool:
+        return self.state_layout is not None and self.store.contains(self.state_layout.key(block_hash))
+
+    def write_state(self, block_hash: bytes, payload: np.ndarray, num_tokens: int) -> bool:
+        """Store the state after the prompt prefix of `num_tokens` tokens ending with `block_hash`."""
+        layout = self._state_layout()
+        return self._put(layout.key(block_hash), payload, layout.dtype, layout.shape, num_tokens, RecordKind.STATE)
+
+    def read_state(self, block_hash: bytes, out: np.ndarray, num_tokens: int) -> bool:
+        """Decode the checkpoint after `block_hash` straight into `out` (garbage on a miss)."""
+        layout = self._state_layout()
+        return self._get(layout.key(block_hash), out, layout.dtype, layout.shape, num_tokens, RecordKind.STATE)
+
+    def _state_layout(self) -> StateLayout:
+        if self.state_layout is None:
+            raise BlockFormatError(
+                "disk tier: a state checkpoint was asked of a model without recurrent layers "
+                "(its DiskTier has no state_layout); only recurrent models store states"
             )
+        return self.state_layout
+
+    def _put(self, key: bytes, payload: np.ndarray, dtype: str, shape: tuple, tokens: int, kind: RecordKind) -> bool:
+        try:
+            return self.store.put(key, payload, dtype=dtype, shape=shape, token_count=tokens, kind=kind)
         except OSError as exc:
             self.io_errors += 1
             log.warning("disk.write_failed", error=str(exc), errno=errno.errorcode.get(exc.errno or 0))
             return False
 
-    def read(self, block_hash: bytes, out: np.ndarray) -> bool:
-        """Decode a block straight into `out` (garbage there on a miss)."""
+    def _get(self, key: bytes, out: np.ndarray, dtype: str, shape: tuple, tokens: int, kind: RecordKind) -> bool:
         try:
-            block = self.store.get(block_hash, out=out)
+            record = self.store.get(key, out=out, kind=kind)
         except OSError as exc:
             self.io_errors += 1
             log.warning("disk.read_failed", error=str(exc))
             return False
         except BlockFormatError:  # a checked file whose size is not this layout's
             self.shape_mismatches += 1
-            self.store.delete(block_hash)
+            self.store.delete(key)
             return False
-        if block is None:
+        if record is None:
             return False
-        if block.dtype != self.layout.dtype or tuple(block.shape) != self.layout.shape:
+        if record.dtype != dtype or tuple(record.shape) != shape or record.token_count != tokens:
             self.shape_mismatches += 1  # a checked file of another layout: never use it
-            self.store.delete(block_hash)
+            self.store.delete(key)
             return False
         return True
 
@@ -142,7 +177,9 @@ class DiskTier:
         return s
 
 
-def open_disk_tier(params: DiskTierParams, model_id: str, layout: BlockLayout) -> DiskTier:
+def open_disk_tier(
+    params: DiskTierParams, model_id: str, layout: BlockLayout, state_layout: StateLayout | None = None
+) -> DiskTier:
     """Lock, then open (creating it if missing) the store for this model and layout: the
     lock comes first, as opening sweeps half-written files. Blocking.
 
@@ -167,7 +204,7 @@ def open_disk_tier(params: DiskTierParams, model_id: str, layout: BlockLayout) -
     except BaseException:
         lock.release()
         raise
-    return DiskTier(store, layout, lock)
+    return DiskTier(store, layout, lock, state_layout)
 
 
 class DiskTierStage(ServiceBase):
@@ -179,9 +216,10 @@ class DiskTierStage(ServiceBase):
         loaded = ctx.resource("model")
         kv = ctx.resource("kv")
         layout = BlockLayout.of(tier_pools(kv))  # both layer groups' pools, if split
+        state_layout = StateLayout.of(kv.states) if kv.states is not None else None
         fingerprint = await anyio.to_thread.run_sync(weights_fingerprint, loaded.path)
         model_id = f"{loaded.identity.hex()}.{fingerprint}/{Path(loaded.path).name}"
-        self.disk = await anyio.to_thread.run_sync(open_disk_tier, self.params, model_id, layout)
+        self.disk = await anyio.to_thread.run_sync(open_disk_tier, self.params, model_id, layout, state_layout)
         try:
             ctx.provide("disk", self.disk)
             ctx.log.info("disk.ready", directory=str(self.disk.store.directory), **{

@@ -1,5 +1,5 @@
-"""The compressed disk tier's storage: one checked file per KV block, LRU under a byte cap.
-Synchronous and thread-safe; the disk stage calls it from a worker thread."""
+"""The compressed disk tier's storage: one checked file per KV block or state checkpoint, LRU
+under a byte cap. Synchronous and thread-safe; the disk stage calls it from a worker thread."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from unikern.stages.tiers.disk.format import (
     MAX_HEADER_BYTES,
     CorruptBlockError,
     DecodedBlock,
+    RecordKind,
     decode_block,
     encode_block,
     parse_header,
@@ -57,6 +58,7 @@ def make_namespace(model_id: str, dtype: str, layout: str, block_size: int) -> s
 class _Entry:
     file_bytes: int
     raw_bytes: int
+    kind: RecordKind = RecordKind.KV_BLOCK
 
 
 class DiskStore:
@@ -124,18 +126,19 @@ class DiskStore:
         shape: tuple[int, ...],
         token_count: int,
         fsync: bool | None = None,
+        kind: RecordKind = RecordKind.KV_BLOCK,
     ) -> bool:
-        """Store a block (replacing one under the same key). False if it is bigger than the
+        """Store a record (replacing one under the same key). False if it is bigger than the
         whole cap or the disk is full; other OS errors propagate."""
         name = self._file_name(key)
         data = encode_block(
-            key, payload, dtype=dtype, shape=shape, token_count=token_count, level=self.level
+            key, payload, dtype=dtype, shape=shape, token_count=token_count, level=self.level, kind=kind
         )
         if len(data) > self.capacity_bytes:
             with self._lock:
                 self._counters["refused_too_large"] += 1
             return False
-        entry = _Entry(len(data), parse_header(data).raw_length)
+        entry = _Entry(len(data), parse_header(data).raw_length, RecordKind(kind))
         fsync = self.fsync if fsync is None else fsync
         tmp_path = self.directory / f"{TMP_PREFIX}{secrets.token_hex(8)}"
         try:
@@ -156,9 +159,12 @@ class DiskStore:
             return False
         return True
 
-    def get(self, key: bytes, out: np.ndarray | None = None) -> DecodedBlock | None:
-        """The verified block, or None on a miss. A corrupt file is deleted and is a miss.
-        With `out`, the payload is decoded straight into it (garbage on a miss)."""
+    def get(
+        self, key: bytes, out: np.ndarray | None = None, kind: RecordKind = RecordKind.KV_BLOCK
+    ) -> DecodedBlock | None:
+        """The verified record, or None on a miss. A corrupt file (or one of another kind)
+        is deleted and is a miss. With `out`, the payload is decoded straight into it
+        (garbage on a miss)."""
         path = self.directory / self._file_name(key)
         with self._lock:
             if key not in self._index:
@@ -176,7 +182,7 @@ class DiskStore:
         try:
             inode = os.fstat(fd).st_ino
             data = _read_all(fd)
-            block = decode_block(data, expected_key=key, out=out)
+            block = decode_block(data, expected_key=key, out=out, expected_kind=kind)
             _touch(fd)
         except CorruptBlockError:
             with self._lock:
@@ -213,9 +219,11 @@ class DiskStore:
         """Counters and sizes. `compression_ratio` is raw bytes / file bytes, 0.0 when empty."""
         with self._lock:
             ratio = self._raw_bytes / self._file_bytes if self._file_bytes else 0.0
+            states = sum(1 for e in self._index.values() if e.kind == RecordKind.STATE)
             return {
-                "blocks": len(self._index),
-                "files": len(self._index),  # one file per block
+                "blocks": len(self._index) - states,
+                "states": states,  # recurrent-state checkpoints
+                "files": len(self._index),  # one file per block or state
                 "bytes_on_disk": self._file_bytes,
                 "bytes": self._raw_bytes,
                 "compression_ratio": ratio,
@@ -338,7 +346,7 @@ class DiskStore:
             os.close(fd)
         if header.key != key or header.file_length != info.st_size:
             return None
-        return info.st_mtime_ns, _Entry(info.st_size, header.raw_length)
+        return info.st_mtime_ns, _Entry(info.st_size, header.raw_length, header.kind)
 
     def _write_file(self, path: Path, data: bytes, fsync: bool) -> None:
         fd = os.open(path, _CREATE_FLAGS, 0o600)

@@ -1,0 +1,35 @@
+"""Where MLX keeps the GPU kernels it compiles at run time: under the user's cache
+directory, so that a second start finds them instead of compiling them again."""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata
+from pathlib import Path
+
+# MLX's CUDA backend compiles its kernels with NVRTC on first use and reads this variable
+# once; left unset it caches under the temporary directory (/tmp/mlx/<version>/ptx),
+# which many machines clear at boot and containers never keep
+PTX_CACHE_VARIABLE = "MLX_PTX_CACHE_DIR"
+
+
+def default_dir(environ: os._Environ[str] | dict[str, str] = os.environ) -> Path:
+    """`$XDG_CACHE_HOME/unikern/mlx-kernels/<mlx version>`, `~/.cache` without XDG. The
+    version is part of the path: kernels of one MLX release never load into another."""
+    base = environ.get("XDG_CACHE_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".cache")
+    try:
+        version = metadata.version("mlx")
+    except metadata.PackageNotFoundError:  # a source build of MLX
+        version = "unknown"
+    return Path(base) / "unikern" / "mlx-kernels" / version
+
+
+def configure(environ: os._Environ[str] | dict[str, str] = os.environ) -> str:
+    """Point MLX's kernel cache at `default_dir()` unless the user chose one. Must run
+    before MLX first compiles a kernel (unikern does it at import). Returns the dir."""
+    chosen = environ.get(PTX_CACHE_VARIABLE)
+    if chosen:
+        return chosen
+    path = default_dir(environ)
+    environ[PTX_CACHE_VARIABLE] = str(path)
+    return str(path)

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Issue 17 on an NVIDIA H200: unikern, mlx-lm and llama.cpp on the same 1B-shape bf16 and
+# 8B-shape 4-bit Llama (tools/bench_gpu.py), the warm-start time, parity and a profile.
+# Every step is skipped when its output exists, so calling this again on a still-warm
+# machine resumes where the last call's time ran out (a call lasts at most 10 minutes).
+#
+#   run(carry=[".whl/p0"]):  mkdir -p /tmp/w0 && cp -r .whl/p0/. /tmp/w0/
+#   run(carry=[".whl/p1", ".whl/p2"]), within 30 s:  OUT=$OUT bash tools/h200_gpu.sh /tmp/w0 .whl/p1 .whl/p2
+#   run() again while warm, as often as needed:      OUT=$OUT bash tools/h200_gpu.sh
+#
+# .whl/p0 and .whl/p1 are tools/h200_run.sh's wheel bundle; .whl/p2/llama.cpp.tgz is the
+# llama.cpp source vendored by the llama-cpp-python sdist, without docs, models, tests and
+# the other backends. Results: $OUT/gpu/ (JSON, logs, summary.txt).
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-/tmp/h200-out}
+G=/tmp/gpu  # models, llama.cpp and results: kept between calls while the machine is warm
+RES=$G/res
+mkdir -p "$RES" "$OUT"
+START=$SECONDS
+DEADLINE=$((SECONDS + ${GPU_BUDGET_S:-570}))
+say() { echo "== [$((SECONDS - START)) s] $*" | tee -a "$RES/summary.txt"; }
+left() { echo $((DEADLINE - SECONDS)); }
+save() { mkdir -p "$OUT/gpu" && cp -r "$RES"/. "$OUT/gpu/"; }
+trap save EXIT  # (the tarball at the end carries what the per-file copy may leave out)
+
+if [ ! -e /tmp/py/mlx ] && [ $# -gt 0 ]; then
+  say "setup"
+  H200_TMP=/tmp bash "$REPO/tools/h200_run.sh" setup "$@" 2>&1 | tail -4 | tee -a "$RES/summary.txt"
+fi
+export PYTHONPATH=/tmp/py:/tmp/src:$REPO UNIKERN_MODEL_CACHE=/tmp/models TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 MLX_MEMORY_LIMIT_GIB=${MLX_MEMORY_LIMIT_GIB:-60} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export PATH=$CUDA_HOME/bin:$PATH
+for d in "$@"; do [ -f "$d/llama.cpp.tgz" ] && [ ! -d $G/llama.cpp ] && tar -xzf "$d/llama.cpp.tgz" -C $G; done
+BIN=$G/llama-build/bin
+
+build_llama() {  # only the three targets the benchmark needs
+  [ -x $BIN/llama-batched-bench ] && [ -x $BIN/llama-quantize ] && return 0
+  cmake -S $G/llama.cpp -B $G/llama-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > $RES/llama-cmake.log 2>&1 &&
+  cmake --build $G/llama-build -j14 --target llama-batched-bench llama-quantize llama-bench > $RES/llama-build.log 2>&1
+}
+
+want() { [ -z "${GPU_STEPS:-}" ] || [[ " $GPU_STEPS " == *" $1 "* ]]; }  # GPU_STEPS: a subset of the steps
+
+step() {  # NAME DONE_FILE COMMAND...: runs it unless DONE_FILE exists, time is short or GPU_STEPS leaves it out
+  local name=$1 done_file=$2; shift 2
+  if [ -e "$done_file" ] || ! want "$name"; then return 0; fi
+  if [ "$(left)" -lt 30 ]; then say "SKIPPED $name: $(left) s left"; return 1; fi
+  local t0=$SECONDS
+  timeout $(($(left) - 10)) "$@" > "$RES/$name.log" 2>&1
+  local rc=$?
+  say "$name: rc=$rc in $((SECONDS - t0)) s"
+  grep -vE "^\s*$|\[(info|debug|warning)|it/s\]|s/it\]" "$RES/$name.log" | tail -${TAIL:-4} | tee -a "$RES/summary.txt"
+  save
+  return $rc
+}
+
+if [ ! -x $BIN/llama-batched-bench ] && want llama; then build_llama & BUILD_PID=$!; fi
+say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader)"
+M=$G/models
+step models-1b $M/llama-1b/config.json python3 "$REPO/tools/bench_gpu.py" models --out $M --shapes 1b --quantize
+step gguf-1b $M/llama-1b-bf16.gguf python3 "$REPO/tools/bench_gpu.py" gguf --out $M --shapes 1b --quantize \
+  --llama-cpp $G/llama.cpp --llama-bin $BIN
+step models-8b $M/llama-8b-q4/config.json python3 "$REPO/tools/bench_gpu.py" models --out $M --shapes 8b --quantize 8b
+step gguf-8b-bf16 $M/llama-8b-q4_0.gguf python3 "$REPO/tools/bench_gpu.py" gguf --out $M --shapes 8b --quantize \
+  --llama-cpp $G/llama.cpp --llama-bin $BIN
+if [ -n "${BUILD_PID:-}" ]; then
+  wait $BUILD_PID; say "llama.cpp build: rc=$? $(tail -1 $RES/llama-build.log)"
+fi
+step gguf-8b-q4 $M/llama-8b-q4_0.gguf $BIN/llama-quantize $M/llama-8b-bf16.gguf $M/llama-8b-q4_0.gguf Q4_0
+[ -e $M/llama-8b-q4_0.gguf ] && rm -f $M/llama-8b-bf16.gguf  # 16 GB of disk back
+TAIL=6 step bench-1b $RES/bench-gpu-1b.json python3 "$REPO/tools/bench_gpu.py" bench --model $M/llama-1b \
+  --gguf $M/llama-1b-bf16.gguf --llama-bin $BIN --label "llama 1B shape, bfloat16" --json $RES/bench-gpu-1b.json
+TAIL=6 step bench-8b-q4 $RES/bench-gpu-8b-q4.json python3 "$REPO/tools/bench_gpu.py" bench --model $M/llama-8b-q4 \
+  --gguf $M/llama-8b-q4_0.gguf --llama-bin $BIN --label "llama 8B shape, 4-bit (Q4_0 for llama.cpp)" \
+  --json $RES/bench-gpu-8b-q4.json
+step ready-1b $RES/ready-1b.json python3 "$REPO/tools/first_request.py" --model $M/llama-1b --cold-warm \
+  --json $RES/ready-1b.json
+TAIL=12 step parity-1b $RES/parity-1b.json python3 "$REPO/tools/parity_check.py" --model $M/llama-1b --prompts 16 \
+  --max-tokens 32 --json $RES/parity-1b.json
+TAIL=12 step profile-decode-1b $RES/profile-decode-1b.json python3 "$REPO/tools/profile_decode.py" \
+  --model $M/llama-1b --tokens 64 --repeats 5 --json $RES/profile-decode-1b.json
+# execute.dequantize_rows (stages/execute/quantized.py): the 8B 4-bit model with MLX's
+# quantized kernel for every row count against dequantized weights from 8 rows
+TAIL=6 step bench-8b-q4-auto $RES/bench-gpu-8b-q4-auto.json python3 "$REPO/tools/bench_gpu.py" bench \
+  --model $M/llama-8b-q4 --engines mlx-lm unikern --repeats 3 --label "llama 8B shape, 4-bit, dequantize_rows auto" \
+  --json $RES/bench-gpu-8b-q4-auto.json
+TAIL=6 step bench-8b-q4-never $RES/bench-gpu-8b-q4-never.json python3 "$REPO/tools/bench_gpu.py" bench \
+  --model $M/llama-8b-q4 --engines unikern --repeats 3 --set execute.dequantize_rows=never \
+  --label "llama 8B shape, 4-bit, dequantize_rows never" --json $RES/bench-gpu-8b-q4-never.json
+(cd $RES && tar -czf $G/res.tgz . && mkdir -p "$OUT" && cp $G/res.tgz "$OUT/gpu-results.tgz")  # one file: every log
+say "done; $(left) s left"
