@@ -108,6 +108,10 @@ class SeqWork(msgspec.Struct, frozen=True):
     state_slot: int = -1
     state_from: int = -1
     state_saves: tuple[tuple[int, int], ...] = ()
+    # a mixed model whose windowed layers keep their own tables (kv layer groups): their
+    # table, in their own pool's id space, one entry per logical block as `block_table`
+    # (the zero block where a block left the window); () when every layer reads block_table
+    window_table: tuple[int, ...] = ()
 
 
 class Step(Message, frozen=True):
@@ -152,6 +156,9 @@ class BlockRef(msgspec.Struct, frozen=True):
 
     block_id: int
     block_hash: bytes
+    # a mixed model's windowed layers in their own pool (kv layer groups): the block of
+    # the same hash there; -1 when every layer lives in block_id's pool
+    window_block_id: int = -1
 
 
 class StateRef(msgspec.Struct, frozen=True):

@@ -98,3 +98,22 @@ def test_admission_keeps_only_the_first_chunks_blocks():
     seq = _Seq([books.allocate_one() for _ in range(10)], num_computed=0)
     release_out_of_window(books, seq, window=5, until=7)
     assert len(seq.blocks) == 2 and books.num_used == 2
+
+
+async def test_a_prompt_longer_than_the_whole_pool_runs_when_its_window_fits():
+    """A windowed table holds at most its window and a prefill chunk at once, so a
+    3,800-token prompt (60 blocks) runs in a pool of 16 blocks, with mlx-lm's tokens;
+    one whose window and chunk do not fit is refused, saying so."""
+    path = windowed_model()
+    per_block = 2 * 2 * BLOCK * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads, head dim 16, float32
+    assert PREFILL_BOUND <= 16 < -(-len(PROMPT) // BLOCK)
+    overrides = {**OVERRIDES, "kv": {**OVERRIDES["kv"], "kv_budget_bytes": 16 * per_block}}
+    async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
+        assert engine.stats()["kv"]["blocks_total"] == 16
+        result = await engine.complete(prompt_tokens=PROMPT, max_tokens=16)
+    ok, note = compare_greedy(result.token_ids, reference_greedy(path, PROMPT, 16))
+    assert ok, note
+    small = {**overrides, "kv": {**overrides["kv"], "kv_budget_bytes": 8 * per_block}}
+    async with unikern.Engine.from_pipeline("generate", model=path, overrides=small) as engine:
+        with pytest.raises(unikern.errors.RequestError, match=r"200-token window and a 512-token prefill chunk"):
+            await engine.complete(prompt_tokens=PROMPT, max_tokens=16)

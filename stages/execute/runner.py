@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -66,12 +67,22 @@ class ModelRunner:
         cpu_kernels: bool = False,
         compile_decode: bool = False,
         geometry: ModelGeometry | None = None,
+        window_pool: KVPool | None = None,
         states: StatePool | None = None,
     ) -> None:
+        """`window_pool`: a mixed model's windowed layers when they keep their own pool and
+        tables (SeqWork.window_table); `pool` then holds the full layers alone."""
         self.model = model
         geometry = geometry or ModelGeometry(model)
         # per cache entry: which pool layer and window; None: every layer full attention
         self.layers = None if geometry.is_plain else geometry.layers
+        self.window_pool = window_pool
+        if window_pool is not None:  # each group's layers numbered within its own pool
+            kinds = [s.kind for s in geometry.layers]
+            self.layers = tuple(
+                replace(s, index=kinds[:i].count(s.kind)) if s.kind != "state" else s
+                for i, s in enumerate(geometry.layers)
+            )
         # recurrent layers' slots and checkpoints (ArraysCache models; the kv service's,
         # which the offload mover also reaches); None: none
         if states is None and geometry.has_state:
@@ -93,35 +104,47 @@ class ModelRunner:
         traceable = not self.kernels["enabled"] and self.layers is None
         self.compiled = CompiledDecode(model, self.num_layers) if compile_decode and traceable else None
 
-    def _written(self) -> list:
-        """What a forward writes: the pool and, in recurrent models, the state slots.
-        Evaluating them all finishes the forward's reads of the pool too: a recurrent
-        layer after the last attention layer (nemotron-h's M*M-) holds the attention's
-        read of the pool in its state's pending graph, which evaluating the pool alone
-        leaves pending; the next write into a pool array with a read pending is not done
-        in place: MLX copies the whole array (on cpu, the whole budget, committed)."""
-        if self.states is None:
-            return [self.pool.keys, self.pool.values]
-        return [self.pool.keys, self.pool.values, self.states.arrays]
-
-    def _caches(self, layout: BatchLayout, slots: list[int] | None = None) -> list:
-        """The per-layer caches of one forward; `slots`: the rows' state slots."""
+    def _caches(self, layout: BatchLayout, slots: list[int] | None = None, window_layout: BatchLayout | None = None) -> list:
+        """The per-layer caches of one forward; `slots`: the rows' state slots;
+        `window_layout`: the windowed layers' own (split layer groups)."""
         kernels = self.kernels["enabled"]
         if self.layers is None:
             return [PagedLayerCache(self.pool, i, layout, kernels) for i in range(self.num_layers)]
         slot_array = mx.array(slots) if self.states is not None else None
-        return [
-            StateLayerCache(self.states, s.index, slot_array) if s.kind == "state"
-            else PagedLayerCache(self.pool, s.index, layout, kernels, s.window)
-            for s in self.layers
-        ]
+        caches = []
+        for s in self.layers:
+            if s.kind == "state":
+                caches.append(StateLayerCache(self.states, s.index, slot_array))
+            elif s.kind == "window" and window_layout is not None:
+                caches.append(PagedLayerCache(self.window_pool, s.index, window_layout, kernels, s.window))
+            else:
+                caches.append(PagedLayerCache(self.pool, s.index, layout, kernels, s.window))
+        return caches
+
+    def _written(self) -> list:
+        """What a forward writes: the pool (both groups' pools when split) and, in
+        recurrent models, the state slots. Evaluating them all finishes the forward's
+        reads of the pool too: a recurrent layer after the last attention layer
+        (nemotron-h's M*M-) holds the attention's read of the pool in its state's pending
+        graph, which evaluating the pool alone leaves pending; the next write into a pool
+        array with a read pending is not done in place: MLX copies the whole array (on
+        cpu, the whole budget, committed)."""
+        written: list = [self.pool.keys, self.pool.values]
+        if self.window_pool is not None:
+            written += [self.window_pool.keys, self.window_pool.values]
+        if self.states is not None:
+            written.append(self.states.arrays)
+        return written
 
     def _logits(
-        self, rows: list[tuple[tuple[int, ...], int, int]], tokens: list[list[int]], slots: list[int] | None = None
+        self, rows: list[tuple[tuple[int, ...], int, int]], tokens: list[list[int]], slots: list[int] | None = None,
+        window_rows: list[tuple[tuple[int, ...], int, int]] | None = None,
     ) -> mx.array:
-        """One forward over right-padded rows; logits [B, vocab] at each row's last token."""
+        """One forward over right-padded rows; logits [B, vocab] at each row's last token.
+        `window_rows`: the same rows with the windowed layers' tables (split groups)."""
         layout = BatchLayout.build(self.pool, rows)
-        caches = self._caches(layout, slots)
+        window_layout = BatchLayout.build(self.window_pool, window_rows) if window_rows else None
+        caches = self._caches(layout, slots, window_layout)
         T = layout.num_tokens
         inputs = mx.array([t + [0] * (T - len(t)) for t in tokens], dtype=mx.int32)
         if T == 1:
@@ -142,6 +165,9 @@ class ModelRunner:
         grammar completed and those that failed on their own (processor, grammar)."""
         highest = max((max(w.block_table) for w in step.work if w.block_table), default=-1)
         self.pool.ensure_capacity(highest + 1)
+        if self.window_pool is not None:
+            highest = max((max(w.window_table) for w in step.work if w.window_table), default=-1)
+            self.window_pool.ensure_capacity(highest + 1)
         small = sum(len(w.token_ids) for w in step.work) < SINGLE_THREAD_TOKENS
         previous = blas.set_num_threads(1) if small else None
         try:
@@ -173,7 +199,10 @@ class ModelRunner:
         order: list[m.SeqWork] = []
         for group in groups:
             rows = [(w.block_table, w.start_pos, len(w.token_ids)) for w in group]
-            logits = self._logits(rows, [list(w.token_ids) for w in group], [w.state_slot for w in group])
+            window_rows = None
+            if self.window_pool is not None:
+                window_rows = [(w.window_table, w.start_pos, len(w.token_ids)) for w in group]
+            logits = self._logits(rows, [list(w.token_ids) for w in group], [w.state_slot for w in group], window_rows)
             if group is not groups[-1]:
                 # the next group writes the pool: this one's reads must be done first, or MLX
                 # copies every layer's whole array to keep them for it (the budget, on cpu)
@@ -251,20 +280,28 @@ class ModelRunner:
         # attention needs no mask, which keeps MLX on its fused decode kernel; several
         # rows read one host-built slot table, masked, through the compiled step if any
         compiled = self.compiled if len(work) > 1 else None
-        window = None
+        window = split = None
         if len(work) > 1:
             window = DecodeWindow(self.pool, rows, step.num_steps, bucketed=compiled is not None)
+            if self.window_pool is not None:
+                split = DecodeWindow(self.window_pool, [(w.window_table, w.start_pos) for w in work], step.num_steps)
         sampled: list[mx.array] = []
         reported: list[tuple[mx.array, ...]] = []
         for i in range(step.num_steps):
             if compiled is not None:
                 logits = compiled(self.pool, window, inputs, i)
             else:
+                window_layout = None
                 if window is not None:
                     layout = window.step(i)
+                    window_layout = split.step(i) if split is not None else None
                 else:
                     layout = BatchLayout.build(self.pool, [(w.block_table, w.start_pos + i, 1) for w in work])
-                caches = self._caches(layout, [w.state_slot for w in work])
+                    if self.window_pool is not None:
+                        window_layout = BatchLayout.build(
+                            self.window_pool, [(w.window_table, w.start_pos + i, 1) for w in work]
+                        )
+                caches = self._caches(layout, [w.state_slot for w in work], window_layout)
                 logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
             logits = batch.process(logits)
             inputs = batch.sample(logits, i)

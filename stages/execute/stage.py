@@ -82,7 +82,8 @@ class MLXExecuteStage(StageBase):
             await ctx.all_started()
             kv = ctx.resource("kv")
             runner = await thread.run(
-                ModelRunner, loaded.model, kv.pool, shared_bridge(), kernels, compile_decode, loaded.geometry, kv.states
+                ModelRunner, loaded.model, kv.pool, shared_bridge(), kernels, compile_decode, loaded.geometry,
+                kv.window_pool, kv.states,
             )
             self.runner = runner
             salt = self.params.seed

@@ -12,6 +12,7 @@ from unikern.errors import ConfigError
 from unikern.platform import current_platform
 from unikern.stage import ServiceBase, StageContext, StageParams
 from unikern.stages.kv.blocks import BlockManager
+from unikern.stages.kv.groups import GroupPlan, plan_groups
 from unikern.stages.kv.pool import KVPool
 from unikern.stages.kv.state_pool import StatePool
 
@@ -41,6 +42,13 @@ class KVManagerParams(StageParams, frozen=True):
     # boundaries, what a prefix hit restores; each costs one request's state in every
     # recurrent layer. None: max(64, 2 x schedule.max_num_seqs)
     state_checkpoints: int | None = None
+    # models mixing full and windowed attention layers: "auto" gives the windowed layers
+    # a pool and block tables of their own (holding only their window's blocks);
+    # "shared": one table for every layer, each holding every block (as before groups)
+    layer_groups: Literal["auto", "shared"] = "auto"
+    # blocks of the windowed layers' pool when it is their own (None: room for 64
+    # sequences' windows); the full layers get the rest of the budget
+    window_blocks: int | None = None
 
     def validate(self) -> list[str]:
         problems = []
@@ -63,6 +71,8 @@ class KVManagerParams(StageParams, frozen=True):
             problems.append(f"idle_drop_cache_seconds: must be >= 0 or null, got {self.idle_drop_cache_seconds}")
         if self.host_bytes < 0:
             problems.append(f"host_bytes: must be >= 0, got {self.host_bytes}")
+        if self.window_blocks is not None and self.window_blocks < 1:
+            problems.append(f"window_blocks: must be >= 1 or null, got {self.window_blocks}")
         if self.state_checkpoints is not None and self.state_checkpoints < 1:
             problems.append(f"state_checkpoints: must be >= 1 or null, got {self.state_checkpoints}")
         return problems
@@ -115,7 +125,18 @@ class KVResource:
     blocks: BlockManager
     budget_bytes: int
     state_checkpoints: int | None = None  # kv_manager's param, for the scheduler's state books
+    # recurrent layers' slots and checkpoints (the runner's and the offload mover's); None: none
     states: StatePool | None = None
+    # a mixed model's windowed layers, when they keep tables of their own (kv.groups)
+    window_pool: KVPool | None = None
+    window_blocks: BlockManager | None = None
+    attention_kinds: tuple[str, ...] = ()  # "full" | "window" per attention layer, in model order
+
+    def pools(self) -> list[tuple[KVPool, BlockManager]]:
+        pools = [(self.pool, self.blocks)]
+        if self.window_pool is not None:
+            pools.append((self.window_pool, self.window_blocks))
+        return pools
 
 
 class KVManagerStage(ServiceBase):
@@ -133,36 +154,49 @@ class KVManagerStage(ServiceBase):
             budget = current_platform().kv_budget_bytes(
                 p.memory_fraction, loaded.weights_bytes, p.activation_reserve_bytes
             )
-        bytes_per_block = 2 * geometry.num_layers * p.block_size * geometry.num_kv_heads * geometry.head_dim * geometry.dtype.size
-        num_blocks = budget // bytes_per_block
+        plan = plan_groups(geometry, budget, p.block_size, p.layer_groups, p.window_blocks)
+        bytes_per_block, num_blocks = plan.bytes_per_block, plan.num_blocks
         if num_blocks < 1:
             raise ConfigError(
                 f"kv: the KV budget of {budget} bytes holds no {p.block_size}-token block "
                 f"({bytes_per_block} bytes each); raise kv.memory_fraction or kv.kv_budget_bytes"
             )
-        host_blocks = p.host_bytes // bytes_per_block
+        # split groups: a host block holds a logical block in both, as a shared pool's would
+        host_blocks = p.host_bytes // (bytes_per_block + plan.window_bytes_per_block)
 
-        def make_pool() -> KVPool:
+        def make_pool(num_layers: int, num_blocks: int, bytes_per_block: int) -> KVPool:
             return KVPool(
-                num_layers=geometry.num_layers,
+                num_layers=num_layers,
                 num_kv_heads=geometry.num_kv_heads,
                 head_dim=geometry.head_dim,
                 dtype=geometry.dtype,
                 block_size=p.block_size,
                 kernel_block_size=p.kernel_block_size,
-                num_blocks=num_blocks + host_blocks + RESERVED_BLOCKS,
+                num_blocks=num_blocks + RESERVED_BLOCKS,
                 slab_blocks=max(1, p.slab_bytes // bytes_per_block),
                 eager=p.allocation == "eager",
                 fill_value=float("nan") if p.unwritten_fill == "nan" else 0.0,
             )
 
-        pool = await loaded.thread.run(make_pool)
+        pool = await loaded.thread.run(make_pool, plan.num_layers, num_blocks + host_blocks, bytes_per_block)
         namespace = loaded.identity + f"/bs{p.block_size}".encode()
         books = BlockManager(
             num_blocks, p.block_size, namespace, reserved_blocks=RESERVED_BLOCKS, host_blocks=host_blocks
         )
+        budget_used = num_blocks * bytes_per_block
         states = StatePool([s.state for s in geometry.layers if s.kind == "state"]) if geometry.has_state else None
-        self.kv = KVResource(pool, books, num_blocks * bytes_per_block, p.state_checkpoints, states)
+        self.kv = KVResource(pool, books, budget_used, p.state_checkpoints, states)
+        self.plan = plan
+        if plan.window is not None:  # the window group: its own pool and id space
+            self.kv.window_pool = await loaded.thread.run(
+                make_pool, plan.window_layers, plan.window_num_blocks + host_blocks, plan.window_bytes_per_block
+            )
+            self.kv.window_blocks = BlockManager(
+                plan.window_num_blocks, p.block_size, namespace + b"/window", reserved_blocks=RESERVED_BLOCKS,
+                host_blocks=host_blocks,
+            )
+            self.kv.budget_bytes += plan.window_num_blocks * plan.window_bytes_per_block
+            self.kv.attention_kinds = tuple(s.kind for s in geometry.layers if s.kind != "state")
         ctx.provide("kv", self.kv)
         task_status.started()
         if p.allocation == "lazy":
@@ -176,22 +210,27 @@ class KVManagerStage(ServiceBase):
         poll = max(0.01, min(p.idle_trim_seconds / 4, 0.5))
         while True:
             await anyio.sleep(poll)
-            what = trim.decide(anyio.current_time(), kv.blocks.num_used, kv.pool.uses)
+            in_use = sum(books.num_used for _, books in kv.pools())
+            what = trim.decide(anyio.current_time(), in_use, kv.pool.uses)
             if what is None:
                 continue
-            if what == "all":
-                kv.blocks.evict_all_cached()
-            keep = set(kv.blocks.hash_to_block.values())
-            # the books are idle now and thread.run queues the release before any step
-            # that could write a block handed out from here on
-            await thread.run(kv.pool.release, keep)
+            releases = []
+            for pool, books in kv.pools():
+                if what == "all":
+                    books.evict_all_cached()
+                releases.append((pool, set(books.hash_to_block.values())))
+            # the books are idle now and thread.run queues the release (of every group's
+            # pool at once: no await in between) before any step that could write a
+            # block handed out from here on
+            await thread.run(_release_pools, releases)
 
     def stats(self) -> dict[str, Any]:
         kv = getattr(self, "kv", None)
         if kv is None:
             return {}
         return {
-            "memory": {"kv_budget_bytes": kv.budget_bytes, "kv_resident_bytes": kv.pool.resident_bytes},
+            "memory": {"kv_budget_bytes": kv.budget_bytes,
+                       "kv_resident_bytes": sum(pool.resident_bytes for pool, _ in kv.pools())},
             "kv": {
                 "block_size": kv.blocks.block_size,
                 "kernel_block_size": kv.pool.kernel_block_size,
@@ -203,18 +242,39 @@ class KVManagerStage(ServiceBase):
                 "releases": kv.pool.shrink_events,
                 "released_bytes": kv.pool.released_bytes,
                 "relocations": kv.pool.relocations,
+                "groups": _group_stats(kv, self.plan),
             },
             "tiers": _tier_stats(kv),
         }
 
 
+def _release_pools(releases: list[tuple[KVPool, set[int]]]) -> None:
+    for pool, keep in releases:
+        pool.release(keep)
+
+
+def _group_stats(kv: KVResource, plan: GroupPlan) -> list[dict[str, Any]]:
+    """Per layer group: the blocks_* figures above are the first (full) group's."""
+    groups = [("full" if plan.window is not None else "all", plan.num_layers, None, kv.blocks)]
+    if kv.window_blocks is not None:
+        groups.append(("window", plan.window_layers, plan.window, kv.window_blocks))
+    return [
+        {"layers": name, "num_layers": n, "window": window, "blocks_total": books.num_blocks,
+         "blocks_used": books.num_used, "blocks_cached": books.num_cached, "host_blocks": books.num_host_cached}
+        for name, n, window, books in groups
+    ]
+
+
 def _tier_stats(kv: KVResource) -> dict[str, Any]:
+    """Blocks, hits and misses: the full group's (every layer's with one group); bytes:
+    every group's."""
     books = kv.blocks
+    host_bytes = sum(b.num_host_cached * pool.bytes_per_block for pool, b in kv.pools())
     tiers: dict[str, Any] = {
         "device": {
             "blocks": books.num_used,
-            # the pool's resident memory, less what the host tier holds (the same RAM)
-            "bytes": max(0, kv.pool.resident_bytes - books.num_host_cached * kv.pool.bytes_per_block),
+            # the pools' resident memory, less what the host tier holds (the same RAM)
+            "bytes": max(0, sum(pool.resident_bytes for pool, _ in kv.pools()) - host_bytes),
             "hits": books.hits - books.host_hits,
             "misses": books.misses + books.host_hits,  # not on the device
             "evictions": books.device_evictions,
@@ -223,7 +283,7 @@ def _tier_stats(kv: KVResource) -> dict[str, Any]:
     if books.host_blocks:
         tiers["host"] = {
             "blocks": books.num_host_cached,
-            "bytes": books.num_host_cached * kv.pool.bytes_per_block,
+            "bytes": host_bytes,
             "capacity_blocks": books.host_blocks,
             "hits": books.host_hits,
             "misses": books.host_misses,

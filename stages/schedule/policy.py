@@ -6,64 +6,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from unikern import messages as m
 from unikern.stages.kv.blocks import BlockManager, OutOfBlocks, block_hash
+from unikern.stages.schedule.groups import WindowGroup, allocate_windowed, never_fits
+from unikern.stages.schedule.sequence import Refusal, Sequence, StepOutcome, needs_history
 from unikern.stages.schedule.states import StateTracker
-from unikern.stages.schedule.windows import release_out_of_window, released_window
+from unikern.stages.schedule.windows import release_out_of_window, released_window, split_window
 
 if TYPE_CHECKING:
     from unikern.stages.execute.model import ModelGeometry
-
-
-def _needs_history(seq: Sequence) -> bool:
-    """Logits processors see every token so far; penalties look at the latest ones."""
-    p = seq.params
-    penalized = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-    return bool(seq.processors) or penalized
-
-
-@dataclass
-class Sequence:
-    request_id: str
-    tokens: list[int]  # prompt, then generated tokens
-    num_prompt_tokens: int
-    params: m.SamplingParams
-    processors: tuple = ()  # per-request callables on the logits (Submit.processors)
-    grammar: Any = None  # the request's grammar matcher (Tokenized.grammar)
-    num_computed: int = 0  # tokens whose KV is in the pool
-    blocks: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # of full, committed blocks
-    cached_tokens: int | None = None  # set at first admission
-    num_preemptions: int = 0
-    # blocks held for this sequence until its first admission (its prefix, just loaded
-    # from a lower tier), so nothing evicts them while it waits
-    pinned: list[int] = field(default_factory=list)
-    held: bool = False  # not admissible yet: its prefix is still loading
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.num_prompt_tokens
-
-    @property
-    def usage(self) -> m.Usage:
-        return m.Usage(self.num_prompt_tokens, self.num_generated, self.cached_tokens or 0)
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why `Scheduler.add` turned a request away: `code` is the error event's code."""
-
-    code: str  # "bad_request" (can never be served) or "overloaded" (try again later)
-    message: str
-
-
-@dataclass
-class StepOutcome:
-    tokens: list[m.TokenOut] = field(default_factory=list)
-    finished: list[m.Finished] = field(default_factory=list)
 
 
 class Scheduler:
@@ -81,7 +34,10 @@ class Scheduler:
         max_waiting: int | None = None,
         geometry: ModelGeometry | None = None,
         state_checkpoints: int | None = None,
+        window_blocks: BlockManager | None = None,
     ) -> None:
+        """`window_blocks`: the books of a mixed model's windowed layers when they keep a
+        table of their own (kv_manager's layer groups); `blocks` then serves the full ones."""
         self.blocks = blocks
         # models with recurrent layers (execute.model.ModelGeometry.has_state): state slots
         # and their checkpoints at block boundaries; None for attention-only models
@@ -90,6 +46,10 @@ class Scheduler:
         # every attention layer windowed: blocks past every window go back (schedule.windows);
         # their table entries then name the reserved zero block, so the pool needs one
         self.window = released_window(geometry) if blocks.reserved_blocks else None
+        window = split_window(geometry)
+        if window_blocks is not None and window is None:
+            raise ValueError("window_blocks given, but the model does not mix full and windowed layers")
+        self.window_group = WindowGroup(window_blocks, window) if window_blocks is not None else None
         # admission bound: requests queued beyond it are refused as overloaded (None: no bound)
         self.max_waiting = max_waiting
         self.num_refused_overloaded = 0
@@ -122,13 +82,9 @@ class Scheduler:
         if request.request_id in self.by_id:
             return Refusal("bad_request", f"request id {request.request_id!r} is already in flight")
         prompt_len = len(request.prompt_tokens)
-        capacity_tokens = self.blocks.num_blocks * self.blocks.block_size
-        if prompt_len + 1 > capacity_tokens:
-            return Refusal(
-                "bad_request",
-                f"the prompt needs {prompt_len + 1} KV slots but the whole KV pool holds "
-                f"{capacity_tokens}; raise kv.memory_fraction or kv.kv_budget_bytes",
-            )
+        too_big = never_fits(self.blocks, self.window, self.window_group, prompt_len + 1, self.max_prefill_chunk)
+        if too_big is not None:
+            return Refusal("bad_request", too_big)
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
             # refused at once, so callers back off instead of queueing without end
             self.num_refused_overloaded += 1
@@ -182,6 +138,9 @@ class Scheduler:
         if self.window is not None:
             for seq in self.running:
                 release_out_of_window(self.blocks, seq, self.window)
+        if self.window_group is not None:
+            for seq in self.running:
+                self.window_group.release(seq)
         budget = self.max_num_batched_tokens
         work: list[m.SeqWork] = []
         scheduled: set[str] = set()
@@ -243,21 +202,30 @@ class Scheduler:
         if steps <= 1:
             return 1
         extra = 0
+        extra_window = 0
+        group = self.window_group
         for w in work:
             seq = self.by_id[w.request_id]
             extra += self.blocks.blocks_needed(seq.num_computed + steps) - len(seq.blocks)
-        if extra > self.blocks.num_free:
+            if group is not None:
+                extra_window += group.missing(seq, seq.num_computed + steps)
+        if extra > self.blocks.num_free or (group is not None and extra_window > group.books.num_free):
             return 1
         for w in work:
             seq = self.by_id[w.request_id]
             for _ in range(self.blocks.blocks_needed(seq.num_computed + steps) - len(seq.blocks)):
                 seq.blocks.append(self.blocks.allocate_one())
+            if group is not None:
+                group.grow(seq, seq.num_computed + steps)
         # the rows must name the blocks just added
         work[:] = [self._work(self.by_id[w.request_id], 1) for w in work]
         return steps
 
     def _work(self, seq: Sequence, chunk: int) -> m.SeqWork:
         start = seq.num_computed
+        fields = self.states.fields(seq, start, chunk) if self.states is not None else {}
+        if self.window_group is not None:
+            fields["window_table"] = tuple(seq.window_blocks)
         return m.SeqWork(
             request_id=seq.request_id,
             token_ids=tuple(seq.tokens[start : start + chunk]),
@@ -267,9 +235,9 @@ class Scheduler:
             params=seq.params,
             num_generated=seq.num_generated,
             processors=seq.processors,
-            history=tuple(seq.tokens) if start + chunk == len(seq.tokens) and _needs_history(seq) else (),
+            history=tuple(seq.tokens) if start + chunk == len(seq.tokens) and needs_history(seq) else (),
             grammar=seq.grammar,
-            **(self.states.fields(seq, start, chunk) if self.states is not None else {}),
+            **fields,
         )
 
     def _admit(self, seq: Sequence) -> bool:
@@ -278,14 +246,17 @@ class Scheduler:
         if self.states is not None:  # only as far as a state checkpoint reaches
             max_cached = self.states.limit_cached(seq.tokens, max_cached)
         try:
-            seq.blocks, cached = self.blocks.allocate_prompt(seq.tokens, max_cached)
+            if self.window is None and self.window_group is None:
+                seq.blocks, cached = self.blocks.allocate_prompt(seq.tokens, max_cached)
+            else:
+                cached = allocate_windowed(
+                    seq, self.blocks, self.window, self.window_group, self.states, max_cached, self.max_prefill_chunk
+                )
         except OutOfBlocks:
             return False
         if self.states is not None:
             self.states.admit(seq, cached)
         seq.num_computed = cached
-        if self.window is not None:  # hit blocks before the window, fresh ones past the first chunk
-            release_out_of_window(self.blocks, seq, self.window, until=cached + self.max_prefill_chunk)
         seq.block_hashes = self.blocks.prefix_hashes(seq.tokens)[: cached // self.blocks.block_size]
         if seq.cached_tokens is None:
             seq.cached_tokens = cached
@@ -306,7 +277,8 @@ class Scheduler:
         sequences (never one already in this step) while blocks are short. False when
         seq itself had to be preempted."""
         needed = self.blocks.blocks_needed(num_tokens) - len(seq.blocks)
-        while needed > self.blocks.num_free:
+        group = self.window_group
+        while needed > self.blocks.num_free or (group is not None and group.missing(seq, num_tokens) > group.books.num_free):
             victim = self.running[-1]
             if victim.request_id in scheduled:
                 raise RuntimeError("scheduler invariant broken: preempting a scheduled sequence")
@@ -315,6 +287,8 @@ class Scheduler:
                 return False
         for _ in range(max(needed, 0)):
             seq.blocks.append(self.blocks.allocate_one())
+        if group is not None:
+            group.grow(seq, num_tokens)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -323,6 +297,8 @@ class Scheduler:
             self.states.release(seq.request_id)
         self.blocks.free(seq.blocks)
         seq.blocks = []
+        if self.window_group is not None:
+            self.window_group.free(seq)
         seq.block_hashes = []
         seq.num_computed = 0
         seq.num_preemptions += 1
@@ -386,8 +362,8 @@ class Scheduler:
             return "stop"
         if seq.num_generated >= seq.params.max_tokens or len(seq.tokens) >= self.context_length:
             return "length"
-        if self.blocks.blocks_needed(len(seq.tokens)) > self.blocks.num_blocks:
-            return "length"  # the next token would not fit even in an empty pool
+        if self.window is None and self.blocks.blocks_needed(len(seq.tokens)) > self.blocks.num_blocks:
+            return "length"  # the next token would not fit even in an empty pool (windowed: it always does)
         return None
 
     def _commit_full_blocks(self, seq: Sequence) -> None:
@@ -398,12 +374,16 @@ class Scheduler:
             h = block_hash(parent, seq.tokens[i * bs : (i + 1) * bs], self.blocks.namespace)
             seq.block_hashes.append(h)
             self.blocks.commit_full_block(seq.blocks[i], h)
+            if self.window_group is not None:
+                self.window_group.commit(seq, i, h)
 
     def _finish(self, seq: Sequence, reason: m.FinishReason, error: str | None = None) -> m.Finished:
         del self.by_id[seq.request_id]
         if seq in self.running:
             self.running.remove(seq)
             self.blocks.free(seq.blocks)
+            if self.window_group is not None:
+                self.window_group.free(seq)
             if self.states is not None:
                 self.states.release(seq.request_id)
         elif seq in self.waiting:

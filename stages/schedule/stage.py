@@ -74,6 +74,7 @@ class ScheduleStage(StageBase):
             max_waiting=self.params.waiting_limit(),
             geometry=loaded.geometry,
             state_checkpoints=kv.state_checkpoints,
+            window_blocks=kv.window_blocks,
         )
         self.in_flight: m.Step | None = None
         self.setup(ctx)

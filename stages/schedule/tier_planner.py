@@ -40,6 +40,12 @@ class TierPlanner:
     until admission, where they turn into prefix hits. Committed blocks not yet on disk are
     pinned and sent to be stored; the pin is dropped once the mover has copied them out.
 
+    Split layer groups (`window_blocks`: a mixed model's windowed layers' books): a file
+    holds every layer, so each load fills a block in both groups and each store copies
+    the block of the same hash from both (a block the window group no longer caches is
+    not stored). Loaded window blocks go back to its cache once loaded; admission takes
+    those its window needs, or shortens the hit.
+
     Recurrent models (`states`): a prefix hit reaches only as far as a state checkpoint, so
     the load goes to the last block boundary whose checkpoint is in memory or on disk
     (`state_on_disk`), and a checkpoint found only on disk is loaded with the blocks into a
@@ -52,8 +58,10 @@ class TierPlanner:
         on_disk: Callable[[bytes], bool],
         states: StateTracker | None = None,
         state_on_disk: Callable[[bytes], bool] | None = None,
+        window_blocks: BlockManager | None = None,
     ) -> None:
         self.blocks = blocks
+        self.window_blocks = window_blocks
         self.on_disk = on_disk
         self.states = states
         self.state_on_disk = state_on_disk or (lambda block_hash: False)
@@ -77,6 +85,8 @@ class TierPlanner:
         hashes = blocks.prefix_hashes(tokens[: usable * blocks.block_size])
         hits = blocks.lookup_prefix(hashes)
         room = blocks.num_free - sum(1 for b in hits if blocks.ref_counts[b] == 0)
+        if self.window_blocks is not None:  # a loaded block takes a block in both groups
+            room = min(room, self.window_blocks.num_free)
         if room < 0:
             return False, None
         chain: list[bytes] = []  # the blocks after the hits that will be in the pool
@@ -96,7 +106,10 @@ class TierPlanner:
             return False, None
         rid = request.request_id
         blocks.take(hits)
-        refs = tuple(m.BlockRef(blocks.allocate_one(), h) for h in to_load)
+        window = self.window_blocks
+        refs = tuple(
+            m.BlockRef(blocks.allocate_one(), h, window.allocate_one() if window is not None else -1) for h in to_load
+        )
         for h in to_load:
             self.loading[h] = rid
         staged = self.staged[rid] = Staged(rid, list(hits), waiting_on | set(to_load))
@@ -134,9 +147,13 @@ class TierPlanner:
         good, bad = done.blocks[: done.num_loaded], done.blocks[done.num_loaded :]
         for ref in good:
             blocks.commit_full_block(ref.block_id, ref.block_hash)
+            if self.window_blocks is not None:
+                self.window_blocks.commit_full_block(ref.window_block_id, ref.block_hash)
         self.stats.loads_done += len(good)
         self.stats.load_failures += len(bad)
         blocks.free([ref.block_id for ref in bad])  # never committed: back to the free list
+        if self.window_blocks is not None:  # cached now (or free, if bad): admission takes what it needs
+            self.window_blocks.free([ref.window_block_id for ref in done.blocks])
         owner = self.staged.get(done.request_id)
         if owner is not None:
             owner.pins += [ref.block_id for ref in good]
@@ -188,16 +205,24 @@ class TierPlanner:
         """Pin and send every newly committed block (and state checkpoint) that is not on
         disk yet."""
         blocks = self.blocks
+        window = self.window_blocks
         refs = []
         for block_id, h in blocks.drain_commits():
             if h in self.storing or blocks.block_hashes[block_id] != h or self.on_disk(h):
                 continue
-            refs.append(m.BlockRef(block_id, h))
+            window_id = -1
+            if window is not None:
+                window_id = window.hash_to_block.get(h, -1)
+                if window_id < 0:
+                    continue  # its windowed layers' block is gone: the file would be partial
+            refs.append(m.BlockRef(block_id, h, window_id))
             self.storing.add(h)
         states = self._plan_state_store()
         if not refs and not states:
             return None
         blocks.take(ref.block_id for ref in refs)
+        if window is not None:
+            window.take(ref.window_block_id for ref in refs)
         self.stats.stores_requested += len(refs)
         return m.StoreBlocks(tuple(refs), states)
 
@@ -217,6 +242,8 @@ class TierPlanner:
 
     def stored(self, done: m.BlocksStored) -> None:
         self.blocks.free([ref.block_id for ref in done.blocks])
+        if self.window_blocks is not None:
+            self.window_blocks.free([ref.window_block_id for ref in done.blocks])
         self.storing.difference_update(ref.block_hash for ref in done.blocks)
         for ref in done.states:
             self.states.books.unpin(ref.slot)

@@ -22,7 +22,10 @@ class TieredScheduleStage(ScheduleStage):
 
     def setup(self, ctx: StageContext) -> None:
         disk = ctx.resource("disk")
-        self.planner = TierPlanner(self.scheduler.blocks, disk.contains, self.scheduler.states, disk.contains_state)
+        self.planner = TierPlanner(
+            self.scheduler.blocks, disk.contains, self.scheduler.states, disk.contains_state,
+            ctx.resource("kv").window_blocks,
+        )
 
     async def on_tokenized(self, ctx: StageContext, request: m.Tokenized) -> bool:
         if not await super().on_tokenized(ctx, request):

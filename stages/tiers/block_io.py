@@ -1,6 +1,7 @@
 """Whole logical blocks of the KV pool read and written through zero-copy numpy views, so
 that offload moves a block between the pool and a contiguous buffer (the disk payload)
-without an extra copy."""
+without an extra copy. A mixed model's layer groups (`GroupedPools`) make one payload of
+both pools' blocks, in the model's layer order: the same file as one shared pool's."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class BlockLayout:
     itemsize: int
 
     @classmethod
-    def of(cls, pool: KVPool) -> BlockLayout:
+    def of(cls, pool: KVPool | GroupedPools) -> BlockLayout:
         return cls(
             pool.num_layers,
             pool.num_kv_heads,
@@ -91,8 +92,56 @@ def pool_views(pool: KVPool, bridge: Bridge) -> Iterator[tuple[list[np.ndarray],
         values.clear()
 
 
-def copy_out(pool: KVPool, bridge: Bridge, block_ids: Sequence[int], buffers: Sequence[np.ndarray]) -> None:
+@dataclass(frozen=True)
+class GroupedPools:
+    """The full layers' pool and the windowed layers' pool of a mixed model as one
+    payload: `order` names, per attention layer of the model, (0: full pool, 1: window
+    pool) and its index there. Blocks are (full block id, window block id) pairs."""
+
+    pool: KVPool
+    window_pool: KVPool
+    order: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, pool: KVPool, window_pool: KVPool, kinds: Sequence[str]) -> GroupedPools:
+        """`kinds`: "full" or "window" per attention layer, in the model's order."""
+        order = tuple((int(k == "window"), list(kinds[:i]).count(k)) for i, k in enumerate(kinds))
+        return cls(pool, window_pool, order)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.order)
+
+    # heads, head width, dtype and block size are the same in both pools
+    @property
+    def num_kv_heads(self) -> int:
+        return self.pool.num_kv_heads
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.pool.head_dim
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.pool.dtype
+
+
+def tier_pools(kv) -> KVPool | GroupedPools:
+    """What the tiers copy blocks of: the `kv` resource's pool, or both of its layer
+    groups' pools as one payload."""
+    if kv.window_pool is None:
+        return kv.pool
+    return GroupedPools.of(kv.pool, kv.window_pool, kv.attention_kinds)
+
+
+def copy_out(pool: KVPool | GroupedPools, bridge: Bridge, block_ids: Sequence, buffers: Sequence[np.ndarray]) -> None:
     """Copy each block's bytes into its contiguous buffer (layout `BlockLayout.of(pool)`)."""
+    if isinstance(pool, GroupedPools):
+        return _grouped(pool, bridge, block_ids, buffers, out=True)
     layout = BlockLayout.of(pool)
     bs = pool.block_size
     with pool_views(pool, bridge) as (keys, values):
@@ -104,10 +153,12 @@ def copy_out(pool: KVPool, bridge: Bridge, block_ids: Sequence[int], buffers: Se
                 out[1, layer] = values[layer][:, slots]
 
 
-def copy_in(pool: KVPool, bridge: Bridge, block_ids: Sequence[int], buffers: Sequence[np.ndarray]) -> None:
+def copy_in(pool: KVPool | GroupedPools, bridge: Bridge, block_ids: Sequence, buffers: Sequence[np.ndarray]) -> None:
     """Write each contiguous buffer into its block of the pool, growing the pool first."""
     if not block_ids:
         return
+    if isinstance(pool, GroupedPools):
+        return _grouped(pool, bridge, block_ids, buffers, out=False)
     pool.ensure_capacity(max(block_ids) + 1)
     layout = BlockLayout.of(pool)
     bs = pool.block_size
@@ -118,3 +169,25 @@ def copy_in(pool: KVPool, bridge: Bridge, block_ids: Sequence[int], buffers: Seq
             for layer in range(pool.num_layers):
                 keys[layer][:, slots] = data[0, layer]
                 values[layer][:, slots] = data[1, layer]
+
+
+def _grouped(pools: GroupedPools, bridge: Bridge, block_ids: Sequence[tuple[int, int]],
+             buffers: Sequence[np.ndarray], out: bool) -> None:
+    """copy_out / copy_in over both groups' pools, one pool's views at a time."""
+    layout = BlockLayout.of(pools)
+    bs = pools.block_size
+    for group, pool in enumerate((pools.pool, pools.window_pool)):
+        if not out:
+            pool.ensure_capacity(max(ids[group] for ids in block_ids) + 1)
+        layers = [(i, j) for i, (g, j) in enumerate(pools.order) if g == group]
+        with pool_views(pool, bridge) as (keys, values):
+            for ids, buffer in zip(block_ids, buffers, strict=True):
+                data = layout.as_elements(buffer)
+                slots = slice(ids[group] * bs, (ids[group] + 1) * bs)
+                for i, j in layers:
+                    if out:
+                        data[0, i] = keys[j][:, slots]
+                        data[1, i] = values[j][:, slots]
+                    else:
+                        keys[j][:, slots] = data[0, i]
+                        values[j][:, slots] = data[1, i]

@@ -15,7 +15,7 @@ import structlog
 from unikern import messages as m
 from unikern.platform import shared_bridge
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
-from unikern.stages.tiers.block_io import BlockLayout, copy_in, copy_out
+from unikern.stages.tiers.block_io import BlockLayout, copy_in, copy_out, tier_pools
 from unikern.stages.tiers.queue import Job, OffloadQueue
 from unikern.stages.tiers.state_io import StateLayout, copy_state_in, copy_state_out
 
@@ -80,7 +80,7 @@ class OffloadMoverStage(StageBase):
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
         kv = ctx.resource("kv")
-        self.pool = kv.pool
+        self.pool = tier_pools(kv)  # both groups' pools when split, as one
         self.states = kv.states
         self.state_layout = StateLayout.of(kv.states) if kv.states is not None else None
         self.thread = ctx.resource("model").thread
@@ -196,7 +196,7 @@ class OffloadMoverStage(StageBase):
             num_loaded, state_loaded = 0, False
         self.mover.read_seconds += time.perf_counter() - start
         self.mover.bytes_read += num_loaded * self.layout.nbytes + (self.state_layout.nbytes if state_loaded else 0)
-        block_ids = [ref.block_id for ref in job.blocks[:num_loaded]]
+        block_ids = [_ids(ref) for ref in job.blocks[:num_loaded]]
         if num_loaded and not await self._on_model_thread(copy_in, block_ids, buffers[:num_loaded]):
             num_loaded = 0
         if state_loaded and not await self._on_model_thread(copy_state_in, [state.slot], [state_buffer], self.states):
@@ -222,7 +222,7 @@ class OffloadMoverStage(StageBase):
         try:
             with scope:
                 copied = not job.blocks or await self._on_model_thread(
-                    copy_out, [r.block_id for r in job.blocks], buffers
+                    copy_out, [_ids(r) for r in job.blocks], buffers
                 )
                 if job.states:
                     slots = [r.slot for r in job.states]
@@ -272,3 +272,8 @@ class OffloadMoverStage(StageBase):
                 **self.mover.as_dict(),
             }
         }
+
+
+def _ids(ref: m.BlockRef) -> int | tuple[int, int]:
+    """A block as block_io addresses it: its id, or (full, window) ids for split groups."""
+    return ref.block_id if ref.window_block_id < 0 else (ref.block_id, ref.window_block_id)

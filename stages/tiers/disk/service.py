@@ -17,7 +17,7 @@ import structlog
 
 from unikern.errors import ConfigError
 from unikern.stage import ServiceBase, StageContext, StageParams
-from unikern.stages.tiers.block_io import LAYOUT, BlockLayout
+from unikern.stages.tiers.block_io import LAYOUT, BlockLayout, tier_pools
 from unikern.stages.tiers.disk.format import BlockFormatError, RecordKind
 from unikern.stages.tiers.disk.lock import DirectoryLock
 from unikern.stages.tiers.disk.store import DiskStore, make_namespace
@@ -215,7 +215,7 @@ class DiskTierStage(ServiceBase):
     async def run(self, ctx: StageContext, *, task_status) -> None:
         loaded = ctx.resource("model")
         kv = ctx.resource("kv")
-        layout = BlockLayout.of(kv.pool)
+        layout = BlockLayout.of(tier_pools(kv))  # both layer groups' pools, if split
         state_layout = StateLayout.of(kv.states) if kv.states is not None else None
         fingerprint = await anyio.to_thread.run_sync(weights_fingerprint, loaded.path)
         model_id = f"{loaded.identity.hex()}.{fingerprint}/{Path(loaded.path).name}"

@@ -1,0 +1,58 @@
+"""A request as the scheduler keeps it (tokens, block tables, progress), and what its
+policy hands back: refusals and step outcomes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from unikern import messages as m
+
+
+def needs_history(seq: Sequence) -> bool:
+    """Logits processors see every token so far; penalties look at the latest ones."""
+    p = seq.params
+    penalized = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    return bool(seq.processors) or penalized
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    tokens: list[int]  # prompt, then generated tokens
+    num_prompt_tokens: int
+    params: m.SamplingParams
+    processors: tuple = ()  # per-request callables on the logits (Submit.processors)
+    grammar: Any = None  # the request's grammar matcher (Tokenized.grammar)
+    num_computed: int = 0  # tokens whose KV is in the pool
+    blocks: list[int] = field(default_factory=list)
+    window_blocks: list[int] = field(default_factory=list)  # a mixed model's window group (groups.py)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full, committed blocks
+    cached_tokens: int | None = None  # set at first admission
+    num_preemptions: int = 0
+    # blocks held for this sequence until its first admission (its prefix, just loaded
+    # from a lower tier), so nothing evicts them while it waits
+    pinned: list[int] = field(default_factory=list)
+    held: bool = False  # not admissible yet: its prefix is still loading
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def usage(self) -> m.Usage:
+        return m.Usage(self.num_prompt_tokens, self.num_generated, self.cached_tokens or 0)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why `Scheduler.add` turned a request away: `code` is the error event's code."""
+
+    code: str  # "bad_request" (can never be served) or "overloaded" (try again later)
+    message: str
+
+
+@dataclass
+class StepOutcome:
+    tokens: list[m.TokenOut] = field(default_factory=list)
+    finished: list[m.Finished] = field(default_factory=list)
