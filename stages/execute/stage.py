@@ -5,18 +5,21 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Literal
 
+import anyio
+import msgspec
 import structlog
 
 from unikern import messages as m
-from unikern.platform import current_platform, shared_bridge
 from unikern.platform.pinning import WeightWiring
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
-from unikern.stages.execute.model import load_model
-from unikern.stages.execute.runner import ModelRunner, warm_up
+from unikern.stages.execute.distributed import Init, RankLost, start_world
+from unikern.stages.execute.ranks import RankZero, make_runner, pool_spec, prepare_model
 from unikern.stages.execute.thread import ModelThread
 from unikern.stages.models import DEFAULT_MODEL
 
 log = structlog.get_logger("unikern")
+
+STOP_WAIT_S = 15.0  # at shutdown, how long the other ranks get to stop
 
 
 class MLXExecuteParams(StageParams, frozen=True):
@@ -37,6 +40,32 @@ class MLXExecuteParams(StageParams, frozen=True):
     # GPU kernels are built at start, not in the first requests (runner.warm_up);
     # "auto": on a GPU backend only
     warmup: Literal["auto", "always", "never"] = "auto"
+    # several ranks through mx.distributed (stages/execute/distributed.py): attention
+    # heads and MLP columns split across ranks (mlx-lm's Model.shard), or the layers
+    # split (pipeline); one of the two at a time. Rank 0 runs the whole pipeline.
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    # "auto": nccl on a CUDA GPU, ring otherwise
+    distributed_backend: Literal["auto", "ring", "nccl", "mpi", "jaccl"] = "auto"
+    # ranks on several machines: MLX's hostfile (ring: a JSON list of ["ip:port"] per
+    # rank, rank 0 first), the other ranks started with MLX_RANK=k (mlx.launch or by
+    # hand); none: the other ranks are started here, on loopback
+    hostfile: str | None = None
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
+            problems.append("tensor_parallel: tensor_parallel and pipeline_parallel must be >= 1")
+        elif self.tensor_parallel > 1 and self.pipeline_parallel > 1:
+            problems.append(
+                f"tensor_parallel: {self.tensor_parallel} with pipeline_parallel {self.pipeline_parallel}: "
+                f"one of the two at a time (set the other to 1)"
+            )
+        return problems
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
 
 
 class MLXExecuteStage(StageBase):
@@ -47,29 +76,37 @@ class MLXExecuteStage(StageBase):
     uses = ("kv",)  # the pool, whose service starts after the model exists
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
+        p = self.params
         thread = ModelThread()
         wiring = WeightWiring()
+        world = None
         try:
-            loaded = await thread.run(load_model, self.params.model)
+            if p.world_size > 1:
+                mode = "tensor" if p.tensor_parallel > 1 else "pipeline"
+                world = await thread.run(start_world, p.world_size, mode, p.distributed_backend, p.hostfile)
+                await thread.run(world.send, Init(msgspec.to_builtins(p)))
+            prepared = await thread.run(prepare_model, p, world, wiring)
+            loaded = prepared.loaded
             loaded.thread = thread
-            self.loaded = loaded
-            self.wired = await thread.run(wiring.wire, loaded.weights, self.params.wire_weights)
-            on_cpu = current_platform().backend == "cpu"
-            kernels = self.params.cpu_kernels and on_cpu
-            compile_decode = _switch(self.params.compile_decode, auto=not on_cpu)
-            if _switch(self.params.warmup, auto=not on_cpu):
-                self.warmup = await thread.run(warm_up, loaded.model, loaded.geometry, kernels, compile_decode)
+            self.loaded, self.wired = loaded, prepared.wired
+            if prepared.warmup is not None:
+                self.warmup = prepared.warmup
                 log.info("execute.warmed_up", **self.warmup)
             ctx.provide("model", loaded)
             task_status.started()
 
             await ctx.all_started()
             pool = ctx.resource("kv").pool
-            runner = await thread.run(
-                ModelRunner, loaded.model, pool, shared_bridge(), kernels, compile_decode, loaded.geometry
-            )
+            if world is not None:
+                await thread.run(world.send, pool_spec(pool))
+            runner = await thread.run(make_runner, prepared, pool)
             self.runner = runner
-            salt = self.params.seed
+            execute = runner.execute
+            if world is not None:
+                self.rank_zero = RankZero(world, runner)
+                await thread.run(self.rank_zero.report)
+                execute = self.rank_zero.execute
+            salt = p.seed
 
             async def handle(step: m.Step) -> None:
                 seeds = {
@@ -79,12 +116,51 @@ class MLXExecuteStage(StageBase):
                 }
                 # a request's own failure (processor, grammar) comes back in StepDone.failed;
                 # an exception here is the stage's and fails every request
-                await ctx.send(await thread.run(runner.execute, step, seeds))
+                await ctx.send(await thread.run(execute, step, seeds))
 
-            await serve_inbox(ctx, handle)
+            if world is None:
+                await serve_inbox(ctx, handle)
+            else:
+                await self._serve_world(ctx, handle, world)
         finally:
             wiring.unwire()
-            await thread.aclose()
+            if world is not None and await self._stop_world(thread, world):
+                await thread.aclose()
+            elif world is None:
+                await thread.aclose()
+
+    async def _serve_world(self, ctx: StageContext, handle, world) -> None:
+        """serve_inbox, while the ranks this process started are watched: a rank that exits,
+        or a collective that fails, ends the stage with an error naming the rank."""
+        failure: list[BaseException] = []
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                failure.append(RankLost(await self.rank_zero.watch()))
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                await serve_inbox(ctx, handle)
+            except Exception as exc:
+                failure.append(await anyio.to_thread.run_sync(world.explain, exc))
+            tg.cancel_scope.cancel()
+        if failure:
+            world.stopping = True
+            raise failure[0]
+
+    async def _stop_world(self, thread: ModelThread, world) -> bool:
+        """Stop the other ranks; True once the model thread is free (it may be stuck in a
+        collective whose peer is gone, where only ending the process frees it)."""
+        with anyio.CancelScope(shield=True):
+            if world.lost_any() or world.stopping:
+                await anyio.to_thread.run_sync(world.kill)
+            with anyio.move_on_after(STOP_WAIT_S):
+                await thread.run(world.stop)
+                return True
+        log.error("execute.model_thread_stuck", seconds=STOP_WAIT_S,
+                  hint="a collective is still waiting on a lost rank; the process must exit")
+        return False
 
     def stats(self) -> dict[str, Any]:
         loaded = getattr(self, "loaded", None)
@@ -102,12 +178,8 @@ class MLXExecuteStage(StageBase):
                 "cache_resets": compiled.resets if compiled else 0,
             },
             "warmup": getattr(self, "warmup", {"ran": False}),
+            **(self.rank_zero.stats() if getattr(self, "rank_zero", None) else {}),
         }
-
-
-def _switch(setting: str, *, auto: bool) -> bool:
-    """An "auto" | "always" | "never" parameter, with what auto means here."""
-    return {"always": True, "never": False}.get(setting, auto)
 
 
 def _seed_for(salt: int, request_id: str) -> int:

@@ -16,6 +16,7 @@ from unikern import messages as m
 from unikern.platform import shared_bridge
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
 from unikern.stages.tiers.block_io import BlockLayout, copy_in, copy_out
+from unikern.stages.tiers.disk.service import refuse_several_ranks
 from unikern.stages.tiers.queue import Job, OffloadQueue
 
 log = structlog.get_logger("unikern")
@@ -74,6 +75,7 @@ class OffloadMoverStage(StageBase):
     requires = ("kv", "model", "disk")
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
+        refuse_several_ranks(ctx.resource("model"), "offload_mover")
         self.pool = ctx.resource("kv").pool
         self.thread = ctx.resource("model").thread
         self.disk = ctx.resource("disk")

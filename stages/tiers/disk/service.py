@@ -170,6 +170,16 @@ def open_disk_tier(params: DiskTierParams, model_id: str, layout: BlockLayout) -
     return DiskTier(store, layout, lock)
 
 
+def refuse_several_ranks(loaded, member: str) -> None:
+    """Tier moves read and write one rank's pool; the other ranks' shards do not follow them yet."""
+    world = getattr(loaded, "world", None)
+    if world is not None:
+        raise ConfigError(
+            f"{member}: the KV tiers do not run with several ranks yet (execute.tensor_parallel / "
+            f"pipeline_parallel give {world.size}); use the `generate` pipeline, or one rank"
+        )
+
+
 class DiskTierStage(ServiceBase):
     Params = DiskTierParams
     requires = ("model", "kv")
@@ -177,6 +187,7 @@ class DiskTierStage(ServiceBase):
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
         loaded = ctx.resource("model")
+        refuse_several_ranks(loaded, "disk_tier")
         kv = ctx.resource("kv")
         layout = BlockLayout.of(kv.pool)
         fingerprint = await anyio.to_thread.run_sync(weights_fingerprint, loaded.path)

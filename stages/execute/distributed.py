@@ -1,0 +1,343 @@
+"""The execute stage over several ranks (`mx.distributed`): start or join the world, send
+each rank-0 operation (a step, a pool release, a stats call) to every rank, and name the
+rank that was lost. The model's own collectives (mlx-lm's sharded layers, the pipeline's
+send/recv) combine the ranks' work; this module only keeps the ranks in step."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import msgspec
+import numpy as np
+import structlog
+
+from unikern import messages as m
+from unikern.errors import ConfigError, UnikernError
+
+log = structlog.get_logger("unikern")
+
+# one collective carries an operation of up to FRAME_BYTES - 8 bytes (a step of a few
+# dozen rows); a longer one takes a second collective of exactly its remaining length
+FRAME_BYTES = 16384
+STATS_BYTES = 1024  # one rank's stats, JSON, per row of the gather
+BACKENDS = ("auto", "ring", "nccl", "mpi", "jaccl")
+FOLLOWER_MODULE = "unikern.stages.execute.follower"
+
+
+class RankLost(UnikernError):
+    """A rank of the world exited or stopped answering: every request in flight fails."""
+
+
+# ---- what rank 0 sends to the other ranks (one tagged union, msgpack) ------------------
+
+
+class Init(msgspec.Struct, frozen=True, tag=True):
+    """The execute stage's parameters: every rank loads its shard with the same ones."""
+
+    params: dict[str, Any]
+
+
+class MakeRunner(msgspec.Struct, frozen=True, tag=True):
+    """Build the KV pool (this rank's geometry, these sizes) and the runner."""
+
+    block_size: int
+    kernel_block_size: int
+    num_blocks: int
+    slab_blocks: int
+    eager: bool
+    fill_value: float
+
+
+class RunStep(msgspec.Struct, frozen=True, tag=True):
+    step: m.Step
+    seeds: dict[str, int]
+
+
+class Release(msgspec.Struct, frozen=True, tag=True):
+    keep: list[int]
+
+
+class Report(msgspec.Struct, frozen=True, tag=True):
+    """Every rank contributes its pool figures to one gather."""
+
+
+class Stop(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+RankOp = Init | MakeRunner | RunStep | Release | Report | Stop
+_decoder = msgspec.msgpack.Decoder(RankOp)
+
+
+def for_the_wire(step: m.Step) -> m.Step:
+    """The step without per-request callables (logits processors, grammar matchers): they
+    act on rank 0's logits only; the other ranks' samples are never read, except inside
+    lookahead windows, which carry no callables."""
+    if not any(w.processors or w.grammar is not None for w in step.work):
+        return step
+    work = tuple(msgspec.structs.replace(w, processors=(), grammar=None) for w in step.work)
+    return msgspec.structs.replace(step, work=work)
+
+
+# ---- the world ---------------------------------------------------------------------------
+
+
+@dataclass
+class Follower:
+    rank: int
+    process: subprocess.Popen | None  # None: started by someone else (mlx.launch, by hand)
+    pid: int | None = None
+    host: str | None = None
+
+
+@dataclass
+class World:
+    group: Any
+    backend: str
+    rank: int
+    size: int
+    mode: str  # "tensor" | "pipeline"
+    followers: list[Follower] = field(default_factory=list)
+    hostfile: str | None = None
+    step_id: int | None = None  # the step rank 0 is running, for the error that names a rank
+    stopping: bool = False
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # last gathered per-rank stats
+
+    @property
+    def stream(self) -> Any:
+        return mx.cpu if self.backend in ("ring", "mpi") else mx.default_stream(mx.default_device())
+
+    def _all_sum(self, array: np.ndarray) -> np.ndarray:
+        out = mx.distributed.all_sum(mx.array(array), group=self.group, stream=self.stream)
+        mx.eval(out)
+        return np.array(out)
+
+    # ---- rank 0 -> every rank -------------------------------------------------------
+
+    def send(self, op: RankOp) -> None:
+        """Rank 0: hand `op` to every rank (the others contribute zeros to the sum)."""
+        if isinstance(op, RunStep):
+            self.step_id = op.step.step_id
+        payload = msgspec.msgpack.encode(op)
+        frame = np.zeros(FRAME_BYTES, np.uint8)
+        frame[:8] = np.frombuffer(len(payload).to_bytes(8, "little"), np.uint8)
+        head = payload[: FRAME_BYTES - 8]
+        frame[8 : 8 + len(head)] = np.frombuffer(head, np.uint8)
+        self._all_sum(frame)
+        if len(payload) > len(head):
+            self._all_sum(np.frombuffer(payload[len(head) :], np.uint8).copy())
+
+    def receive(self) -> RankOp:
+        """Other ranks: the next operation rank 0 sends (blocks until it does)."""
+        frame = self._all_sum(np.zeros(FRAME_BYTES, np.uint8))
+        length = int.from_bytes(frame[:8].tobytes(), "little")
+        payload = frame[8 : 8 + min(length, FRAME_BYTES - 8)].tobytes()
+        if length > len(payload):
+            payload += self._all_sum(np.zeros(length - len(payload), np.uint8)).tobytes()
+        return _decoder.decode(payload)
+
+    def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's `mine` (JSON, under STATS_BYTES), in rank order, on every rank."""
+        rows = np.zeros((self.size, STATS_BYTES), np.uint8)
+        data = json.dumps(mine).encode()[:STATS_BYTES]
+        rows[self.rank, : len(data)] = np.frombuffer(data, np.uint8)
+        summed = self._all_sum(rows)
+        return [json.loads(bytes(r).rstrip(b"\0") or b"{}") for r in summed]
+
+    # ---- rank 0: watching the others ----------------------------------------------------
+
+    def lost(self) -> str | None:
+        """Why the world is broken, naming the rank, if a follower this process started has
+        exited; None while all run (or while rank 0 is stopping them on purpose)."""
+        if self.stopping:
+            return None
+        for f in self.followers:
+            code = f.process.poll() if f.process is not None else None
+            if code is not None:
+                during = f"during step {self.step_id}" if self.step_id is not None else "before the first step"
+                return f"rank {f.rank} (pid {f.pid}) exited with code {code} {during}"
+        return None
+
+    def explain(self, exc: BaseException, wait_s: float = 3.0) -> BaseException:
+        """A collective failed on rank 0: if a follower died, the error names it (its exit
+        may take a moment to be reaped); otherwise the original error stands."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            why = self.lost()
+            if why is not None:
+                return RankLost(f"{why}; the ring backend said: {exc}")
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if "peer" in str(exc) or "ring" in str(exc) or "nccl" in str(exc).lower():
+            known = ", ".join(f"rank {r.get('rank')} pid {r.get('pid')} on {r.get('host')}" for r in self.ranks[1:])
+            during = f" during step {self.step_id}" if self.step_id is not None else ""
+            return RankLost(f"a rank of the {self.backend} world was lost{during} ({known or 'ranks unknown'}): {exc}")
+        return exc
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Rank 0: tell every rank to exit, then wait for the followers it started."""
+        self.stopping = True
+        if self.lost_any():
+            self.kill()
+            return
+        try:
+            self.send(Stop())
+        except Exception as exc:  # a rank is gone already: nothing to tell
+            log.warning("distributed.stop_failed", error=str(exc))
+        deadline = time.monotonic() + timeout_s
+        for f in self.followers:
+            if f.process is None:
+                continue
+            try:
+                f.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                f.process.kill()
+                f.process.wait()
+        self._remove_hostfile()
+
+    def lost_any(self) -> bool:
+        return any(f.process is not None and f.process.poll() is not None for f in self.followers)
+
+    def kill(self) -> None:
+        """Rank 0, after a loss: end the followers still running (by their own pids)."""
+        self.stopping = True
+        for f in self.followers:
+            if f.process is not None and f.process.poll() is None:
+                f.process.kill()
+                f.process.wait()
+        self._remove_hostfile()
+
+    def _remove_hostfile(self) -> None:
+        if self.hostfile and self.hostfile.startswith(tempfile.gettempdir()) and os.path.exists(self.hostfile):
+            os.unlink(self.hostfile)
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.backend, "size": self.size, "rank": self.rank, "mode": self.mode,
+                "ranks": [{"rank": r.get("rank"), "pid": r.get("pid"), "host": r.get("host")} for r in self.ranks]}
+
+
+# ---- starting or joining a world ---------------------------------------------------------
+
+
+def resolve_backend(backend: str) -> str:
+    if backend != "auto":
+        return backend
+    return "nccl" if mx.default_device() == mx.gpu and mx.cuda.is_available() else "ring"
+
+
+def start_world(size: int, mode: str, backend: str, hostfile: str | None) -> World:
+    """Rank 0's world of `size` ranks. MLX_RANK in the environment (mlx.launch, or a rank
+    started by hand): join the world it describes. Otherwise, with a hostfile, wait for
+    the other ranks to join; with none, start them here on loopback (ring) or on this
+    host's GPUs (nccl)."""
+    backend = resolve_backend(backend)
+    if backend not in BACKENDS[1:]:
+        raise ConfigError(f"execute.distributed_backend: {backend!r} is not one of {list(BACKENDS)}")
+    followers: list[Follower] = []
+    if "MLX_RANK" not in os.environ:
+        env = dict(os.environ)
+        if hostfile is not None:
+            _check_hostfile(hostfile, size, backend)
+            os.environ.update({"MLX_HOSTFILE": hostfile, "MLX_RANK": "0"})
+            followers = [Follower(r, None) for r in range(1, size)]
+        else:
+            hostfile, followers = _spawn_local(size, backend, env)
+    elif int(os.environ["MLX_RANK"]) != 0:
+        raise ConfigError(
+            f"MLX_RANK={os.environ['MLX_RANK']}: the front door runs rank 0 only; start other ranks "
+            f"with `python -m {FOLLOWER_MODULE}`"
+        )
+    group = _init(backend)
+    if group.size() != size:
+        for f in followers:
+            if f.process is not None:
+                f.process.kill()
+        raise ConfigError(
+            f"execute: the {backend} world has {group.size()} ranks but tensor_parallel x pipeline_parallel "
+            f"asks for {size}; make the hostfile (or mlx.launch's host list) name {size} ranks"
+        )
+    return World(group, backend, group.rank(), group.size(), mode, followers, hostfile)
+
+
+def join_world(backend: str) -> World:
+    """A follower's world, from the environment its launcher set."""
+    backend = resolve_backend(backend)
+    group = _init(backend)
+    return World(group, backend, group.rank(), group.size(), "?")
+
+
+def _init(backend: str) -> Any:
+    try:
+        return mx.distributed.init(strict=True, backend=backend)
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"execute: mx.distributed.init(backend={backend!r}) failed: {exc}. ring needs MLX_HOSTFILE "
+            f"(a JSON list of [\"ip:port\"] per rank) and MLX_RANK; nccl needs NCCL_HOST_IP, NCCL_PORT, "
+            f"MLX_WORLD_SIZE and MLX_RANK"
+        ) from exc
+
+
+def _check_hostfile(path: str, size: int, backend: str) -> None:
+    if backend != "ring":
+        return
+    try:
+        with open(path) as f:
+            hosts = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"execute.hostfile: cannot read {path!r} as JSON: {exc}") from exc
+    if not isinstance(hosts, list) or len(hosts) != size:
+        count = len(hosts) if isinstance(hosts, list) else "no list of"
+        raise ConfigError(
+            f"execute.hostfile: {path!r} names {count} ranks, the world needs {size} "
+            f"(a JSON list with one [\"ip:port\"] list per rank, rank 0 first)"
+        )
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _spawn_local(size: int, backend: str, env: dict[str, str]) -> tuple[str | None, list[Follower]]:
+    """Start ranks 1..size-1 on this machine and point this process at rank 0."""
+    hostfile = None
+    if backend == "ring":
+        fd, hostfile = tempfile.mkstemp(prefix="unikern-ring-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([[f"127.0.0.1:{p}"] for p in _free_ports(size)], f)
+        common = {"MLX_HOSTFILE": hostfile}
+    elif backend == "nccl":
+        common = {"NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(_free_ports(1)[0]), "MLX_WORLD_SIZE": str(size)}
+    else:
+        raise ConfigError(
+            f"execute.distributed_backend: {backend} ranks cannot be started by unikern on one machine; "
+            f"start them with mlx.launch (or use ring or nccl)"
+        )
+    followers = []
+    for rank in range(1, size):
+        child = {**env, **common, "MLX_RANK": str(rank), "UNIKERN_RANK0_PID": str(os.getpid())}
+        if backend == "nccl":
+            child["CUDA_VISIBLE_DEVICES"] = str(rank)
+        process = subprocess.Popen(
+            [sys.executable, "-m", FOLLOWER_MODULE, "--backend", backend],
+            env=child, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        )
+        followers.append(Follower(rank, process, process.pid))
+    os.environ.update({**common, "MLX_RANK": "0"})
+    return hostfile, followers
