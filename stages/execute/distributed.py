@@ -31,6 +31,9 @@ FRAME_BYTES = 16384
 STATS_BYTES = 1024  # one rank's stats, JSON, per row of the gather
 BACKENDS = ("auto", "ring", "nccl", "mpi", "jaccl")
 FOLLOWER_MODULE = "unikern.stages.execute.follower"
+# MLX keeps the group of its first successful init for the life of the process: a second
+# init hands back that group, whose peers may be gone. So one world per process.
+_worlds_started = 0
 
 
 class RankLost(UnikernError):
@@ -222,8 +225,11 @@ class World:
             os.unlink(self.hostfile)
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.backend, "size": self.size, "rank": self.rank, "mode": self.mode,
-                "ranks": [{"rank": r.get("rank"), "pid": r.get("pid"), "host": r.get("host")} for r in self.ranks]}
+        ranks = [{"rank": r.get("rank"), "pid": r.get("pid"), "host": r.get("host")} for r in self.ranks]
+        if not ranks:  # not gathered yet: what rank 0 knows of the ranks it started
+            ranks = [{"rank": 0, "pid": os.getpid(), "host": socket.gethostname()}]
+            ranks += [{"rank": f.rank, "pid": f.pid, "host": f.host} for f in self.followers]
+        return {"backend": self.backend, "size": self.size, "rank": self.rank, "mode": self.mode, "ranks": ranks}
 
 
 # ---- starting or joining a world ---------------------------------------------------------
@@ -240,9 +246,17 @@ def start_world(size: int, mode: str, backend: str, hostfile: str | None) -> Wor
     started by hand): join the world it describes. Otherwise, with a hostfile, wait for
     the other ranks to join; with none, start them here on loopback (ring) or on this
     host's GPUs (nccl)."""
+    global _worlds_started
     backend = resolve_backend(backend)
     if backend not in BACKENDS[1:]:
         raise ConfigError(f"execute.distributed_backend: {backend!r} is not one of {list(BACKENDS)}")
+    if _worlds_started:
+        raise ConfigError(
+            "execute: this process already ran a world of several ranks, and MLX keeps the group of its "
+            "first mx.distributed.init for the life of the process; run each engine with tensor_parallel "
+            "or pipeline_parallel > 1 in a process of its own"
+        )
+    _worlds_started += 1
     followers: list[Follower] = []
     if "MLX_RANK" not in os.environ:
         env = dict(os.environ)

@@ -85,7 +85,7 @@ def local_stats(world: World, pool: KVPool | None) -> dict[str, Any]:
     row: dict[str, Any] = {"rank": world.rank, "pid": os.getpid(), "host": socket.gethostname(),
                            "rss_bytes": psutil.Process().memory_info().rss}
     if pool is not None:
-        row.update(num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads, blocks_total=pool.num_blocks,
+        row.update(num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads, pool_blocks=pool.num_blocks,
                    blocks_allocated=pool.committed_blocks(), resident_bytes=pool.resident_bytes)
     return row
 
@@ -123,6 +123,3 @@ class RankZero:
             if why is not None:
                 return why
             await anyio.sleep(WATCH_EVERY_S)
-
-    def stats(self) -> dict[str, Any]:
-        return {"platform": {"world": self.world.describe()}, "kv": {"ranks": self.world.ranks}}

@@ -84,6 +84,7 @@ class MLXExecuteStage(StageBase):
             if p.world_size > 1:
                 mode = "tensor" if p.tensor_parallel > 1 else "pipeline"
                 world = await thread.run(start_world, p.world_size, mode, p.distributed_backend, p.hostfile)
+                self.world = world
                 await thread.run(world.send, Init(msgspec.to_builtins(p)))
             prepared = await thread.run(prepare_model, p, world, wiring)
             loaded = prepared.loaded
@@ -178,8 +179,14 @@ class MLXExecuteStage(StageBase):
                 "cache_resets": compiled.resets if compiled else 0,
             },
             "warmup": getattr(self, "warmup", {"ran": False}),
-            **(self.rank_zero.stats() if getattr(self, "rank_zero", None) else {}),
+            **self._world_stats(),
         }
+
+    def _world_stats(self) -> dict[str, Any]:
+        world = getattr(self, "world", None)
+        if world is None:
+            return {}
+        return {"platform": {"world": world.describe()}, "kv": {"ranks": world.ranks}}
 
 
 def _seed_for(salt: int, request_id: str) -> int:
