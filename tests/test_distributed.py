@@ -161,3 +161,32 @@ def test_a_killed_rank_fails_every_request_and_the_worker_exits_non_zero(tiny_ll
     for message in errors.values():
         assert f"rank 1 (pid {follower}) exited with code -9 during step" in message, message
     assert code != 0 and elapsed < 20, (code, elapsed)
+
+
+def test_ranks_started_by_hand_join_through_a_hostfile(tiny_llama, tmp_path):
+    """The two-machine recipe on one machine: rank 1 started by hand with MLX_RANK and the
+    hostfile, rank 0 (the worker) given the same hostfile; rank 0 starts no process."""
+    from unikern.stages.execute.distributed import _free_ports
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
+    env = {**os.environ, "MLX_RANK": "1", "MLX_HOSTFILE": str(hostfile)}
+    follower = subprocess.Popen([sys.executable, "-m", "unikern.stages.execute.follower", "--backend", "ring"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    prompt = list(range(5, 40))
+    line = json.dumps({"op": "generate", "id": "a", "prompt_tokens": prompt, "max_tokens": 10})
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "unikern", "worker", "--model", tiny_llama, "--set", "execute.tensor_parallel=2",
+             "--set", f"execute.hostfile={hostfile}", "--set", f"kv.kv_budget_bytes={16 << 20}"],
+            input=line + "\n", capture_output=True, text=True, timeout=120,
+        )
+        assert follower.wait(30) == 0  # rank 0 told it to stop
+    finally:
+        follower.kill()
+        follower.wait()
+    assert done.returncode == 0, done.stderr[-2000:]
+    events = [json.loads(x) for x in done.stdout.splitlines()]
+    tokens = [e["token_id"] for e in events if e["event"] == "token"]
+    ok, note = compare_greedy(tokens, reference_greedy(tiny_llama, prompt, 10))
+    assert ok, note

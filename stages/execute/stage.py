@@ -86,7 +86,7 @@ class MLXExecuteStage(StageBase):
                 world = await thread.run(start_world, p.world_size, mode, p.distributed_backend, p.hostfile)
                 self.world = world
                 await thread.run(world.send, Init(msgspec.to_builtins(p)))
-            prepared = await thread.run(prepare_model, p, world, wiring)
+            prepared = await self._on_ranks(thread, world, prepare_model, p, world, wiring)
             loaded = prepared.loaded
             loaded.thread = thread
             self.loaded, self.wired = loaded, prepared.wired
@@ -100,7 +100,7 @@ class MLXExecuteStage(StageBase):
             pool = ctx.resource("kv").pool
             if world is not None:
                 await thread.run(world.send, pool_spec(pool))
-            runner = await thread.run(make_runner, prepared, pool)
+            runner = await self._on_ranks(thread, world, make_runner, prepared, pool)
             self.runner = runner
             execute = runner.execute
             if world is not None:
@@ -129,6 +129,15 @@ class MLXExecuteStage(StageBase):
                 await thread.aclose()
             elif world is None:
                 await thread.aclose()
+
+    async def _on_ranks(self, thread: ModelThread, world, fn, *args):
+        """thread.run(fn, *args); with several ranks, a failure that a lost rank explains names it."""
+        try:
+            return await thread.run(fn, *args)
+        except Exception as exc:
+            if world is None:
+                raise
+            raise await anyio.to_thread.run_sync(world.explain, exc) from exc
 
     async def _serve_world(self, ctx: StageContext, handle, world) -> None:
         """serve_inbox, while the ranks this process started are watched: a rank that exits,
