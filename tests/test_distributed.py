@@ -190,3 +190,30 @@ def test_ranks_started_by_hand_join_through_a_hostfile(tiny_llama, tmp_path):
     tokens = [e["token_id"] for e in events if e["event"] == "token"]
     ok, note = compare_greedy(tokens, reference_greedy(tiny_llama, prompt, 10))
     assert ok, note
+
+
+def test_an_operation_longer_than_a_frame_takes_a_second_collective():
+    """What rank 0 sends is what a rank receives, past FRAME_BYTES too; callables stay home."""
+    from unikern import messages as m
+    from unikern.stages.execute.distributed import FRAME_BYTES, RunStep, World, for_the_wire
+
+    sums: list[bytes] = []
+
+    class Loopback(World):  # the collective of a world of one: rank 0's bytes come back
+        def _all_sum(self, data):
+            if isinstance(data, int):
+                return sums.pop(0)
+            sums.append(data)
+            return data
+
+    world = Loopback(group=None, backend="ring", rank=0, size=2, mode="tensor")
+    params = m.SamplingParams(max_tokens=4, response_format={"type": "json_object"})
+    work = tuple(m.SeqWork(f"r{i}", (1, 2, 3), 0, tuple(range(1000, 1600)), True, params, processors=(print,))
+                 for i in range(12))
+    step = m.Step(7, work, 1)
+    world.send(RunStep(for_the_wire(step), {"r0": 5}))
+    assert len(sums) == 2 and len(sums[0]) == FRAME_BYTES  # a frame, then the rest
+    got = world.receive()
+    assert got.seeds == {"r0": 5} and got.step.step_id == 7 and world.step_id == 7
+    assert got.step.work[3].block_table == tuple(range(1000, 1600)) and got.step.work[3].processors == ()
+    assert got.step.work[0].params.response_format == {"type": "json_object"}

@@ -119,10 +119,16 @@ class World:
     def stream(self) -> Any:
         return mx.cpu if self.backend in ("ring", "mpi") else mx.default_stream(mx.default_device())
 
-    def _all_sum(self, array: np.ndarray) -> np.ndarray:
-        out = mx.distributed.all_sum(mx.array(array), group=self.group, stream=self.stream)
+    def _all_sum(self, data: bytes | int) -> bytes:
+        """Sum bytes across ranks as int32 words (exact, and a type every backend sums):
+        rank 0 passes its bytes, the others the same length of zeros (an int)."""
+        length = data if isinstance(data, int) else len(data)
+        words = np.zeros(-(-length // 4), np.int32)
+        if not isinstance(data, int):
+            words.view(np.uint8)[:length] = np.frombuffer(data, np.uint8)
+        out = mx.distributed.all_sum(mx.array(words), group=self.group, stream=self.stream)
         mx.eval(out)
-        return np.array(out)
+        return np.array(out).view(np.uint8)[:length].tobytes()
 
     # ---- rank 0 -> every rank -------------------------------------------------------
 
@@ -131,30 +137,28 @@ class World:
         if isinstance(op, RunStep):
             self.step_id = op.step.step_id
         payload = msgspec.msgpack.encode(op)
-        frame = np.zeros(FRAME_BYTES, np.uint8)
-        frame[:8] = np.frombuffer(len(payload).to_bytes(8, "little"), np.uint8)
         head = payload[: FRAME_BYTES - 8]
-        frame[8 : 8 + len(head)] = np.frombuffer(head, np.uint8)
-        self._all_sum(frame)
+        self._all_sum(len(payload).to_bytes(8, "little") + head + bytes(FRAME_BYTES - 8 - len(head)))
         if len(payload) > len(head):
-            self._all_sum(np.frombuffer(payload[len(head) :], np.uint8).copy())
+            self._all_sum(payload[len(head) :])
 
     def receive(self) -> RankOp:
         """Other ranks: the next operation rank 0 sends (blocks until it does)."""
-        frame = self._all_sum(np.zeros(FRAME_BYTES, np.uint8))
-        length = int.from_bytes(frame[:8].tobytes(), "little")
-        payload = frame[8 : 8 + min(length, FRAME_BYTES - 8)].tobytes()
+        frame = self._all_sum(FRAME_BYTES)
+        length = int.from_bytes(frame[:8], "little")
+        payload = frame[8 : 8 + min(length, FRAME_BYTES - 8)]
         if length > len(payload):
-            payload += self._all_sum(np.zeros(length - len(payload), np.uint8)).tobytes()
+            payload += self._all_sum(length - len(payload))
         return _decoder.decode(payload)
 
     def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's `mine` (JSON, under STATS_BYTES), in rank order, on every rank."""
-        rows = np.zeros((self.size, STATS_BYTES), np.uint8)
+        rows = bytearray(self.size * STATS_BYTES)
         data = json.dumps(mine).encode()[:STATS_BYTES]
-        rows[self.rank, : len(data)] = np.frombuffer(data, np.uint8)
-        summed = self._all_sum(rows)
-        return [json.loads(bytes(r).rstrip(b"\0") or b"{}") for r in summed]
+        rows[self.rank * STATS_BYTES : self.rank * STATS_BYTES + len(data)] = data
+        summed = self._all_sum(bytes(rows))
+        rows_out = [summed[r * STATS_BYTES : (r + 1) * STATS_BYTES] for r in range(self.size)]
+        return [json.loads(r.rstrip(b"\0") or b"{}") for r in rows_out]
 
     # ---- rank 0: watching the others ----------------------------------------------------
 
@@ -346,8 +350,9 @@ def _spawn_local(size: int, backend: str, env: dict[str, str]) -> tuple[str | No
     followers = []
     for rank in range(1, size):
         child = {**env, **common, "MLX_RANK": str(rank), "UNIKERN_RANK0_PID": str(os.getpid())}
-        if backend == "nccl":
-            child["CUDA_VISIBLE_DEVICES"] = str(rank)
+        if backend == "nccl":  # one GPU per rank: the rank-th of those this process may see
+            visible = env.get("CUDA_VISIBLE_DEVICES", "").split(",") if env.get("CUDA_VISIBLE_DEVICES") else None
+            child["CUDA_VISIBLE_DEVICES"] = visible[rank] if visible and rank < len(visible) else str(rank)
         process = subprocess.Popen(
             [sys.executable, "-m", FOLLOWER_MODULE, "--backend", backend],
             env=child, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
