@@ -5,8 +5,10 @@ send/recv) combine the ranks' work; this module only keeps the ranks in step."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -34,6 +36,8 @@ FOLLOWER_MODULE = "unikern.stages.execute.follower"
 # MLX keeps the group of its first successful init for the life of the process: a second
 # init hands back that group, whose peers may be gone. So one world per process.
 _worlds_started = 0
+JOIN_WAIT_S = 300.0  # a rank started here must import MLX and reach init within this
+INIT_GUARD_S = 120.0  # then init must finish within this, or the process ends (exit 1)
 
 
 class RankLost(UnikernError):
@@ -177,11 +181,13 @@ class World:
     def explain(self, exc: BaseException, wait_s: float = 3.0) -> BaseException:
         """A collective failed on rank 0: if a follower died, the error names it (its exit
         may take a moment to be reaped); otherwise the original error stands."""
+        if isinstance(exc, RankLost):
+            return exc
         deadline = time.monotonic() + wait_s
         while True:
             why = self.lost()
             if why is not None:
-                return RankLost(f"{why}; the ring backend said: {exc}")
+                return RankLost(f"{why}; the {self.backend} backend said: {exc}")
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
@@ -194,7 +200,7 @@ class World:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Rank 0: tell every rank to exit, then wait for the followers it started."""
         self.stopping = True
-        if self.lost_any():
+        if self.lost_any() or self.group is None:
             self.kill()
             return
         try:
@@ -246,7 +252,7 @@ def resolve_backend(backend: str) -> str:
 
 
 def start_world(size: int, mode: str, backend: str, hostfile: str | None) -> World:
-    """Rank 0's world of `size` ranks. MLX_RANK in the environment (mlx.launch, or a rank
+    """Rank 0's world of `size` ranks, not connected yet (`connect`). MLX_RANK in the environment (mlx.launch, or a rank
     started by hand): join the world it describes. Otherwise, with a hostfile, wait for
     the other ranks to join; with none, start them here on loopback (ring) or on this
     host's GPUs (nccl)."""
@@ -275,26 +281,60 @@ def start_world(size: int, mode: str, backend: str, hostfile: str | None) -> Wor
             f"MLX_RANK={os.environ['MLX_RANK']}: the front door runs rank 0 only; start other ranks "
             f"with `python -m {FOLLOWER_MODULE}`"
         )
-    group = _init(backend)
-    if group.size() != size:
-        for f in followers:
-            if f.process is not None:
-                f.process.kill()
+    return World(None, backend, 0, size, mode, followers, hostfile)
+
+
+def connect(world: World) -> None:
+    """Rank 0: mx.distributed.init, which waits for every rank to connect, with no timeout
+    and no way to interrupt it: first each rank started here says that it is about to
+    connect (or is seen to exit: a clean error), then `init` runs under a native
+    watchdog, so a rank that dies in between cannot hold rank 0 for good."""
+    for f in world.followers:
+        _wait_until_joining(world, f)
+    group = _init(world.backend, guard_s=INIT_GUARD_S if world.followers and world.followers[0].process else None)
+    if group.size() != world.size:
+        world.kill()
         raise ConfigError(
-            f"execute: the {backend} world has {group.size()} ranks but tensor_parallel x pipeline_parallel "
-            f"asks for {size}; make the hostfile (or mlx.launch's host list) name {size} ranks"
+            f"execute: the {world.backend} world has {group.size()} ranks but tensor_parallel x pipeline_parallel "
+            f"asks for {world.size}; make the hostfile (or mlx.launch's host list) name {world.size} ranks"
         )
-    return World(group, backend, group.rank(), group.size(), mode, followers, hostfile)
+    world.group, world.rank = group, group.rank()
 
 
 def join_world(backend: str) -> World:
     """A follower's world, from the environment its launcher set."""
     backend = resolve_backend(backend)
-    group = _init(backend)
+    say_joining()
+    group = _init(backend, guard_s=INIT_GUARD_S if "UNIKERN_RANK0_PID" in os.environ else None)
     return World(group, backend, group.rank(), group.size(), "?")
 
 
-def _init(backend: str) -> Any:
+def _wait_until_joining(world: World, f: Follower) -> None:
+    if f.process is None:
+        return
+    deadline = time.monotonic() + JOIN_WAIT_S
+    while time.monotonic() < deadline:
+        if select.select([f.process.stdout], [], [], 0.1)[0] and f.process.stdout.readline():
+            return
+        if f.process.poll() is not None:
+            raise RankLost(f"rank {f.rank} (pid {f.pid}) exited with code {f.process.returncode} before joining")
+    world.kill()
+    raise RankLost(f"rank {f.rank} (pid {f.pid}) did not start within {JOIN_WAIT_S:.0f} s")
+
+
+def say_joining() -> None:
+    """A rank started by rank 0: tell it that init comes next (see `connect`)."""
+    if "UNIKERN_RANK0_PID" in os.environ:
+        sys.stdout.write("joining\n")
+        sys.stdout.flush()
+
+
+def _init(backend: str, guard_s: float | None = None) -> Any:
+    """mx.distributed.init; with `guard_s`, a native watchdog (faulthandler's thread needs
+    no GIL) ends the process with its tracebacks if init has not returned by then."""
+    if guard_s is not None:
+        log.info("distributed.init", backend=backend, guard_s=guard_s)
+        faulthandler.dump_traceback_later(guard_s, exit=True)
     try:
         return mx.distributed.init(strict=True, backend=backend)
     except RuntimeError as exc:
@@ -303,6 +343,9 @@ def _init(backend: str) -> Any:
             f"(a JSON list of [\"ip:port\"] per rank) and MLX_RANK; nccl needs NCCL_HOST_IP, NCCL_PORT, "
             f"MLX_WORLD_SIZE and MLX_RANK"
         ) from exc
+    finally:
+        if guard_s is not None:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def _check_hostfile(path: str, size: int, backend: str) -> None:
@@ -355,7 +398,7 @@ def _spawn_local(size: int, backend: str, env: dict[str, str]) -> tuple[str | No
             child["CUDA_VISIBLE_DEVICES"] = visible[rank] if visible and rank < len(visible) else str(rank)
         process = subprocess.Popen(
             [sys.executable, "-m", FOLLOWER_MODULE, "--backend", backend],
-            env=child, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            env=child, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,  # one line: "joining"
         )
         followers.append(Follower(rank, process, process.pid))
     os.environ.update({**common, "MLX_RANK": "0"})

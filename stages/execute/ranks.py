@@ -116,10 +116,12 @@ class RankZero:
         self.world.send(Release(keep))
         self._last_report = 0.0  # the pools changed: gather again after the next step
 
-    async def watch(self) -> str:
-        """Return why the world broke, once a rank this process started has exited."""
-        while True:
-            why = self.world.lost()
-            if why is not None:
-                return why
-            await anyio.sleep(WATCH_EVERY_S)
+
+async def watch_world(world: World) -> str:
+    """Rank 0, on the event loop: return why the world broke, once a rank this process
+    started has exited."""
+    while True:
+        why = world.lost()
+        if why is not None:
+            return why
+        await anyio.sleep(WATCH_EVERY_S)

@@ -12,14 +12,21 @@ import structlog
 from unikern import messages as m
 from unikern.platform.pinning import WeightWiring
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
-from unikern.stages.execute.distributed import Init, RankLost, start_world
-from unikern.stages.execute.ranks import RankZero, make_runner, pool_spec, prepare_model
+from unikern.stages.execute.distributed import Init, RankLost, connect, start_world
+from unikern.stages.execute.ranks import (
+    RankZero,
+    make_runner,
+    pool_spec,
+    prepare_model,
+    watch_world,
+)
 from unikern.stages.execute.thread import ModelThread
 from unikern.stages.models import DEFAULT_MODEL
 
 log = structlog.get_logger("unikern")
 
 STOP_WAIT_S = 15.0  # at shutdown, how long the other ranks get to stop
+LOST_WAIT_S = 3.0  # after a rank was lost, how long the model thread gets to come back
 
 
 class MLXExecuteParams(StageParams, frozen=True):
@@ -85,7 +92,8 @@ class MLXExecuteStage(StageBase):
                 mode = "tensor" if p.tensor_parallel > 1 else "pipeline"
                 world = await thread.run(start_world, p.world_size, mode, p.distributed_backend, p.hostfile)
                 self.world = world
-                await thread.run(world.send, Init(msgspec.to_builtins(p)))
+                await self._on_ranks(thread, world, connect, world)
+                await self._on_ranks(thread, world, world.send, Init(msgspec.to_builtins(p)))
             prepared = await self._on_ranks(thread, world, prepare_model, p, world, wiring)
             loaded = prepared.loaded
             loaded.thread = thread
@@ -99,13 +107,13 @@ class MLXExecuteStage(StageBase):
             await ctx.all_started()
             pool = ctx.resource("kv").pool
             if world is not None:
-                await thread.run(world.send, pool_spec(pool))
+                await self._on_ranks(thread, world, world.send, pool_spec(pool))
             runner = await self._on_ranks(thread, world, make_runner, prepared, pool)
             self.runner = runner
             execute = runner.execute
             if world is not None:
                 self.rank_zero = RankZero(world, runner)
-                await thread.run(self.rank_zero.report)
+                await self._on_ranks(thread, world, self.rank_zero.report)
                 execute = self.rank_zero.execute
             salt = p.seed
 
@@ -131,13 +139,32 @@ class MLXExecuteStage(StageBase):
                 await thread.aclose()
 
     async def _on_ranks(self, thread: ModelThread, world, fn, *args):
-        """thread.run(fn, *args); with several ranks, a failure that a lost rank explains names it."""
-        try:
+        """thread.run(fn, *args); with several ranks, while the ranks this process started
+        are watched (a collective waits forever on a rank that never comes), and with a
+        failure that a lost rank explains naming it."""
+        if world is None:
             return await thread.run(fn, *args)
-        except Exception as exc:
-            if world is None:
-                raise
-            raise await anyio.to_thread.run_sync(world.explain, exc) from exc
+        result: list = []
+        failure: list[BaseException] = []
+        async with anyio.create_task_group() as tg:
+
+            async def call() -> None:
+                try:
+                    result.append(await thread.run(fn, *args))
+                except Exception as exc:
+                    failure.append(await anyio.to_thread.run_sync(world.explain, exc))
+                tg.cancel_scope.cancel()
+
+            async def watch() -> None:
+                failure.append(RankLost(await watch_world(world)))
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(call)
+            tg.start_soon(watch)
+        if failure:
+            world.stopping = True
+            raise failure[0]
+        return result[0]
 
     async def _serve_world(self, ctx: StageContext, handle, world) -> None:
         """serve_inbox, while the ranks this process started are watched: a rank that exits,
@@ -146,7 +173,7 @@ class MLXExecuteStage(StageBase):
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
-                failure.append(RankLost(await self.rank_zero.watch()))
+                failure.append(RankLost(await watch_world(world)))
                 tg.cancel_scope.cancel()
 
             tg.start_soon(watch)
@@ -163,12 +190,13 @@ class MLXExecuteStage(StageBase):
         """Stop the other ranks; True once the model thread is free (it may be stuck in a
         collective whose peer is gone, where only ending the process frees it)."""
         with anyio.CancelScope(shield=True):
-            if world.lost_any() or world.stopping:
+            lost = world.lost_any() or world.stopping
+            if lost:
                 await anyio.to_thread.run_sync(world.kill)
-            with anyio.move_on_after(STOP_WAIT_S):
+            with anyio.move_on_after(LOST_WAIT_S if lost else STOP_WAIT_S):
                 await thread.run(world.stop)
                 return True
-        log.error("execute.model_thread_stuck", seconds=STOP_WAIT_S,
+        log.error("execute.model_thread_stuck",
                   hint="a collective is still waiting on a lost rank; the process must exit")
         return False
 
