@@ -66,7 +66,7 @@ async def main():
         async with anyio.create_task_group() as tg:
             for i in range(len(batch)):
                 tg.start_soon(one, i)
-        time.sleep(1.1)  # per-rank figures are gathered after a step at most once a second
+        time.sleep(0.3)  # per-rank figures are gathered after a step at most every 0.25 s
         await engine.complete(prompt_tokens=[5, 6, 7], max_tokens=2)
         stats = engine.stats()
     print(json.dumps({"warm": warm.token_ids, "tokens": [r.token_ids for r in results],
@@ -217,3 +217,15 @@ def test_an_operation_longer_than_a_frame_takes_a_second_collective():
     assert got.seeds == {"r0": 5} and got.step.step_id == 7 and world.step_id == 7
     assert got.step.work[3].block_table == tuple(range(1000, 1600)) and got.step.work[3].processors == ()
     assert got.step.work[0].params.response_format == {"type": "json_object"}
+
+
+def test_the_kv_tiers_are_refused_with_several_ranks():
+    """Tier moves read and write rank 0's pool only: refused at start-up, by name."""
+    from types import SimpleNamespace
+
+    from unikern.errors import ConfigError
+    from unikern.stages.tiers.disk.service import refuse_several_ranks
+
+    refuse_several_ranks(SimpleNamespace(world=None), "disk_tier")  # one rank: fine
+    with pytest.raises(ConfigError, match=r"offload_mover: the KV tiers do not run with several ranks.*give 2"):
+        refuse_several_ranks(SimpleNamespace(world=SimpleNamespace(size=2)), "offload_mover")

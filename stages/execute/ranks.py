@@ -29,7 +29,7 @@ from unikern.stages.execute.model import LoadedModel, load_model
 from unikern.stages.execute.runner import ModelRunner, warm_up
 from unikern.stages.kv.pool import KVPool
 
-REPORT_EVERY_S = 1.0  # per-rank stats are gathered after a step at most this often
+REPORT_EVERY_S = 0.25  # per-rank stats are gathered after a step at most this often
 WATCH_EVERY_S = 0.1  # how often rank 0 polls the ranks it started
 
 
