@@ -216,7 +216,7 @@ class World:
             except subprocess.TimeoutExpired:
                 f.process.kill()
                 f.process.wait()
-        self._remove_hostfile()
+        self._release_followers()
 
     def lost_any(self) -> bool:
         return any(f.process is not None and f.process.poll() is not None for f in self.followers)
@@ -228,9 +228,12 @@ class World:
             if f.process is not None and f.process.poll() is None:
                 f.process.kill()
                 f.process.wait()
-        self._remove_hostfile()
+        self._release_followers()
 
-    def _remove_hostfile(self) -> None:
+    def _release_followers(self) -> None:
+        for f in self.followers:
+            if f.process is not None and f.process.stdout is not None:
+                f.process.stdout.close()
         if self.hostfile and self.hostfile.startswith(tempfile.gettempdir()) and os.path.exists(self.hostfile):
             os.unlink(self.hostfile)
 
