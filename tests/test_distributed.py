@@ -111,16 +111,16 @@ def test_two_ranks_match_one(family, mode, model_dir):
 @pytest.mark.anyio
 async def test_one_world_per_process(tiny_llama):
     """MLX keeps its first group for the process: a second world is refused, by reason."""
-    from unikern.stages.execute import distributed
+    from unikern.stages.execute import launch
 
-    distributed._worlds_started, before = 1, distributed._worlds_started
+    launch._worlds_started, before = 1, launch._worlds_started
     try:
         with pytest.raises(unikern.UnikernError, match="in a process of its own"):
             async with unikern.Engine.from_pipeline("generate", model=tiny_llama,
                                                     overrides={"execute": {"tensor_parallel": 2}}):
                 pass
     finally:
-        distributed._worlds_started = before
+        launch._worlds_started = before
 
 
 def test_a_killed_rank_fails_every_request_and_the_worker_exits_non_zero(tiny_llama):
@@ -166,7 +166,7 @@ def test_a_killed_rank_fails_every_request_and_the_worker_exits_non_zero(tiny_ll
 def test_ranks_started_by_hand_join_through_a_hostfile(tiny_llama, tmp_path):
     """The two-machine recipe on one machine: rank 1 started by hand with MLX_RANK and the
     hostfile, rank 0 (the worker) given the same hostfile; rank 0 starts no process."""
-    from unikern.stages.execute.distributed import _free_ports
+    from unikern.stages.execute.launch import _free_ports
 
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
@@ -186,6 +186,7 @@ def test_ranks_started_by_hand_join_through_a_hostfile(tiny_llama, tmp_path):
         follower.kill()
         follower.wait()
     assert done.returncode == 0, done.stderr[-2000:]
+    assert hostfile.exists()  # the user's file: rank 0 removes only the loopback files it wrote
     events = [json.loads(x) for x in done.stdout.splitlines()]
     tokens = [e["token_id"] for e in events if e["event"] == "token"]
     ok, note = compare_greedy(tokens, reference_greedy(tiny_llama, prompt, 10))

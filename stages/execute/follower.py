@@ -25,8 +25,8 @@ from unikern.stages.execute.distributed import (
     Report,
     RunStep,
     Stop,
-    join_world,
 )
+from unikern.stages.execute.launch import join_world
 from unikern.stages.execute.ranks import local_stats, make_runner, pool_like, prepare_model
 
 log = structlog.get_logger("unikern")

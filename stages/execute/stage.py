@@ -12,7 +12,8 @@ import structlog
 from unikern import messages as m
 from unikern.platform.pinning import WeightWiring
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
-from unikern.stages.execute.distributed import Init, RankLost, connect, start_world
+from unikern.stages.execute.distributed import Init, RankLost
+from unikern.stages.execute.launch import connect, start_world
 from unikern.stages.execute.ranks import (
     RankZero,
     make_runner,
