@@ -22,6 +22,8 @@ MODELS = {
     "qwen3": dict(family="qwen3", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   intermediate_size=192, vocab_size=1024, dtype="float32", tie_word_embeddings=False, seed=0),
 }
+# ring on this CPU; on a 2-GPU machine UNIKERN_TEST_BACKEND=nccl runs the same checks over NCCL
+BACKEND = os.environ.get("UNIKERN_TEST_BACKEND", "ring")
 GEOMETRY = {"llama": (4, 2, 32), "qwen3": (2, 2, 16)}  # layers, kv heads, head dim
 BLOCK = 16
 MAX_TOKENS = 12
@@ -45,7 +47,7 @@ def overrides(family: str, mode: str, num_blocks: int) -> dict:
     return {
         "kv": {"kv_budget_bytes": num_blocks * bytes_per_block, "block_size": BLOCK, "kernel_block_size": BLOCK},
         "schedule": {"max_num_batched_tokens": 96, "decode_lookahead": 4},
-        "execute": {f"{mode}_parallel": 2},
+        "execute": {f"{mode}_parallel": 2, "distributed_backend": BACKEND},
     }
 
 
@@ -91,7 +93,7 @@ def test_two_ranks_match_one(family, mode, model_dir):
     out = run_engine(path, overrides(family, mode, 14), batch)
     stats = out["stats"]
     world = stats["platform"]["world"]
-    assert (world["backend"], world["size"], world["rank"], world["mode"]) == ("ring", 2, 0, mode)
+    assert (world["backend"], world["size"], world["rank"], world["mode"]) == (BACKEND, 2, 0, mode)
     ranks = stats["kv"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"]
     assert ranks[0]["pool_blocks"] == ranks[1]["pool_blocks"] == stats["kv"]["blocks_total"] + 2  # + 2 reserved
