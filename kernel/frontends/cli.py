@@ -53,6 +53,16 @@ def _engine_factory(args: argparse.Namespace):
     return lambda: Engine(spec)
 
 
+def _follow(args: argparse.Namespace) -> int:
+    """Serve as a rank other than 0 (MLX_RANK=k): rank 0, the same command, sends the rest."""
+    from unikern.spec import load_pipeline, parse_overrides
+    from unikern.stages.execute.follower import main as follower_main
+
+    spec = load_pipeline(args.pipeline, model=args.model, overrides=parse_overrides(args.overrides))
+    backends = [s.params.get("distributed_backend", "auto") for s in spec.stages.values() if s.type == "mlx_execute"]
+    return follower_main(["--backend", backends[0] if backends else "auto", "--log-level", args.log_level])
+
+
 def _serve(args: argparse.Namespace) -> int:
     from unikern.engine import Engine
     from unikern.frontends.http.params import server_params
@@ -113,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             load_pipeline(args.pipeline)
             print("ok")
             return 0
+        if args.command in ("run", "worker", "serve") and os.environ.get("MLX_RANK", "0") != "0":
+            return _follow(args)  # started by mlx.launch as a rank other than 0
         if args.command == "run":
             return anyio.run(_run, args)
         if args.command == "worker":

@@ -73,7 +73,8 @@ def _layers(model: Any) -> list[Any]:
     layers = getattr(model, "layers", None)
     if layers is None:
         layers = getattr(getattr(model, "model", None), "layers", None)
-    return list(layers or [])
+    # a pipeline rank's layers come wrapped (sharding.PipelineBlock): swap inside them
+    return [layer.block if getattr(layer, "pipelined", False) else layer for layer in layers or []]
 
 
 def _swap_mlp(layer: Any, hidden: int) -> bool:

@@ -110,16 +110,30 @@ class LoadedModel:
     context_length: int
     thread: ModelThread
     weights: list[mx.array]
+    # several ranks (execute.tensor_parallel / pipeline_parallel): this rank's shard; the
+    # geometry above is this rank's (its kv heads or its layers)
+    world: Any = None  # distributed.World | None
 
 
-def load_model(name: str) -> LoadedModel:
+def load_model(name: str, world: Any = None) -> LoadedModel:
+    """Load with mlx-lm; with a world of several ranks, keep this rank's shard only
+    (loaded lazily, so only the shard's weights are ever read)."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     path = resolve_model_path(name)
-    model, config = mlx_lm_load_model(path)
+    sharded = world is not None and world.size > 1
+    model, config = mlx_lm_load_model(path, lazy=sharded)
+    family = str(config.get("model_type", path.name))
+    if sharded:
+        from unikern.stages.execute.sharding import shard_tensor_parallel, split_layers
+
+        if world.mode == "tensor":
+            shard_tensor_parallel(model, config, world.group, family)
+        else:
+            split_layers(model, world.group, family)
     weights = [w for _, w in tree_flatten(model.parameters())]
     mx.eval(weights)
-    geometry = ModelGeometry(model, str(config.get("model_type", path.name)))
+    geometry = ModelGeometry(model, family)
     digest = hashlib.blake2b(digest_size=16)
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     digest.update(str(geometry.dtype).encode())
@@ -138,4 +152,5 @@ def load_model(name: str) -> LoadedModel:
         context_length=context,
         thread=None,  # set by the stage
         weights=weights,
+        world=world if sharded else None,
     )

@@ -5,19 +5,30 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Literal
 
+import anyio
+import msgspec
 import structlog
 
 from unikern import messages as m
-from unikern.platform import current_platform, shared_bridge
+from unikern.errors import ConfigError
 from unikern.platform.pinning import WeightWiring
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
-from unikern.stages.execute.model import load_model
-from unikern.stages.execute.quantized import AUTO_ROWS, route_quantized_layers
-from unikern.stages.execute.runner import ModelRunner, warm_up
+from unikern.stages.execute.distributed import Init, RankLost
+from unikern.stages.execute.launch import connect, start_world
+from unikern.stages.execute.ranks import (
+    RankZero,
+    make_runner,
+    pool_spec,
+    prepare_model,
+    watch_world,
+)
 from unikern.stages.execute.thread import ModelThread
 from unikern.stages.models import DEFAULT_MODEL
 
 log = structlog.get_logger("unikern")
+
+STOP_WAIT_S = 15.0  # at shutdown, how long the other ranks get to stop
+LOST_WAIT_S = 3.0  # after a rank was lost, how long the model thread gets to come back
 
 
 class MLXExecuteParams(StageParams, frozen=True):
@@ -42,12 +53,34 @@ class MLXExecuteParams(StageParams, frozen=True):
     # and run a plain matmul, since MLX's CPU and CUDA quantized kernels cost a row's time
     # per row (quantized.AUTO_ROWS); "auto": 8 on CPU and CUDA, off on Metal
     dequantize_rows: int | Literal["auto", "never"] = "auto"
+    # several ranks through mx.distributed (stages/execute/distributed.py): attention
+    # heads and MLP columns split across ranks (mlx-lm's Model.shard), or the layers
+    # split (pipeline); one of the two at a time. Rank 0 runs the whole pipeline.
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    # "auto": nccl on a CUDA GPU, ring otherwise
+    distributed_backend: Literal["auto", "ring", "nccl", "mpi", "jaccl"] = "auto"
+    # ranks on several machines: MLX's hostfile (ring: a JSON list of ["ip:port"] per
+    # rank, rank 0 first), the other ranks started with MLX_RANK=k (mlx.launch or by
+    # hand); none: the other ranks are started here, on loopback
+    hostfile: str | None = None
 
     def validate(self) -> list[str]:
-        problems = super().validate()
+        problems = []
         if isinstance(self.dequantize_rows, int) and self.dequantize_rows < 1:
             problems.append(f"dequantize_rows: must be >= 1, \"auto\" or \"never\", got {self.dequantize_rows}")
+        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
+            problems.append("tensor_parallel: tensor_parallel and pipeline_parallel must be >= 1")
+        elif self.tensor_parallel > 1 and self.pipeline_parallel > 1:
+            problems.append(
+                f"tensor_parallel: {self.tensor_parallel} with pipeline_parallel {self.pipeline_parallel}: "
+                f"one of the two at a time (set the other to 1)"
+            )
         return problems
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
 
 
 class MLXExecuteStage(StageBase):
@@ -58,35 +91,47 @@ class MLXExecuteStage(StageBase):
     uses = ("kv",)  # the pool, whose service starts after the model exists
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
+        p = self.params
         thread = ModelThread()
         wiring = WeightWiring()
+        world = None
         try:
-            loaded = await thread.run(load_model, self.params.model)
+            if p.world_size > 1:
+                mode = "tensor" if p.tensor_parallel > 1 else "pipeline"
+                world = await thread.run(start_world, p.world_size, mode, p.distributed_backend, p.hostfile)
+                self.world = world
+                await self._on_ranks(thread, world, connect, world)
+                await self._on_ranks(thread, world, world.send, Init(msgspec.to_builtins(p)))
+            prepared = await self._on_ranks(thread, world, prepare_model, p, world, wiring)
+            loaded = prepared.loaded
             loaded.thread = thread
-            self.loaded = loaded
-            self.wired = await thread.run(wiring.wire, loaded.weights, self.params.wire_weights)
-            backend = current_platform().backend
-            on_cpu = backend == "cpu"
-            rows = self.params.dequantize_rows
-            rows = AUTO_ROWS.get(backend) if rows == "auto" else None if rows == "never" else rows
-            self.quantized = {"dequantize_rows": rows,
-                              "routed_layers": await thread.run(route_quantized_layers, loaded.model, rows)}
-            kernels = self.params.cpu_kernels and on_cpu
-            compile_decode = _switch(self.params.compile_decode, auto=not on_cpu)
-            if _switch(self.params.warmup, auto=not on_cpu):
-                self.warmup = await thread.run(warm_up, loaded.model, loaded.geometry, kernels, compile_decode)
+            self.loaded, self.wired = loaded, prepared.wired
+            self.quantized = prepared.quantized
+            if prepared.warmup is not None:
+                self.warmup = prepared.warmup
                 log.info("execute.warmed_up", **self.warmup)
             ctx.provide("model", loaded)
             task_status.started()
 
             await ctx.all_started()
             kv = ctx.resource("kv")
-            runner = await thread.run(
-                ModelRunner, loaded.model, kv.pool, shared_bridge(), kernels, compile_decode, loaded.geometry,
-                kv.window_pool, kv.states,
-            )
+            if world is not None:
+                if kv.window_pool is not None or kv.states is not None:
+                    raise ConfigError(
+                        f"execute.{'tensor' if p.tensor_parallel > 1 else 'pipeline'}_parallel: several ranks "
+                        f"serve models with one attention-layer group and no recurrent layers so far, and "
+                        f"{loaded.name} has {'windowed layers with block tables of their own' if kv.states is None else 'recurrent layers'}; "
+                        f"run it on one rank (tensor_parallel: 1, pipeline_parallel: 1)"
+                    )
+                await self._on_ranks(thread, world, world.send, pool_spec(kv.pool))
+            runner = await self._on_ranks(thread, world, make_runner, prepared, kv.pool, kv.window_pool, kv.states)
             self.runner = runner
-            salt = self.params.seed
+            execute = runner.execute
+            if world is not None:
+                self.rank_zero = RankZero(world, runner)
+                await self._on_ranks(thread, world, self.rank_zero.report)
+                execute = self.rank_zero.execute
+            salt = p.seed
 
             async def handle(step: m.Step) -> None:
                 seeds = {
@@ -96,12 +141,80 @@ class MLXExecuteStage(StageBase):
                 }
                 # a request's own failure (processor, grammar) comes back in StepDone.failed;
                 # an exception here is the stage's and fails every request
-                await ctx.send(await thread.run(runner.execute, step, seeds))
+                await ctx.send(await thread.run(execute, step, seeds))
 
-            await serve_inbox(ctx, handle)
+            if world is None:
+                await serve_inbox(ctx, handle)
+            else:
+                await self._serve_world(ctx, handle, world)
         finally:
             wiring.unwire()
-            await thread.aclose()
+            if world is not None and await self._stop_world(thread, world):
+                await thread.aclose()
+            elif world is None:
+                await thread.aclose()
+
+    async def _on_ranks(self, thread: ModelThread, world, fn, *args):
+        """thread.run(fn, *args); with several ranks, while the ranks this process started
+        are watched (a collective waits forever on a rank that never comes), and with a
+        failure that a lost rank explains naming it."""
+        if world is None:
+            return await thread.run(fn, *args)
+        result: list = []
+        failure: list[BaseException] = []
+        async with anyio.create_task_group() as tg:
+
+            async def call() -> None:
+                try:
+                    result.append(await thread.run(fn, *args))
+                except Exception as exc:
+                    failure.append(await anyio.to_thread.run_sync(world.explain, exc))
+                tg.cancel_scope.cancel()
+
+            async def watch() -> None:
+                failure.append(RankLost(await watch_world(world)))
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(call)
+            tg.start_soon(watch)
+        if failure:
+            world.stopping = True
+            raise failure[0]
+        return result[0]
+
+    async def _serve_world(self, ctx: StageContext, handle, world) -> None:
+        """serve_inbox, while the ranks this process started are watched: a rank that exits,
+        or a collective that fails, ends the stage with an error naming the rank."""
+        failure: list[BaseException] = []
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                failure.append(RankLost(await watch_world(world)))
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                await serve_inbox(ctx, handle)
+            except Exception as exc:
+                failure.append(await anyio.to_thread.run_sync(world.explain, exc))
+            tg.cancel_scope.cancel()
+        if failure:
+            world.stopping = True
+            raise failure[0]
+
+    async def _stop_world(self, thread: ModelThread, world) -> bool:
+        """Stop the other ranks; True once the model thread is free (it may be stuck in a
+        collective whose peer is gone, where only ending the process frees it)."""
+        with anyio.CancelScope(shield=True):
+            lost = world.lost_any() or world.stopping
+            if lost:
+                await anyio.to_thread.run_sync(world.kill)
+            with anyio.move_on_after(LOST_WAIT_S if lost else STOP_WAIT_S):
+                await thread.run(world.stop)
+                return True
+        log.error("execute.model_thread_stuck",
+                  hint="a collective is still waiting on a lost rank; the process must exit")
+        return False
 
     def stats(self) -> dict[str, Any]:
         loaded = getattr(self, "loaded", None)
@@ -120,12 +233,14 @@ class MLXExecuteStage(StageBase):
                 "cache_resets": compiled.resets if compiled else 0,
             },
             "warmup": getattr(self, "warmup", {"ran": False}),
+            **self._world_stats(),
         }
 
-
-def _switch(setting: str, *, auto: bool) -> bool:
-    """An "auto" | "always" | "never" parameter, with what auto means here."""
-    return {"always": True, "never": False}.get(setting, auto)
+    def _world_stats(self) -> dict[str, Any]:
+        world = getattr(self, "world", None)
+        if world is None:
+            return {}
+        return {"platform": {"world": world.describe()}, "kv": {"ranks": world.ranks}}
 
 
 def _seed_for(salt: int, request_id: str) -> int:

@@ -4,7 +4,7 @@ sequence's keys and values live, addressed by block tables instead of per-sequen
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import mlx.core as mx
 import numpy as np
@@ -90,6 +90,8 @@ class KVPool:
         self.relocations = 0  # arrays found at a new address: MLX copied instead of writing in place
         self.uses = 0  # ensure_capacity calls: one per step that writes, watched for idleness
         self._addresses: list[int] = []  # each array's buffer (cpu), read on the model thread
+        # several ranks: called with `keep` before a release, so every rank's pool gives back the same blocks
+        self.on_release: Callable[[list[int]], None] | None = None
         self._array_bytes = 0
         if self.reserved:
             self._reserve()
@@ -189,6 +191,8 @@ class KVPool:
         """Give back the memory of every block not in `keep`; those blocks read as zeros
         afterwards. Only while nothing writes them: the caller holds the books idle and
         runs this on the model thread. Returns the committed bytes given back."""
+        if self.on_release is not None:
+            self.on_release(sorted(set(keep)))
         if not self.reserved:
             return self._shrink_to(max(keep, default=-1) + 1)
         if not self.releases_pages:

@@ -16,6 +16,7 @@ from unikern import messages as m
 from unikern.platform import shared_bridge
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
 from unikern.stages.tiers.block_io import BlockLayout, copy_in, copy_out, tier_pools
+from unikern.stages.tiers.disk.service import refuse_several_ranks
 from unikern.stages.tiers.queue import Job, OffloadQueue
 from unikern.stages.tiers.state_io import StateLayout, copy_state_in, copy_state_out
 
@@ -79,6 +80,7 @@ class OffloadMoverStage(StageBase):
     requires = ("kv", "model", "disk")
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
+        refuse_several_ranks(ctx.resource("model"), "offload_mover")
         kv = ctx.resource("kv")
         self.pool = tier_pools(kv)  # both groups' pools when split, as one
         self.states = kv.states

@@ -207,6 +207,16 @@ def open_disk_tier(
     return DiskTier(store, layout, lock, state_layout)
 
 
+def refuse_several_ranks(loaded, member: str) -> None:
+    """Tier moves read and write one rank's pool; the other ranks' shards do not follow them yet."""
+    world = getattr(loaded, "world", None)
+    if world is not None:
+        raise ConfigError(
+            f"{member}: the KV tiers do not run with several ranks yet (execute.tensor_parallel / "
+            f"pipeline_parallel give {world.size}); use the `generate` pipeline, or one rank"
+        )
+
+
 class DiskTierStage(ServiceBase):
     Params = DiskTierParams
     requires = ("model", "kv")
@@ -214,6 +224,7 @@ class DiskTierStage(ServiceBase):
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
         loaded = ctx.resource("model")
+        refuse_several_ranks(loaded, "disk_tier")
         kv = ctx.resource("kv")
         layout = BlockLayout.of(tier_pools(kv))  # both layer groups' pools, if split
         state_layout = StateLayout.of(kv.states) if kv.states is not None else None

@@ -1,0 +1,133 @@
+"""What every rank does alike (load its shard, wire it, warm up, build its pool and runner,
+in the same order, since each may run the model's collectives), and rank 0's side of
+the world: each step sent to the ranks before it runs, their pool figures gathered,
+their processes watched from the event loop."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import psutil
+
+from unikern import messages as m
+from unikern.platform import current_platform, shared_bridge
+from unikern.platform.pinning import WeightWiring, WiredReport
+from unikern.stages.execute.distributed import (
+    MakeRunner,
+    Release,
+    Report,
+    RunStep,
+    World,
+    for_the_wire,
+)
+from unikern.stages.execute.model import LoadedModel, load_model
+from unikern.stages.execute.quantized import AUTO_ROWS, route_quantized_layers
+from unikern.stages.execute.runner import ModelRunner, warm_up
+from unikern.stages.kv.pool import KVPool
+
+REPORT_EVERY_S = 0.25  # per-rank stats are gathered after a step at most this often
+WATCH_EVERY_S = 0.1  # how often rank 0 polls the ranks it started
+
+
+def switch(setting: str, *, auto: bool) -> bool:
+    """An "auto" | "always" | "never" parameter, with what auto means here."""
+    return {"always": True, "never": False}.get(setting, auto)
+
+
+@dataclass
+class Prepared:
+    loaded: LoadedModel
+    wired: WiredReport
+    kernels: bool
+    compile_decode: bool
+    warmup: dict[str, Any] | None
+    quantized: dict[str, Any]
+
+
+def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Prepared:
+    """Load (this rank's shard of) the model, wire it and warm it up: on the model thread."""
+    loaded = load_model(params.model, world)
+    wired = wiring.wire(loaded.weights, params.wire_weights)
+    backend = current_platform().backend
+    on_cpu = backend == "cpu"
+    rows = {"auto": AUTO_ROWS.get(backend), "never": None}.get(params.dequantize_rows, params.dequantize_rows)
+    quantized = {"dequantize_rows": rows, "routed_layers": route_quantized_layers(loaded.model, rows)}
+    kernels = params.cpu_kernels and on_cpu
+    # a pipeline rank evaluates inside each forward (sharding.PipelineBlock): no trace
+    pipelined = world is not None and world.mode == "pipeline"
+    compile_decode = switch(params.compile_decode, auto=not on_cpu) and not pipelined
+    warmup = None
+    if switch(params.warmup, auto=not on_cpu):
+        warmup = warm_up(loaded.model, loaded.geometry, kernels, compile_decode)
+    return Prepared(loaded, wired, kernels, compile_decode, warmup, quantized)
+
+
+def pool_spec(pool: KVPool) -> MakeRunner:
+    return MakeRunner(pool.block_size, pool.kernel_block_size, pool.num_blocks, pool.slab_blocks, pool.eager,
+                      pool.fill_value)
+
+
+def pool_like(spec: MakeRunner, loaded: LoadedModel) -> KVPool:
+    """A follower's pool: rank 0's sizes (the same block ids everywhere), this rank's geometry."""
+    g = loaded.geometry
+    return KVPool(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, dtype=g.dtype,
+                  block_size=spec.block_size, kernel_block_size=spec.kernel_block_size, num_blocks=spec.num_blocks,
+                  slab_blocks=spec.slab_blocks, eager=spec.eager, fill_value=spec.fill_value)
+
+
+def make_runner(prepared: Prepared, pool: KVPool, window_pool: KVPool | None = None,
+                states: Any = None) -> ModelRunner:
+    return ModelRunner(prepared.loaded.model, pool, shared_bridge(), prepared.kernels, prepared.compile_decode,
+                       prepared.loaded.geometry, window_pool, states)
+
+
+def local_stats(world: World, pool: KVPool | None) -> dict[str, Any]:
+    """This rank's figures for `stats.kv.ranks`."""
+    row: dict[str, Any] = {"rank": world.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                           "rss_bytes": psutil.Process().memory_info().rss}
+    if pool is not None:
+        row.update(num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads, pool_blocks=pool.num_blocks,
+                   blocks_allocated=pool.committed_blocks(), resident_bytes=pool.resident_bytes)
+    return row
+
+
+class RankZero:
+    """Rank 0's side of a world of several ranks. `execute`, `report` and `release` run on
+    the model thread; `watch` on the event loop."""
+
+    def __init__(self, world: World, runner: ModelRunner) -> None:
+        self.world = world
+        self.runner = runner
+        self._last_report = 0.0
+        runner.pool.on_release = self._release
+
+    def execute(self, step: m.Step, seeds: dict[str, int]) -> m.StepDone:
+        self.world.send(RunStep(for_the_wire(step), seeds))
+        done = self.runner.execute(step, seeds)
+        if time.monotonic() - self._last_report >= REPORT_EVERY_S:
+            self.report()
+        return done
+
+    def report(self) -> None:
+        self.world.send(Report())
+        self.world.ranks = self.world.gather(local_stats(self.world, self.runner.pool))
+        self._last_report = time.monotonic()
+
+    def _release(self, keep: list[int]) -> None:
+        self.world.send(Release(keep))
+        self._last_report = 0.0  # the pools changed: gather again after the next step
+
+
+async def watch_world(world: World) -> str:
+    """Rank 0, on the event loop: return why the world broke, once a rank this process
+    started has exited."""
+    while True:
+        why = world.lost()
+        if why is not None:
+            return why
+        await anyio.sleep(WATCH_EVERY_S)
