@@ -232,3 +232,17 @@ def test_the_kv_tiers_are_refused_with_several_ranks():
     refuse_several_ranks(SimpleNamespace(world=None), "disk_tier")  # one rank: fine
     with pytest.raises(ConfigError, match=r"offload_mover: the KV tiers do not run with several ranks.*give 2"):
         refuse_several_ranks(SimpleNamespace(world=SimpleNamespace(size=2)), "offload_mover")
+
+
+def test_a_recurrent_model_is_refused_on_several_ranks():
+    """Followers build no state pool (nor a windowed layers' pool): a hybrid model on
+    several ranks is refused at start, by name, instead of running wrong."""
+    from unikern.testing.families import cached_family_model
+
+    path = str(cached_family_model("tiny-qwen3-next"))
+    overrides = {"execute": {"pipeline_parallel": 2, "distributed_backend": BACKEND}}
+    args = json.dumps([path, overrides, PREFIX, [[5, 6, 7]], 2])
+    done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, args], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "several ranks serve models with one attention-layer group and no recurrent layers" in done.stderr
+    assert "qwen3_next has ArraysCache layers" in done.stderr

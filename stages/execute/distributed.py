@@ -1,7 +1,8 @@
 """The execute stage over several ranks (`mx.distributed`): the world, each rank-0
 operation (a step, a pool release, a stats call) sent to every rank, and the rank that
-was lost, named (starting or joining a world: launch.py). The model's own collectives (mlx-lm's sharded layers, the pipeline's
-send/recv) combine the ranks' work; this module only keeps the ranks in step."""
+was lost, named (starting or joining a world: launch.py). The model's own collectives
+(mlx-lm's sharded layers, the pipeline's hops) combine the ranks' work; this module only
+keeps the ranks in step."""
 
 from __future__ import annotations
 

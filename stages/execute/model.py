@@ -125,8 +125,13 @@ def load_model(name: str, world: Any = None) -> LoadedModel:
     model, config = mlx_lm_load_model(path, lazy=sharded)
     family = str(config.get("model_type", path.name))
     if sharded:
-        from unikern.stages.execute.sharding import shard_tensor_parallel, split_layers
+        from unikern.stages.execute.sharding import (
+            refuse_unpaged_kinds,
+            shard_tensor_parallel,
+            split_layers,
+        )
 
+        refuse_unpaged_kinds(model, family, world.mode)
         if world.mode == "tensor":
             shard_tensor_parallel(model, config, world.group, family)
         else:

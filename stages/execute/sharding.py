@@ -1,7 +1,7 @@
 """A model cut for one rank: tensor parallel through mlx-lm's own `Model.shard` (heads
 and MLP columns split, its `all_sum`s combine them), or pipeline parallel by a generic
-split of `model.model.layers` (hidden states passed with send/recv, the last rank's
-output gathered to every rank so each computes the same logits)."""
+split of `model.model.layers` (hidden states passed rank to rank, the last layers'
+output sent to every rank so each computes the same logits, all by `all_sum`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,20 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from unikern.errors import ConfigError
+
+
+def refuse_unpaged_kinds(model: Any, family: str, mode: str) -> None:
+    """Several ranks serve models whose every layer is full attention (mlx-lm's KVCache):
+    the other ranks build neither a windowed layers' pool nor recurrent state slots."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)} - {"KVCache"})
+    if kinds:
+        raise ConfigError(
+            f"execute.{mode}_parallel: several ranks serve models with one attention-layer group and no "
+            f"recurrent layers so far, and {family} has {', '.join(kinds)} layers; run it on one rank "
+            f"(tensor_parallel: 1, pipeline_parallel: 1)"
+        )
 
 
 def shard_tensor_parallel(model: Any, config: dict, group: Any, family: str) -> None:
@@ -36,18 +50,32 @@ def shard_tensor_parallel(model: Any, config: dict, group: Any, family: str) -> 
     model.shard(group)
 
 
+def _hop(x: mx.array, mine: bool, group: Any) -> mx.array:
+    """One hop of the pipeline as an `all_sum` that every rank joins: the sender adds its
+    array, every other rank zeros, so each gets the sender's array exactly (x + 0 = x).
+    A collective, not send/recv, because MLX's CUDA backend has no send ("Send has no
+    CUDA implementation", MLX 0.32 with NCCL). Evaluated at once: a rank that only
+    passes a hop on discards its result, and the hops must run in the same order on
+    every rank."""
+    out = mx.distributed.all_sum(x if mine else mx.zeros(x.shape, x.dtype), group=group)
+    mx.eval(out)
+    return out
+
+
 class PipelineBlock(nn.Module):
-    """One layer of a pipeline rank, with the hops around it: receive the hidden state
-    from the rank before (first local layer), send it on and gather the last rank's
-    output everywhere (last local layer)."""
+    """One layer of a pipeline rank, with the hops around it. With N ranks, every forward
+    runs the same N - 1 hops (rank N-1's output to rank N-2, ..., rank 1's to rank 0)
+    and then rank 0's output to every rank, each hop on every rank (`_hop`): rank r
+    passes on the hops above r + 1 and receives r + 1's before its first layer, sends its
+    own after its last, then passes on the ones below."""
 
     pipelined = True
 
-    def __init__(self, block: nn.Module, receive_from: int | None, send_to: int | None, gather: bool, group: Any):
+    def __init__(self, block: nn.Module, first: bool, last: bool, group: Any):
         super().__init__()
         self.block = block
         # plain Python attributes, not module state: kept out of parameters()
-        object.__setattr__(self, "_hops", (receive_from, send_to, gather, group))
+        object.__setattr__(self, "_hops", (first, last, group))
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -59,17 +87,20 @@ class PipelineBlock(nn.Module):
             return getattr(block, name)
 
     def __call__(self, h: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-        receive_from, send_to, gather, group = self._hops
-        if receive_from is not None:
-            h = mx.distributed.recv_like(h, receive_from, group=group)
+        first, last, group = self._hops
+        size, rank = group.size(), group.rank()
+        if first:
+            for _ in range(size - 1, rank + 1, -1):  # hops between ranks above this one
+                _hop(h, False, group)
+            if rank < size - 1:  # rank + 1's output: this rank's input
+                h = _hop(h, False, group)
         out = self.block(h, *args, **kwargs)
-        if send_to is not None:
-            out = mx.distributed.send(out, send_to, group=group)
-        if gather:
-            out = mx.distributed.all_gather(out, group=group)[: out.shape[0]]
-            # evaluated here, so that every rank runs its send and the gather inside each
-            # forward, whatever the caller evaluates (only the pool's writes, a probe's cache)
-            mx.eval(out)
+        if last:
+            if rank > 0:  # this rank's output to rank - 1
+                _hop(out, True, group)
+            for _ in range(rank - 1, 0, -1):  # hops between ranks below this one
+                _hop(out, False, group)
+            out = _hop(out, rank == 0, group)  # rank 0 ran the last layers: its output to all
         return out
 
 
@@ -95,16 +126,7 @@ def split_layers(model: Any, group: Any, family: str) -> tuple[int, int]:
     end = start + split[rank]
     local = layers[start:end]
     last = len(local) - 1
-    inner.layers = [
-        PipelineBlock(
-            layer,
-            receive_from=rank + 1 if i == 0 and rank < size - 1 else None,
-            send_to=rank - 1 if i == last and rank > 0 else None,
-            gather=i == last,
-            group=group,
-        )
-        for i, layer in enumerate(local)
-    ]
+    inner.layers = [PipelineBlock(layer, first=i == 0, last=i == last, group=group) for i, layer in enumerate(local)]
     if hasattr(inner, "fa_idx"):
         inner.fa_idx = 0  # the mask comes from this rank's first cache (every layer full attention)
     if hasattr(inner, "num_hidden_layers"):

@@ -10,7 +10,6 @@ import msgspec
 import structlog
 
 from unikern import messages as m
-from unikern.errors import ConfigError
 from unikern.platform.pinning import WeightWiring
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
 from unikern.stages.execute.distributed import Init, RankLost
@@ -116,13 +115,6 @@ class MLXExecuteStage(StageBase):
             await ctx.all_started()
             kv = ctx.resource("kv")
             if world is not None:
-                if kv.window_pool is not None or kv.states is not None:
-                    raise ConfigError(
-                        f"execute.{'tensor' if p.tensor_parallel > 1 else 'pipeline'}_parallel: several ranks "
-                        f"serve models with one attention-layer group and no recurrent layers so far, and "
-                        f"{loaded.name} has {'windowed layers with block tables of their own' if kv.states is None else 'recurrent layers'}; "
-                        f"run it on one rank (tensor_parallel: 1, pipeline_parallel: 1)"
-                    )
                 await self._on_ranks(thread, world, world.send, pool_spec(kv.pool))
             runner = await self._on_ranks(thread, world, make_runner, prepared, kv.pool, kv.window_pool, kv.states)
             self.runner = runner
