@@ -118,11 +118,10 @@ class MLXExecuteStage(StageBase):
                 await self._on_ranks(thread, world, world.send, pool_spec(kv.pool))
             runner = await self._on_ranks(thread, world, make_runner, prepared, kv.pool, kv.window_pool, kv.states)
             self.runner = runner
-            execute = runner.execute
+            rank_zero = None
             if world is not None:
-                self.rank_zero = RankZero(world, runner)
-                await self._on_ranks(thread, world, self.rank_zero.report)
-                execute = self.rank_zero.execute
+                self.rank_zero = rank_zero = RankZero(world, runner)
+                await self._on_ranks(thread, world, rank_zero.report)
             salt = p.seed
 
             async def handle(step: m.Step) -> None:
@@ -133,6 +132,8 @@ class MLXExecuteStage(StageBase):
                 }
                 # a request's own failure (processor, grammar) comes back in StepDone.failed;
                 # an exception here is the stage's and fails every request
+                # looked up per step (one rank): a test may wrap the runner's execute
+                execute = rank_zero.execute if rank_zero is not None else runner.execute
                 await ctx.send(await thread.run(execute, step, seeds))
 
             if world is None:
