@@ -246,3 +246,19 @@ def test_a_recurrent_model_is_refused_on_several_ranks():
     assert done.returncode != 0
     assert "several ranks serve models with one attention-layer group and no recurrent layers" in done.stderr
     assert "qwen3_next has ArraysCache layers" in done.stderr
+
+
+def test_tensor_parallel_routes_every_quantized_shard():
+    """mlx-lm's shard turns quantized layers into sharded classes of its own: each rank
+    routes those too (execute.dequantize_rows), and the tokens stay mlx-lm's."""
+    from unikern.testing.families import cached_quantized
+
+    path = str(cached_quantized("tiny-llama", 4))
+    batch = prompts()[:10]  # 10 rows per decode step: the dequantized path
+    out = run_engine(path, {"execute": {"tensor_parallel": 2, "distributed_backend": BACKEND}}, batch)
+    quantized = out["stats"]["model"]["quantized"]
+    assert quantized["dequantize_rows"] == 8
+    assert quantized["routed_layers"] == 4 * 7 + 1  # q, k, v, o, gate, up, down per layer + lm_head
+    for prompt, tokens in zip(batch, out["tokens"], strict=True):
+        ok, note = compare_greedy(tokens, reference_greedy(path, prompt, MAX_TOKENS))
+        assert ok, f"4-bit tensor parallel, prompt of {len(prompt)} tokens: {note}"
