@@ -173,7 +173,7 @@ class World:
     def explain(self, exc: BaseException, wait_s: float = 3.0) -> BaseException:
         """A collective failed on rank 0: if a follower died, the error names it (its exit
         may take a moment to be reaped); otherwise the original error stands."""
-        if isinstance(exc, RankLost):
+        if isinstance(exc, (RankLost, UnikernError)):  # ours, e.g. a refusal every rank made alike
             return exc
         deadline = time.monotonic() + wait_s
         while True:
@@ -183,7 +183,8 @@ class World:
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
-        if "peer" in str(exc) or "ring" in str(exc) or "nccl" in str(exc).lower():
+        said = str(exc)
+        if "connection to a peer was lost" in said or "[ring]" in said or "nccl" in said.lower():
             known = ", ".join(f"rank {r.get('rank')} pid {r.get('pid')} on {r.get('host')}" for r in self.ranks[1:])
             during = f" during step {self.step_id}" if self.step_id is not None else ""
             return RankLost(f"a rank of the {self.backend} world was lost{during} ({known or 'ranks unknown'}): {exc}")
