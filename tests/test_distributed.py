@@ -262,3 +262,23 @@ def test_tensor_parallel_routes_every_quantized_shard():
     for prompt, tokens in zip(batch, out["tokens"], strict=True):
         ok, note = compare_greedy(tokens, reference_greedy(path, prompt, MAX_TOKENS))
         assert ok, f"4-bit tensor parallel, prompt of {len(prompt)} tokens: {note}"
+
+
+def test_a_rank_other_than_0_refuses_a_one_rank_command():
+    """Under mlx.launch, a command without tensor/pipeline_parallel would leave ranks > 0
+    waiting forever for a rank 0 that serves alone: refused at once, by setting."""
+    env = dict(os.environ, MLX_RANK="1")
+    done = subprocess.run([sys.executable, "-m", "unikern", "run", "--prompt", "x"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "MLX_RANK=1" in done.stderr and "execute.tensor_parallel or execute.pipeline_parallel" in done.stderr
+
+
+def test_generate_offload_is_refused_on_several_ranks(model_dir):
+    """The disk tier and the mover would move rank 0's blocks only: the start fails, by name."""
+    script = ENGINE_SCRIPT.replace('"generate"', '"generate-offload"')
+    overrides = {"execute": {"tensor_parallel": 2, "distributed_backend": BACKEND}}
+    args = json.dumps([model_dir(MODELS["llama"]), overrides, PREFIX, [[5, 6, 7]], 2])
+    done = subprocess.run([sys.executable, "-c", script, args], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "the KV tiers do not run with several ranks" in done.stderr

@@ -59,7 +59,14 @@ def _follow(args: argparse.Namespace) -> int:
     from unikern.stages.execute.follower import main as follower_main
 
     spec = load_pipeline(args.pipeline, model=args.model, overrides=parse_overrides(args.overrides))
-    backends = [s.params.get("distributed_backend", "auto") for s in spec.stages.values() if s.type == "mlx_execute"]
+    execute = [s.params for s in spec.stages.values() if s.type == "mlx_execute"]
+    if not execute or max(execute[0].get("tensor_parallel", 1), execute[0].get("pipeline_parallel", 1)) < 2:
+        # rank 0, the same command, would serve alone and this rank wait for it forever
+        raise ConfigError(
+            f"MLX_RANK={os.environ['MLX_RANK']}: this command runs as a rank other than 0, but its pipeline asks "
+            f"for one rank; set execute.tensor_parallel or execute.pipeline_parallel to the world's size"
+        )
+    backends = [p.get("distributed_backend", "auto") for p in execute]
     return follower_main(["--backend", backends[0] if backends else "auto", "--log-level", args.log_level])
 
 
