@@ -49,8 +49,13 @@ async def test_engine_reports_routed_layers_of_a_4bit_model():
     from unikern.testing.families import cached_quantized
 
     path = str(cached_quantized("tiny-llama", 4))
+    prompt = list(range(5, 40))  # 35 prompt rows: the dequantized path, then one-row decodes
     async with unikern.Engine.from_pipeline("generate", model=path) as engine:
         quantized = engine.stats()["model"]["quantized"]
-        assert quantized["dequantize_rows"] == 8 and quantized["routed_layers"] > 0
-        done = await engine.complete(prompt_tokens=list(range(5, 40)), max_tokens=4)
-        assert len(done.token_ids) == 4
+        assert quantized["dequantize_rows"] == 8 and quantized["routed_layers"] == 4 * 7 + 1
+        routed = await engine.complete(prompt_tokens=prompt, max_tokens=8)
+    kernel_only = {"execute": {"dequantize_rows": "never"}}
+    async with unikern.Engine.from_pipeline("generate", model=path, overrides=kernel_only) as engine:
+        assert engine.stats()["model"]["quantized"]["routed_layers"] == 0
+        plain = await engine.complete(prompt_tokens=prompt, max_tokens=8)
+    assert routed.token_ids == plain.token_ids

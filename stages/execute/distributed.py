@@ -150,7 +150,10 @@ class World:
     def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's `mine` (JSON, under STATS_BYTES), in rank order, on every rank."""
         rows = bytearray(self.size * STATS_BYTES)
-        data = json.dumps(mine).encode()[:STATS_BYTES]
+        data = json.dumps(mine).encode()
+        if len(data) > STATS_BYTES:  # cut, it would be invalid JSON on every rank
+            raise ValueError(f"rank {self.rank}: its stats row is {len(data)} bytes, over STATS_BYTES "
+                             f"({STATS_BYTES}) in stages/execute/distributed.py; raise it or trim the row")
         rows[self.rank * STATS_BYTES : self.rank * STATS_BYTES + len(data)] = data
         summed = self._all_sum(bytes(rows))
         rows_out = [summed[r * STATS_BYTES : (r + 1) * STATS_BYTES] for r in range(self.size)]
