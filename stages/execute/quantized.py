@@ -78,11 +78,9 @@ def route_quantized_layers(model: Any, rows: int | None) -> int:
         return 0
     routed = 0
     for _, module in model.named_modules():
-        cls = ROUTED.get(type(module))
-        if cls is not None and module.mode == "affine":
-            module.__class__ = cls
-        elif type(module) not in ROUTED.values():
-            continue
-        module.dequantize_rows = rows
-        routed += 1
+        if type(module) in ROUTED and module.mode == "affine":
+            module.__class__ = ROUTED[type(module)]
+        if type(module) in ROUTED.values():  # routed now, or by an earlier call
+            module.dequantize_rows = rows
+            routed += 1
     return routed
