@@ -33,18 +33,21 @@ def make_prompts(n: int, vocab: int, lo: int, hi: int, seed: int) -> list[list[i
     return [[rng.randrange(10, vocab - 10) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def run_mlx_lm(model, tokenizer, prompts, max_tokens) -> tuple[float, int]:
+def run_mlx_lm(model, tokenizer, prompts, max_tokens) -> dict:
+    """One batch through mlx-lm: {"wall", "tokens", "ttft"} (ttft: None for batch_generate,
+    which reports no first token)."""
     import mlx.core as mx
     from mlx_lm import batch_generate, stream_generate
 
     start = time.perf_counter()
     if len(prompts) == 1:
-        n = 0
+        n, first = 0, None
         for _ in stream_generate(model, tokenizer, mx.array(prompts[0]), max_tokens=max_tokens):
+            first = first or time.perf_counter() - start
             n += 1
-        return time.perf_counter() - start, n
+        return {"wall": time.perf_counter() - start, "tokens": n, "ttft": first}
     response = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True)
-    return time.perf_counter() - start, sum(len(t) for t in response.token_ids)
+    return {"wall": time.perf_counter() - start, "tokens": sum(len(t) for t in response.token_ids), "ttft": None}
 
 
 async def run_unikern(engine, prompts, max_tokens) -> tuple[float, int]:
@@ -94,8 +97,8 @@ def bench(args) -> dict:
                 run_mlx_lm(model, tokenizer, prompts, args.max_tokens)
                 await run_unikern(engine, prompts, args.max_tokens)
                 for _ in range(args.repeats):  # interleaved, so noise hits both sides alike
-                    t, n = run_mlx_lm(model, tokenizer, prompts, args.max_tokens)
-                    theirs.append(n / t)
+                    r = run_mlx_lm(model, tokenizer, prompts, args.max_tokens)
+                    theirs.append(r["tokens"] / r["wall"])
                     t, n = await run_unikern(engine, prompts, args.max_tokens)
                     ours.append(n / t)
                 paired = sorted(o / t for o, t in zip(ours, theirs, strict=True))

@@ -135,21 +135,6 @@ def cmd_gguf(args) -> None:
 
 # ---- bench -------------------------------------------------------------------------------
 
-def run_mlx_lm(model, tokenizer, prompts, max_tokens) -> dict:
-    import mlx.core as mx
-    from mlx_lm import batch_generate, stream_generate
-
-    start = time.perf_counter()
-    if len(prompts) == 1:
-        n, first = 0, None
-        for _ in stream_generate(model, tokenizer, mx.array(prompts[0]), max_tokens=max_tokens):
-            first = first or time.perf_counter() - start
-            n += 1
-        return {"wall": time.perf_counter() - start, "tokens": n, "ttft": first}
-    response = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True)
-    return {"wall": time.perf_counter() - start, "tokens": sum(len(t) for t in response.token_ids), "ttft": None}
-
-
 async def run_unikern(engine, prompts, max_tokens) -> dict:
     import anyio
 
@@ -218,7 +203,7 @@ def cmd_bench(args) -> dict:
 
     # isort: split
     import anyio
-    from bench import make_prompts
+    from bench import make_prompts, run_mlx_lm
     from mlx_lm import load
 
     from unikern.platform import current_platform
