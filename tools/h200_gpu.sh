@@ -90,5 +90,15 @@ TAIL=6 step bench-8b-q4-auto $RES/bench-gpu-8b-q4-auto.json python3 "$REPO/tools
 TAIL=6 step bench-8b-q4-never $RES/bench-gpu-8b-q4-never.json python3 "$REPO/tools/bench_gpu.py" bench \
   --model $M/llama-8b-q4 --engines unikern --repeats 3 --set execute.dequantize_rows=never \
   --label "llama 8B shape, 4-bit, dequantize_rows never" --json $RES/bench-gpu-8b-q4-never.json
+# issue 17, session 6: where a one-row decode token's time goes (host build / MLX encode /
+# GPU kernels) under MLX's CUDA settings, then the engines under the settings that matter
+TAIL=40 step probe-1b $RES/probe-1b.json python3 "$REPO/tools/probe_cuda.py" --model $M/llama-1b \
+  --json $RES/probe-1b.json
+for v in ${BENCH_ENV_VARIANTS:-}; do  # e.g. "MLX_USE_CUDA_GRAPHS=0": the 1B bench with that setting
+  n=${v//=/-}  # step bench-1b-env: GPU_STEPS names it so
+  TAIL=6 step bench-1b-env "$RES/bench-gpu-1b-$n.json" env "$v" python3 "$REPO/tools/bench_gpu.py" bench \
+    --model $M/llama-1b --engines mlx-lm unikern --repeats 3 --concurrency 1 64 --label "llama 1B, $v" \
+    --json "$RES/bench-gpu-1b-$n.json"
+done
 (cd $RES && tar -czf $G/res.tgz . && mkdir -p "$OUT" && cp $G/res.tgz "$OUT/gpu-results.tgz")  # one file: every log
 say "done; $(left) s left"

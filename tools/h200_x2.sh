@@ -19,8 +19,10 @@ trap pack EXIT
 export PYTHONPATH=/tmp/py:/tmp/src:$REPO UNIKERN_MODEL_CACHE=/tmp/models TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1 MLX_MEMORY_LIMIT_GIB=${MLX_MEMORY_LIMIT_GIB:-60} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 say "$(nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader | tr '\n' ';')"
+want() { [ -z "${X2_STEPS:-}" ] || [[ " $X2_STEPS " == *" $1 "* ]]; }  # X2_STEPS: a subset of the steps
 run() {  # NAME LIMIT_S COMMAND...
   local name=$1 limit=$2; shift 2
+  want "$name" || return 0
   local left=$((DEADLINE - SECONDS)); [ "$left" -lt 20 ] && { say "SKIPPED $name"; return; }
   [ "$limit" -gt "$left" ] && limit=$left
   local t0=$SECONDS
@@ -30,8 +32,8 @@ run() {  # NAME LIMIT_S COMMAND...
   pack
 }
 cd "$REPO"
-TAIL=12 run pytest-nccl 150 env MLX_ENABLE_TF32=0 UNIKERN_TEST_BACKEND=nccl python3 -m pytest -p no:cacheprovider \
-  -x -q -o filterwarnings=default tests/test_distributed.py
+TAIL=30 run pytest-nccl ${PYTEST_LIMIT_S:-150} env MLX_ENABLE_TF32=0 UNIKERN_TEST_BACKEND=nccl python3 -m pytest \
+  -p no:cacheprovider -q -rA -o filterwarnings=default --durations=0 tests/test_distributed.py
 run models-8b 120 python3 tools/bench_gpu.py models --out $M --shapes 8b --quantize 8b
 TAIL=10 run bench-tp-8b 200 python3 tools/bench_tp.py --model $M/llama-8b --tp 2 --backend nccl --concurrency 64 \
   --max-tokens 64 --repeats 3 --out $RES/bench-tp-llama-8b-nccl.json

@@ -1,0 +1,236 @@
+"""Where one decode token's time goes under MLX's CUDA backend: host time building the
+graph (Python), host time encoding it (`mx.async_eval`: MLX's primitives, CUDA graph
+capture and launch), time waiting for the GPU, and the GPU's own kernel time (CUPTI,
+through PyTorch's profiler in the same process), for variants of the run each in a
+process of its own (MLX reads its CUDA settings once per process).
+
+    python tools/probe_cuda.py --model DIR [--variants default nographs ...] [--json out.json]
+
+Variants:
+  default      mlx-lm's model and KVCache, greedy, as generate_step runs them
+  nographs     MLX_USE_CUDA_GRAPHS=0: kernels launched one by one, no graph capture
+  ops400       MLX_MAX_OPS_PER_BUFFER=400: one CUDA graph per token instead of ~4
+  fused        q/k/v and gate/up projections multiplied through one concatenated weight
+  fused-nographs  both
+  compiled     each layer's MLP half (norm, SwiGLU, residual add) an mx.compile'd function
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = {
+    "default": ({}, []),
+    "nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, []),
+    "ops400": ({"MLX_MAX_OPS_PER_BUFFER": "400"}, []),
+    "ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, []),
+    "fused": ({}, ["fused"]),
+    "fused-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused"]),
+    "compiled": ({}, ["compiled"]),
+    "compiled-fused-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "compiled"]),
+}
+
+
+def fuse_projections(model) -> int:
+    """Replace each layer's q/k/v (and gate/up) projections by views of one output of a
+    concatenated weight; returns how many groups were fused."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    class Part(nn.Module):
+        def __init__(self, shared: dict, index: int, lo: int, hi: int) -> None:
+            super().__init__()
+            self._shared = shared
+            self._index, self._lo, self._hi = index, lo, hi
+
+        def __call__(self, x):
+            s = self._shared
+            if self._index == 0 or s.get("x") is not x:
+                y = x @ s["w"].T
+                if s["b"] is not None:
+                    y = y + s["b"]
+                s["x"], s["y"] = x, y
+            return s["y"][..., self._lo : self._hi]
+
+    def fuse(owner, names) -> bool:
+        mods = [getattr(owner, n, None) for n in names]
+        if any(type(m) is not nn.Linear for m in mods):
+            return False
+        biases = [getattr(m, "bias", None) for m in mods]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            return False
+        shared = {"w": mx.concatenate([m.weight for m in mods], axis=0),
+                  "b": None if biases[0] is None else mx.concatenate(biases)}
+        mx.eval(shared["w"], *([shared["b"]] if shared["b"] is not None else []))
+        lo = 0
+        for i, (n, m) in enumerate(zip(names, mods, strict=True)):
+            hi = lo + m.weight.shape[0]
+            setattr(owner, n, Part(shared, i, lo, hi))
+            lo = hi
+        return True
+
+    layers = getattr(model, "layers", None) or model.model.layers
+    count = 0
+    for layer in layers:
+        count += fuse(layer.self_attn, ["q_proj", "k_proj", "v_proj"])
+        count += fuse(layer.mlp, ["gate_proj", "up_proj"])
+    return count
+
+
+def compile_mlp_halves(model) -> int:
+    import mlx.core as mx
+
+    layers = getattr(model, "layers", None) or model.model.layers
+    for layer in layers:
+        mlp, norm = layer.mlp, layer.post_attention_layernorm
+
+        def half(h, mlp=mlp, norm=norm):
+            return h + mlp(norm(h))
+
+        layer._half = mx.compile(half)
+        attn, in_norm = layer.self_attn, layer.input_layernorm
+
+        def call(x, mask=None, cache=None, layer=layer, attn=attn, in_norm=in_norm):
+            return layer._half(x + attn(in_norm(x), mask, cache))
+
+        layer.__call__ = call  # instance attribute: the model calls layer(...) below
+    return len(layers)
+
+
+def child(args) -> None:
+    importlib.import_module("unikern")  # first: MLX's kernel cache where the engine keeps it
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(args.model)
+    features = args.features.split(",") if args.features else []
+    notes = {}
+    if "fused" in features:
+        notes["fused_groups"] = fuse_projections(model)
+    layers = getattr(model, "layers", None) or model.model.layers
+    if "compiled" in features:
+        compile_mlp_halves(model)
+        # nn.Module.__call__ is looked up on the type: route through the instance's
+        for layer in layers:
+            layer.__class__ = type("Compiled" + type(layer).__name__, (type(layer),),
+                                   {"__call__": lambda self, *a, **k: self.__dict__["__call__"](*a, **k)})
+        notes["compiled_layers"] = len(layers)
+    prompt = mx.array([(7 * j) % 1000 + 5 for j in range(args.prompt)])
+
+    def run(n: int, profile=None) -> dict:
+        cache = make_prompt_cache(model)
+        logits = model(prompt[None], cache=cache)[:, -1, :]
+        y = mx.argmax(logits, axis=-1)
+        mx.eval(y)
+        build = submit = wait = 0.0
+        tokens = []
+        start = time.perf_counter()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+            t1 = time.perf_counter()
+            mx.async_eval(nxt)
+            t2 = time.perf_counter()
+            tokens.append(y.item())
+            t3 = time.perf_counter()
+            build, submit, wait = build + t1 - t0, submit + t2 - t1, wait + t3 - t2
+            y = nxt
+            if profile is not None:
+                profile.step()
+        y.item()
+        wall = time.perf_counter() - start
+        ms = 1e3 / n
+        return {"tokens": tokens, "ms_per_token": wall * ms, "build_ms": build * ms, "submit_ms": submit * ms, "wait_ms": wait * ms}
+
+    run(8)  # kernels built, graphs cached
+    rows = [run(args.tokens) for _ in range(args.repeats)]
+    out = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "tokens"}
+    out["tokens"] = rows[0]["tokens"][:32]
+    out.update(notes)
+    try:
+        out.update(kernel_profile(run))
+    except Exception as exc:  # a profile is a bonus: the timings above stand without it
+        out["profile_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    print("PROBE " + json.dumps(out))
+
+
+def kernel_profile(run) -> dict:
+    """GPU kernel time per token from CUPTI (PyTorch's profiler sees every kernel of the
+    process, MLX's included), grouped by kernel name."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.init()
+    n = 16
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(n)
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA" or getattr(e, "device_time", 0):
+            us = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0)
+            kernels.setdefault(e.name, []).append(us)
+    total = sum(sum(v) for v in kernels.values())
+    count = sum(len(v) for v in kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:14]
+    # the prefill of run() is in the window too: per-token figures are upper bounds
+    return {
+        "gpu_ms_per_token": total / 1e3 / n,
+        "kernels_per_token": count / n,
+        "top_kernels": [{"name": k[:90], "count_per_token": len(v) / n, "us_per_token": sum(v) / n}
+                        for k, v in top],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--timeout", type=int, default=240)
+    parser.add_argument("--json")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--features", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    results = {}
+    for name in args.variants:
+        env, features = VARIANTS[name]
+        cmd = [sys.executable, __file__, "--child", "--model", args.model, "--tokens", str(args.tokens),
+               "--prompt", str(args.prompt), "--repeats", str(args.repeats), "--features", ",".join(features)]
+        try:
+            done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
+                                  timeout=args.timeout)
+            line = next((x for x in done.stdout.splitlines() if x.startswith("PROBE ")), None)
+            results[name] = json.loads(line[6:]) if line else {"error": done.stderr[-1500:]}
+        except subprocess.TimeoutExpired:
+            results[name] = {"error": f"timed out after {args.timeout} s"}
+        r = results[name]
+        if "error" not in r and name != args.variants[0] and "tokens" in results[args.variants[0]]:
+            r["same_tokens_as_first"] = r["tokens"] == results[args.variants[0]]["tokens"]
+        if "error" in r:
+            print(f"{name:24s} ERROR {r['error'][-600:]}", flush=True)
+            continue
+        print(f"{name:24s} {r['ms_per_token']:6.3f} ms/token  build {r['build_ms']:.3f}  submit "
+              f"{r['submit_ms']:.3f}  wait {r['wait_ms']:.3f}  gpu {r.get('gpu_ms_per_token', float('nan')):.3f} "
+              f"({r.get('kernels_per_token', 0):.0f} kernels) same tokens {r.get('same_tokens_as_first', '-')} "
+              f"{r.get('profile_error', '')}", flush=True)
+        for k in r.get("top_kernels", [])[:8]:
+            print(f"    {k['us_per_token']:8.1f} us  x{k['count_per_token']:5.1f}  {k['name']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "tokens": args.tokens, "variants": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
