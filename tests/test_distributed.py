@@ -282,3 +282,20 @@ def test_generate_offload_is_refused_on_several_ranks(model_dir):
     done = subprocess.run([sys.executable, "-c", script, args], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "the KV tiers do not run with several ranks" in done.stderr
+
+
+def test_auto_backend_is_ring_where_a_hostfile_describes_the_world(monkeypatch):
+    """On a CUDA machine "auto" means nccl, unless the world comes from a hostfile (the
+    two-machine recipe): that is ring's format, so both ends pick ring."""
+    import mlx.core as mx
+
+    from unikern.stages.execute import launch
+
+    monkeypatch.setattr(launch.mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(launch.mx.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    assert launch.resolve_backend("auto") == "nccl"
+    assert launch.resolve_backend("auto", "hosts.json") == "ring"  # rank 0: execute.hostfile
+    monkeypatch.setenv("MLX_HOSTFILE", "hosts.json")  # a rank started by hand
+    assert launch.resolve_backend("auto") == "ring"
+    assert launch.resolve_backend("nccl", "hosts.json") == "nccl"  # asked for by name

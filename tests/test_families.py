@@ -53,13 +53,21 @@ def prompts(vocab: int = 1024) -> list[list[int]]:
     return [[(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(n)] for i, n in enumerate(LENGTHS)]
 
 
+@pytest.mark.parametrize("fuse", ["never", "always"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-async def test_family_greedy_parity(family):
+async def test_family_greedy_parity(family, fuse):
+    """Also with q/k/v and gate/up multiplied through one weight (execute.fuse_projections,
+    "auto" = CUDA only): each family's own attention and MLP code is handed the slices."""
     path = family_model(family)
     batch = prompts()
-    async with unikern.Engine.from_pipeline("generate", model=path, overrides=OVERRIDES) as engine:
+    overrides = {**OVERRIDES, "execute": {"fuse_projections": fuse}}
+    async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
         results = await complete_all(engine, batch, max_tokens=MAX_TOKENS)
-        assert engine.stats()["kv"]["blocks_used"] == 0
+        stats = engine.stats()
+        assert stats["kv"]["blocks_used"] == 0
+    fused = stats["model"]["fused_projections"]
+    assert fused["fallback_calls"] == 0  # every projection was handed its slice
+    assert (fused["groups"] > 0) == (fuse == "always" and family != "mamba2"), fused
     notes = []
     for prompt, result in zip(batch, results, strict=True):
         ok, note = compare_greedy(result.token_ids, reference_greedy(path, prompt, MAX_TOKENS))

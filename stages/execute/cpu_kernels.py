@@ -44,6 +44,19 @@ def silu_mul_(gate: mx.array, up: mx.array) -> mx.array:
     return gate
 
 
+def silu_mul_halves_(both: mx.array) -> mx.array:
+    """`silu(gate) * up` for [..., gate | up], written into the gate half; returns that half."""
+    import torch.nn.functional as F
+
+    mx.eval(both)
+    t = _bridge().to_torch(both)
+    half = t.shape[-1] // 2
+    gate = t[..., :half]
+    F.silu(gate, inplace=True)
+    gate.mul_(t[..., half:])
+    return both[..., :half]
+
+
 def softmax_(scores: mx.array) -> mx.array:
     """Softmax over the last axis, written into scores' buffer; returns scores."""
     import torch
@@ -54,18 +67,29 @@ def softmax_(scores: mx.array) -> mx.array:
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) with the activation in PyTorch, in place."""
+    """down(silu(gate(x)) * up(x)) with the activation in PyTorch, in place. An MLP whose
+    gate and up projections are fused (execute.fuse_projections) keeps its one matmul:
+    the activation runs on the two halves of its output."""
 
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
-        self.gate_proj = mlp.gate_proj
-        self.up_proj = mlp.up_proj
+        if "fused_gate_proj" in mlp:
+            self.fused_gate_proj = mlp.fused_gate_proj
+        else:
+            self.gate_proj = mlp.gate_proj
+            self.up_proj = mlp.up_proj
         self.down_proj = mlp.down_proj
 
     def __call__(self, x: mx.array) -> mx.array:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        if "fused_gate_proj" in self:
+            both = self.fused_gate_proj(x)
+            gate, up = mx.split(both, 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         if gate.size < MIN_ELEMENTS:
             return self.down_proj(swiglu(gate, up))
+        if "fused_gate_proj" in self:
+            return self.down_proj(silu_mul_halves_(both))
         return self.down_proj(silu_mul_(gate, up))
 
 

@@ -31,9 +31,13 @@ JOIN_WAIT_S = 300.0  # a rank started here must import MLX and reach init within
 INIT_GUARD_S = 120.0  # then init must finish within this, or the process ends (exit 1)
 
 
-def resolve_backend(backend: str) -> str:
+def resolve_backend(backend: str, hostfile: str | None = None) -> str:
+    """"auto": ring where a hostfile describes the world (execute.hostfile or MLX_HOSTFILE:
+    ring's format), else nccl on a CUDA GPU and ring elsewhere."""
     if backend != "auto":
         return backend
+    if hostfile or os.environ.get("MLX_HOSTFILE"):
+        return "ring"
     return "nccl" if mx.default_device() == mx.gpu and mx.cuda.is_available() else "ring"
 
 
@@ -43,7 +47,7 @@ def start_world(size: int, mode: str, backend: str, hostfile: str | None) -> Wor
     the other ranks to join; with none, start them here on loopback (ring) or on this
     host's GPUs (nccl)."""
     global _worlds_started
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, hostfile)
     if backend not in BACKENDS[1:]:
         raise ConfigError(f"execute.distributed_backend: {backend!r} is not one of {list(BACKENDS)}")
     if _worlds_started:

@@ -113,11 +113,13 @@ class LoadedModel:
     # several ranks (execute.tensor_parallel / pipeline_parallel): this rank's shard; the
     # geometry above is this rank's (its kv heads or its layers)
     world: Any = None  # distributed.World | None
+    fused_groups: int = 0  # q/k/v and gate/up groups multiplied as one (fused.py)
 
 
-def load_model(name: str, world: Any = None) -> LoadedModel:
+def load_model(name: str, world: Any = None, fuse: bool = False) -> LoadedModel:
     """Load with mlx-lm; with a world of several ranks, keep this rank's shard only
-    (loaded lazily, so only the shard's weights are ever read)."""
+    (loaded lazily, so only the shard's weights are ever read). `fuse`: q/k/v and
+    gate/up projections through one weight each (fused.py)."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     path = resolve_model_path(name)
@@ -136,12 +138,18 @@ def load_model(name: str, world: Any = None) -> LoadedModel:
             shard_tensor_parallel(model, config, world.group, family)
         else:
             split_layers(model, world.group, family)
+    fused_groups = 0
+    if fuse:
+        from unikern.stages.execute.fused import fuse_projections
+
+        fused_groups = fuse_projections(model)
     weights = [w for _, w in tree_flatten(model.parameters())]
     mx.eval(weights)
     geometry = ModelGeometry(model, family)
     digest = hashlib.blake2b(digest_size=16)
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     digest.update(str(geometry.dtype).encode())
+    digest.update(b"fused" if fused_groups else b"")  # other rounding: its own cached KV
     for f in sorted(path.glob("*.safetensors")):
         st = f.stat()
         digest.update(f"{f.name}:{st.st_size}".encode())
@@ -158,4 +166,5 @@ def load_model(name: str, world: Any = None) -> LoadedModel:
         thread=None,  # set by the stage
         weights=weights,
         world=world if sharded else None,
+        fused_groups=fused_groups,
     )

@@ -51,9 +51,9 @@ class Prepared:
 
 def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Prepared:
     """Load (this rank's shard of) the model, wire it and warm it up: on the model thread."""
-    loaded = load_model(params.model, world)
-    wired = wiring.wire(loaded.weights, params.wire_weights)
     backend = current_platform().backend
+    loaded = load_model(params.model, world, fuse=switch(params.fuse_projections, auto=backend == "cuda"))
+    wired = wiring.wire(loaded.weights, params.wire_weights)
     on_cpu = backend == "cpu"
     rows = {"auto": AUTO_ROWS.get(backend), "never": None}.get(params.dequantize_rows, params.dequantize_rows)
     quantized = {"dequantize_rows": rows, "routed_layers": route_quantized_layers(loaded.model, rows)}

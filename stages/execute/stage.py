@@ -13,6 +13,7 @@ from unikern import messages as m
 from unikern.platform.pinning import WeightWiring
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
 from unikern.stages.execute.distributed import Init, RankLost
+from unikern.stages.execute.fused import fallback_calls
 from unikern.stages.execute.launch import connect, start_world
 from unikern.stages.execute.ranks import (
     RankZero,
@@ -52,12 +53,16 @@ class MLXExecuteParams(StageParams, frozen=True):
     # and run a plain matmul, since MLX's CPU and CUDA quantized kernels cost a row's time
     # per row (quantized.AUTO_ROWS); "auto": 8 on CPU and CUDA, off on Metal
     dequantize_rows: int | Literal["auto", "never"] = "auto"
+    # multiply each attention's q/k/v and each MLP's gate/up projections through one
+    # concatenated weight (stages/execute/fused.py): fewer, wider matmuls. "auto": on
+    # CUDA only, where it was measured (a one-row step's GEMV time 970 -> 624 us, 1B)
+    fuse_projections: Literal["auto", "always", "never"] = "auto"
     # several ranks through mx.distributed (stages/execute/distributed.py): attention
     # heads and MLP columns split across ranks (mlx-lm's Model.shard), or the layers
     # split (pipeline); one of the two at a time. Rank 0 runs the whole pipeline.
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
-    # "auto": nccl on a CUDA GPU, ring otherwise
+    # "auto": ring with a hostfile (its format is ring's), else nccl on a CUDA GPU, ring elsewhere
     distributed_backend: Literal["auto", "ring", "nccl", "mpi", "jaccl"] = "auto"
     # ranks on several machines: MLX's hostfile (ring: a JSON list of ["ip:port"] per
     # rank, rank 0 first), the other ranks started with MLX_RANK=k (mlx.launch or by
@@ -217,7 +222,9 @@ class MLXExecuteStage(StageBase):
         compiled = runner.compiled if runner else None
         return {
             "model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes,
-                      "quantized": getattr(self, "quantized", {"dequantize_rows": None, "routed_layers": 0})},
+                      "quantized": getattr(self, "quantized", {"dequantize_rows": None, "routed_layers": 0}),
+                      "fused_projections": {"groups": loaded.fused_groups,
+                                            "fallback_calls": fallback_calls(loaded.model) if loaded.fused_groups else 0}},
             "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
             "kernels": runner.kernels if runner else {"enabled": False, "reason": "no step run yet"},
             "compiled_decode": {
