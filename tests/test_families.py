@@ -53,21 +53,42 @@ def prompts(vocab: int = 1024) -> list[list[int]]:
     return [[(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(n)] for i, n in enumerate(LENGTHS)]
 
 
-@pytest.mark.parametrize("fuse", ["never", "always"])
+# the CUDA defaults that CPU runs leave off ("auto" = CUDA only), tried here through
+# "always": q/k/v and gate/up through one weight (each family's own attention and MLP
+# code handed the slices); decode attention read from the pool by slot table and
+# length (MLX's ops here, the CUDA kernel on a GPU), one-row windows traced as well
+VARIANTS = {
+    "plain": {"fuse_projections": "never", "paged_attention": "never"},
+    "fused": {"fuse_projections": "always", "paged_attention": "never"},
+    "paged": {"fuse_projections": "never", "paged_attention": "always", "compile_decode": "always",
+              "compile_one_row": "always", "cpu_kernels": False},  # CPU kernels: no traced steps
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("family", list(FAMILIES))
-async def test_family_greedy_parity(family, fuse):
-    """Also with q/k/v and gate/up multiplied through one weight (execute.fuse_projections,
-    "auto" = CUDA only): each family's own attention and MLP code is handed the slices."""
+async def test_family_greedy_parity(family, variant, monkeypatch):
+    from unikern.stages.execute import paged_attention
+
+    calls = []
+    decode = paged_attention.decode
+    monkeypatch.setattr(paged_attention, "decode", lambda *a: calls.append(a[0].shape) or decode(*a))
     path = family_model(family)
     batch = prompts()
-    overrides = {**OVERRIDES, "execute": {"fuse_projections": fuse}}
+    overrides = {**OVERRIDES, "execute": VARIANTS[variant]}
     async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
         results = await complete_all(engine, batch, max_tokens=MAX_TOKENS)
         stats = engine.stats()
         assert stats["kv"]["blocks_used"] == 0
     fused = stats["model"]["fused_projections"]
     assert fused["fallback_calls"] == 0  # every projection was handed its slice
-    assert (fused["groups"] > 0) == (fuse == "always" and family != "mamba2"), fused
+    assert (fused["groups"] > 0) == (variant == "fused" and family != "mamba2"), fused
+    # nemotron-h's attention calls MLX's SDPA itself (and mamba2 has none): nothing to route
+    paged = variant == "paged" and family not in ("mamba2", "nemotron-h")
+    assert stats["paged_attention"]["enabled"] == paged, stats["paged_attention"]
+    # decode steps read the pool through paged_attention.decode, except in layers it does
+    # not take: gpt-oss's attention sinks, step3p5-swa's windows (every layer sliding)
+    assert bool(calls) == (paged and family not in ("gpt-oss", "step3p5-swa"))
     notes = []
     for prompt, result in zip(batch, results, strict=True):
         ok, note = compare_greedy(result.token_ids, reference_greedy(path, prompt, MAX_TOKENS))

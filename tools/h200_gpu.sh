@@ -61,6 +61,8 @@ if [ ! -x $BIN/llama-batched-bench ] && want llama; then build_llama & BUILD_PID
 say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader)"
 M=$G/models
 step models-1b $M/llama-1b/config.json python3 "$REPO/tools/bench_gpu.py" models --out $M --shapes 1b --quantize
+TAIL=12 step pytest-gpu $RES/pytest-gpu.log.done bash -c "python3 -m pytest -p no:cacheprovider -q -rA \
+  ${PYTEST_GPU:-tests/test_paged_attention.py tests/test_fused_projections.py} && touch $RES/pytest-gpu.log.done"
 step gguf-1b $M/llama-1b-bf16.gguf python3 "$REPO/tools/bench_gpu.py" gguf --out $M --shapes 1b --quantize \
   --llama-cpp $G/llama.cpp --llama-bin $BIN
 step models-8b $M/llama-8b-q4/config.json python3 "$REPO/tools/bench_gpu.py" models --out $M --shapes 8b --quantize 8b
@@ -108,7 +110,5 @@ for m in ${BENCH_SET_MODELS:-1b}; do  # each model under each --set variant, e.g
       --engines $engines --repeats 3 --set "$v" --label "llama $m, $v" --json "$RES/bench-gpu-$m-$n.json"
   done
 done
-TAIL=12 step pytest-gpu $RES/pytest-gpu.log.done bash -c "python3 -m pytest -p no:cacheprovider -q -rA \
-  ${PYTEST_GPU:-tests/test_fused_projections.py} && touch $RES/pytest-gpu.log.done"
 (cd $RES && tar -czf $G/res.tgz . && mkdir -p "$OUT" && cp $G/res.tgz "$OUT/gpu-results.tgz")  # one file: every log
 say "done; $(left) s left"

@@ -26,17 +26,20 @@ class CompiledDecode:
     replayed with its elementwise chains fused, instead of being built op by op in
     Python for every token. The pool writes are still in place: once the caller holds
     the returned arrays, the old ones are referenced by the graph alone and donated.
-    Used for windows of several rows only: one row keeps the unmasked slice path, whose
-    SDPA stays on MLX's fused decode kernel (tools/results/H200.md, round R7)."""
+    Used for windows of several rows; one row keeps the unmasked slice path, whose SDPA
+    stays on MLX's fused decode kernel (tools/results/H200.md, round R7), unless the
+    decode attention reads the pool itself (paged_attention.py: no mask) and
+    execute.compile_one_row says so."""
 
     # MLX keeps every traced shape until the compiled function is dropped, and a server
     # whose batch size keeps changing meets new shapes for as long as it runs: the cache
     # starts over after this many (the shapes in use are traced again)
     max_traces = 128
 
-    def __init__(self, model: Any, num_layers: int) -> None:
+    def __init__(self, model: Any, num_layers: int, paged: str | None = None) -> None:
         self.model = model
         self.num_layers = num_layers
+        self.paged = paged  # PagedLayerCache's: decode attention straight from the pool
         self.traces = 0  # how many times a new shape was traced (tests, stats)
         self.resets = 0
         self._traces_kept = 0
@@ -47,7 +50,7 @@ class CompiledDecode:
         self._traces_kept += 1
         layout = window_layout(starts, step, write_table, read_slots, mx.arange(read_slots.shape[1])[None])
         arrays = PoolArrays(list(keys), list(values))
-        caches = [PagedLayerCache(arrays, i, layout) for i in range(self.num_layers)]
+        caches = [PagedLayerCache(arrays, i, layout, paged=self.paged) for i in range(self.num_layers)]
         logits = self.model(tokens[:, None], cache=caches)[:, -1, :]
         return logits, arrays.keys, arrays.values
 

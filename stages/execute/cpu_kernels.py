@@ -93,7 +93,7 @@ class SwiGLU(nn.Module):
         return self.down_proj(silu_mul_(gate, up))
 
 
-def _layers(model: Any) -> list[Any]:
+def layers_of(model: Any) -> list[Any]:
     layers = getattr(model, "layers", None)
     if layers is None:
         layers = getattr(getattr(model, "model", None), "layers", None)
@@ -118,14 +118,16 @@ def _swap_mlp(layer: Any, hidden: int) -> bool:
     return same
 
 
-def _route_attention(layer: Any) -> bool:
+def route_attention(layer: Any) -> bool:
     """Wrap the module-global `scaled_dot_product_attention` of `layer`'s attention module.
 
     No other route exists: mlx-lm's attention modules call their module's
     `scaled_dot_product_attention`, which dispatches on nothing but `cache.bits`, so keeping
     mlx-lm's model code unchanged means wrapping that name. The wrapper passes every call
     through untouched unless the cache is a paged cache with kernels on
-    (`cache.cpu_attention`), so mlx-lm's own generate in the same process is unaffected.
+    (`cache.cpu_attention`) or a decode step read straight from the pool
+    (`cache.paged_decode`, paged_attention.py), so mlx-lm's own generate in the same
+    process is unaffected.
     """
     attn = getattr(layer, "self_attn", None)
     if attn is None:
@@ -140,6 +142,11 @@ def _route_attention(layer: Any) -> bool:
         return True
 
     def routed(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None, **kwargs):
+        paged = getattr(cache, "paged_decode", None)
+        if paged is not None and sinks is None and not kwargs:
+            out = paged(queries, scale)  # None: not a step it takes
+            if out is not None:
+                return out
         attention = getattr(cache, "cpu_attention", None)
         if attention is not None and sinks is None and not kwargs:
             return attention(queries, keys, values, scale, mask)
@@ -156,18 +163,18 @@ def install(model: Any, dtype: mx.Dtype) -> dict[str, Any]:
 
     Only the engine's own model instance changes: each MLP is swapped for `SwiGLU` (the
     same Linear modules) after a probe shows it computes what the original did; attention
-    goes through one module-global wrapper (`_route_attention`).
+    goes through one module-global wrapper (`route_attention`).
     """
     import torch
 
     if dtype != mx.float32:
         return {"enabled": False, "reason": f"{dtype} model: the PyTorch kernels serve float32 only"}
-    layers = _layers(model)
+    layers = layers_of(model)
     if not layers:
         return {"enabled": False, "reason": "the model exposes no `layers`"}
     hidden = int(getattr(getattr(model, "args", None), "hidden_size", 0) or 0)
     mlps = sum(_swap_mlp(layer, hidden) for layer in layers) if hidden else 0
-    attention = sum(_route_attention(layer) for layer in layers)
+    attention = sum(route_attention(layer) for layer in layers)
     if torch.get_num_threads() > 1:
         # MLX's CPU stream and the BLAS threads already occupy the cores: spinning
         # OpenMP workers fight them

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from unikern.stages.execute import cpu_kernels
+from unikern.stages.execute import cpu_kernels, paged_attention
 from unikern.stages.execute.windows import window_mask, window_start
 from unikern.stages.kv.pool import KVPool
 
@@ -159,13 +159,18 @@ class PagedLayerCache:
     keys/values its block tables name, gathered per token slot (the length padded to the kernel block)."""
 
     def __init__(
-        self, pool: KVPool, layer: int, layout: BatchLayout, kernels: bool = False, window: int | None = None
+        self, pool: KVPool, layer: int, layout: BatchLayout, kernels: bool = False, window: int | None = None,
+        paged: str | None = None,
     ) -> None:
         self.pool = pool
         self.layer = layer
         self.layout = layout
         self.window = window
         self.head_major = False  # update_and_fetch returned [H, B, L, D] gathers, transposed
+        # decode steps read straight from the pool (paged_attention.py): "kernel" (CUDA)
+        # or "reference" (MLX ops); None: the gathered SDPA
+        self.paged = paged
+        self._paged_inputs: tuple | None = None
         if kernels:  # the routed SDPA of cpu_kernels calls this instead of mx.fast's
             self.cpu_attention = self.attention
 
@@ -210,11 +215,25 @@ class PagedLayerCache:
         pool_v[:, lay.write_slots] = values.transpose(1, 0, 2, 3).reshape(H, B * T, D)
         if lay.read_slots is None:  # fresh prompts: nothing earlier to read back
             return keys, values
+        if self.paged is not None and T == 1 and self.window is None:
+            # the routed SDPA reads the pool itself (paged_decode); the gathers below stay
+            # lazy and unused, so MLX never computes them, unless a call falls back to them
+            offsets = lay.offsets
+            lengths = offsets + 1 if isinstance(offsets, mx.array) else mx.array([offsets + 1], dtype=mx.int32)
+            self._paged_inputs = (pool_k, pool_v, lay.read_slots, lengths)
         # [H, B, L, D] -> [B, H, L, D]: each (row, head) stays one contiguous L x D matrix
         k = pool_k[:, lay.read_slots]
         v = pool_v[:, lay.read_slots]
         self.head_major = True
         return k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3)
+
+    def paged_decode(self, q: mx.array, scale: float) -> mx.array | None:
+        """This layer's decode attention straight from the pool, or None when this step
+        is not one it takes (prefill, a windowed layer, one row through slices)."""
+        if self._paged_inputs is None or q.shape[2] != 1:
+            return None
+        pool_k, pool_v, slots, lengths = self._paged_inputs
+        return paged_attention.decode(q, pool_k, pool_v, slots, lengths, scale, self.paged == "kernel")
 
     def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
         """SDPA for MLX's CPU backend (see cpu_kernels): grouped query heads share their

@@ -47,6 +47,8 @@ class Prepared:
     compile_decode: bool
     warmup: dict[str, Any] | None
     quantized: dict[str, Any]
+    paged_attention: bool = False
+    compile_one_row: bool = False
 
 
 def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Prepared:
@@ -61,10 +63,12 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     # a pipeline rank evaluates inside each forward (sharding.PipelineBlock): no trace
     pipelined = world is not None and world.mode == "pipeline"
     compile_decode = switch(params.compile_decode, auto=not on_cpu) and not pipelined
+    paged = switch(params.paged_attention, auto=backend == "cuda")
+    one_row = switch(params.compile_one_row, auto=backend == "cuda")
     warmup = None
     if switch(params.warmup, auto=not on_cpu):
-        warmup = warm_up(loaded.model, loaded.geometry, kernels, compile_decode)
-    return Prepared(loaded, wired, kernels, compile_decode, warmup, quantized)
+        warmup = warm_up(loaded.model, loaded.geometry, kernels, compile_decode, paged, one_row)
+    return Prepared(loaded, wired, kernels, compile_decode, warmup, quantized, paged, one_row)
 
 
 def pool_spec(pool: KVPool) -> MakeRunner:
@@ -83,7 +87,7 @@ def pool_like(spec: MakeRunner, loaded: LoadedModel) -> KVPool:
 def make_runner(prepared: Prepared, pool: KVPool, window_pool: KVPool | None = None,
                 states: Any = None) -> ModelRunner:
     return ModelRunner(prepared.loaded.model, pool, shared_bridge(), prepared.kernels, prepared.compile_decode,
-                       prepared.loaded.geometry, window_pool, states)
+                       prepared.loaded.geometry, window_pool, states, prepared.paged_attention, prepared.compile_one_row)
 
 
 def local_stats(world: World, pool: KVPool | None) -> dict[str, Any]:

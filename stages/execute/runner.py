@@ -69,6 +69,8 @@ class ModelRunner:
         geometry: ModelGeometry | None = None,
         window_pool: KVPool | None = None,
         states: StatePool | None = None,
+        paged_attention: bool = False,
+        compile_one_row: bool = False,
     ) -> None:
         """`window_pool`: a mixed model's windowed layers when they keep their own pool and
         tables (SeqWork.window_table); `pool` then holds the full layers alone."""
@@ -100,25 +102,41 @@ class ModelRunner:
             from unikern.stages.execute.cpu_kernels import install
 
             self.kernels = install(model, pool.dtype)
+        # decode steps of full-attention layers read the pool in one kernel (CUDA) or
+        # through MLX's ops (elsewhere, for tests), through the routed SDPA
+        self.paged: str | None = None
+        self.paged_report: dict[str, Any] = {"enabled": False, "reason": "off (execute.paged_attention)"}
+        if paged_attention:
+            from unikern.stages.execute import paged_attention as pa
+            from unikern.stages.execute.cpu_kernels import layers_of, route_attention
+
+            routed = sum(route_attention(layer) for layer in layers_of(model))
+            if routed:
+                self.paged = "kernel" if pa.kernel_available() else "reference"
+                self.paged_report = {"enabled": True, "mode": self.paged, "routed_layers": routed}
+            else:
+                self.paged_report = {"enabled": False, "reason": "no attention layer calls a routable SDPA"}
         # the CPU kernels evaluate arrays mid-forward, which a traced function cannot
         traceable = not self.kernels["enabled"] and self.layers is None
-        self.compiled = CompiledDecode(model, self.num_layers) if compile_decode and traceable else None
+        self.compiled = CompiledDecode(model, self.num_layers, self.paged) if compile_decode and traceable else None
+        # one-row windows traced too: only with no mask to give MLX's SDPA (paged above)
+        self.compile_one_row = compile_one_row and self.paged is not None and self.compiled is not None
 
     def _caches(self, layout: BatchLayout, slots: list[int] | None = None, window_layout: BatchLayout | None = None) -> list:
         """The per-layer caches of one forward; `slots`: the rows' state slots;
         `window_layout`: the windowed layers' own (split layer groups)."""
         kernels = self.kernels["enabled"]
         if self.layers is None:
-            return [PagedLayerCache(self.pool, i, layout, kernels) for i in range(self.num_layers)]
+            return [PagedLayerCache(self.pool, i, layout, kernels, paged=self.paged) for i in range(self.num_layers)]
         slot_array = mx.array(slots) if self.states is not None else None
         caches = []
         for s in self.layers:
             if s.kind == "state":
                 caches.append(StateLayerCache(self.states, s.index, slot_array))
             elif s.kind == "window" and window_layout is not None:
-                caches.append(PagedLayerCache(self.window_pool, s.index, window_layout, kernels, s.window))
+                caches.append(PagedLayerCache(self.window_pool, s.index, window_layout, kernels, s.window, self.paged))
             else:
-                caches.append(PagedLayerCache(self.pool, s.index, layout, kernels, s.window))
+                caches.append(PagedLayerCache(self.pool, s.index, layout, kernels, s.window, self.paged))
         return caches
 
     def _written(self) -> list:
@@ -279,9 +297,10 @@ class ModelRunner:
         # a single row reads and writes the pool through slices (BatchLayout's span): its
         # attention needs no mask, which keeps MLX on its fused decode kernel; several
         # rows read one host-built slot table, masked, through the compiled step if any
-        compiled = self.compiled if len(work) > 1 else None
+        # (one row too when the attention reads the pool itself: compile_one_row)
+        compiled = self.compiled if len(work) > 1 or self.compile_one_row else None
         window = split = None
-        if len(work) > 1:
+        if len(work) > 1 or compiled is not None:
             window = DecodeWindow(self.pool, rows, step.num_steps, bucketed=compiled is not None)
             if self.window_pool is not None:
                 split = DecodeWindow(self.window_pool, [(w.window_table, w.start_pos) for w in work], step.num_steps)
@@ -318,7 +337,8 @@ class ModelRunner:
         return m.StepDone(step.step_id, tokens, logprobs=logprobs)
 
 
-def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_decode: bool) -> dict[str, Any]:
+def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_decode: bool,
+            paged_attention: bool = False, compile_one_row: bool = False) -> dict[str, Any]:
     """Run the step shapes a server meets first (a two-row prefill, a one-row decode
     window, a two-row decode window) through a throwaway runner on a private pool of a
     few blocks, so that MLX builds its GPU kernels, and the compiled step its fused
@@ -328,7 +348,8 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
     pool = KVPool(num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
                   dtype=geometry.dtype, block_size=block_size, kernel_block_size=block_size, num_blocks=10,
                   slab_blocks=10)
-    runner = ModelRunner(model, pool, None, cpu_kernels, compile_decode, geometry)
+    runner = ModelRunner(model, pool, None, cpu_kernels, compile_decode, geometry,
+                         paged_attention=paged_attention, compile_one_row=compile_one_row)
     params = m.SamplingParams(max_tokens=16)
     tables = {"a": (2, 3, 4, 5), "b": (6, 7, 8, 9)}
     slots = {"a": 1, "b": 2}  # state slots (recurrent models), zeroed by the first step

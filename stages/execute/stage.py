@@ -57,6 +57,14 @@ class MLXExecuteParams(StageParams, frozen=True):
     # concatenated weight (stages/execute/fused.py): fewer, wider matmuls. "auto": on
     # CUDA only, where it was measured (a one-row step's GEMV time 970 -> 624 us, 1B)
     fuse_projections: Literal["auto", "always", "never"] = "auto"
+    # decode steps of full-attention layers read keys and values straight from the pool
+    # by each row's slot table and length (stages/execute/paged_attention.py): one CUDA
+    # kernel per layer instead of a gathered copy and a masked SDPA; elsewhere ("always")
+    # MLX's own ops, for tests. "auto": on CUDA only
+    paged_attention: Literal["auto", "always", "never"] = "auto"
+    # with paged_attention (no mask), one-row decode windows are traced steps too, as
+    # windows of several rows are (compile_decode); "auto": on CUDA only
+    compile_one_row: Literal["auto", "always", "never"] = "auto"
     # several ranks through mx.distributed (stages/execute/distributed.py): attention
     # heads and MLP columns split across ranks (mlx-lm's Model.shard), or the layers
     # split (pipeline); one of the two at a time. Rank 0 runs the whole pipeline.
@@ -227,6 +235,8 @@ class MLXExecuteStage(StageBase):
                                             "fallback_calls": fallback_calls(loaded.model) if loaded.fused_groups else 0}},
             "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
             "kernels": runner.kernels if runner else {"enabled": False, "reason": "no step run yet"},
+            "paged_attention": {**runner.paged_report, "one_row_compiled": runner.compile_one_row}
+            if runner else {"enabled": False, "reason": "no step run yet"},
             "compiled_decode": {
                 "enabled": compiled is not None,
                 "traces": compiled.traces if compiled else 0,

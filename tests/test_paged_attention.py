@@ -1,0 +1,81 @@
+"""Decode attention read straight from the paged pool (stages/execute/paged_attention.py):
+the MLX-ops reference against a softmax written out here, the CUDA kernel against the
+reference (on a CUDA machine), and a one-row request through a traced step."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import unikern
+from tests.conftest import compare_greedy, reference_greedy
+from unikern.stages.execute import paged_attention
+
+
+def case(B, H, Hk, D, S, L, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, 1, D)).astype(np.float32)
+    pool_k = rng.standard_normal((Hk, S, D)).astype(np.float32)
+    pool_v = rng.standard_normal((Hk, S, D)).astype(np.float32)
+    slots = np.stack([rng.permutation(S)[:L] for _ in range(B)]).astype(np.int32)  # scattered blocks
+    lengths = rng.integers(1, L + 1, size=B).astype(np.int32)
+    lengths[0] = L
+    arrays = [mx.array(a).astype(dtype) for a in (q, pool_k, pool_v)]
+    return (q, pool_k, pool_v, slots, lengths), (*arrays, mx.array(slots), mx.array(lengths))
+
+
+def expected(q, pool_k, pool_v, slots, lengths, scale):
+    B, H, _, D = q.shape
+    group = H // pool_k.shape[0]
+    out = np.zeros_like(q)
+    for b in range(B):
+        for h in range(H):
+            idx = slots[b, : lengths[b]]
+            k, v = pool_k[h // group, idx], pool_v[h // group, idx]
+            s = k @ q[b, h, 0] * scale
+            p = np.exp(s - s.max())
+            out[b, h, 0] = (p / p.sum()) @ v
+    return out
+
+
+@pytest.mark.parametrize("shape", [(3, 8, 2, 32, 96, 40), (1, 4, 4, 64, 64, 17)])
+def test_the_reference_is_softmax_attention_over_each_rows_slots(shape):
+    B, H, Hk, D, S, L = shape
+    host, dev = case(B, H, Hk, D, S, L, mx.float32)
+    scale = D**-0.5
+    got = paged_attention.reference(*dev, scale)
+    np.testing.assert_allclose(np.array(got), expected(*host, scale), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not paged_attention.kernel_available(), reason="the kernel runs on a CUDA GPU")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 32, 8, 64, 700, 300), (1, 32, 8, 64, 256, 129), (3, 16, 16, 128, 512, 70),
+                                   (64, 32, 8, 64, 2048, 128)])
+def test_the_cuda_kernel_gives_the_reference(shape, dtype):
+    B, H, Hk, D, S, L = shape
+    _, dev = case(B, H, Hk, D, S, L, dtype, seed=B)
+    scale = D**-0.5
+    got = paged_attention.decode(*dev, scale, use_kernel=True)
+    want = paged_attention.reference(*dev, scale)
+    tol = 1e-4 if dtype == mx.float32 else 2e-2
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), rtol=tol,
+                               atol=tol)
+
+
+@pytest.mark.anyio
+async def test_one_row_reads_the_pool_through_a_traced_step(tiny_llama, monkeypatch):
+    """With the attention reading the pool itself, a lone request's decode windows are
+    traced steps (compile_one_row) and give mlx-lm's tokens."""
+    calls = []
+    decode = paged_attention.decode
+    monkeypatch.setattr(paged_attention, "decode", lambda *a: calls.append(a[0].shape) or decode(*a))
+    prompt = list(range(5, 45))
+    overrides = {"execute": {"paged_attention": "always", "compile_decode": "always", "compile_one_row": "always",
+                             "cpu_kernels": False}}  # the CPU kernels evaluate mid-forward: no trace
+    async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as engine:
+        result = await engine.complete(prompt_tokens=prompt, max_tokens=12)
+        stats = engine.stats()
+    assert stats["paged_attention"]["enabled"] and stats["paged_attention"]["one_row_compiled"]
+    assert stats["paged_attention"]["mode"] == "reference"  # this CPU: MLX's ops
+    assert stats["compiled_decode"]["traces"] > 0 and calls and all(s[0] == 1 for s in calls)
+    ok, note = compare_greedy(result.token_ids, reference_greedy(tiny_llama, prompt, 12))
+    assert ok, note
