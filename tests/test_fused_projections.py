@@ -120,3 +120,12 @@ def test_the_cpu_swiglu_runs_on_the_fused_halves():
     fast = cpu_kernels.SwiGLU(mlp)
     assert "fused_gate_proj" in fast and x.shape[1] * model.args.intermediate_size >= cpu_kernels.MIN_ELEMENTS
     assert mx.allclose(fast(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_layers_stay_separate_unless_asked():
+    """execute.fuse_projections "auto" joins unquantized layers only (the 4-bit 8B shape
+    did not gain on the H200); "always" joins quantized ones too."""
+    model, _ = load(str(cached_model("llama-5m")))
+    nn.quantize(model, group_size=32, bits=4)
+    assert fuse_projections(model, quantized=False) == 0
+    assert fuse_projections(model, quantized=True) == 2 * len(model.model.layers)

@@ -16,7 +16,7 @@ from unikern.stage import Stage
 # the sections `stats` may carry (DESIGN section 3, plus each member's own)
 KNOWN_SECTIONS = {
     "platform", "memory", "kv", "tiers", "bridge", "model", "kernels", "compiled_decode",
-    "warmup", "schedule", "offload", "structured",
+    "warmup", "schedule", "offload", "structured", "paged_attention",
 }
 
 # a built-in pipeline in which each type runs

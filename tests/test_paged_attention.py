@@ -69,13 +69,15 @@ async def test_one_row_reads_the_pool_through_a_traced_step(tiny_llama, monkeypa
     decode = paged_attention.decode
     monkeypatch.setattr(paged_attention, "decode", lambda *a: calls.append(a[0].shape) or decode(*a))
     prompt = list(range(5, 45))
+    # with fused projections too, as on CUDA by default: the routing finds the family's SDPA
     overrides = {"execute": {"paged_attention": "always", "compile_decode": "always", "compile_one_row": "always",
-                             "cpu_kernels": False}}  # the CPU kernels evaluate mid-forward: no trace
+                             "fuse_projections": "always", "cpu_kernels": False}}  # CPU kernels: no trace
     async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as engine:
         result = await engine.complete(prompt_tokens=prompt, max_tokens=12)
         stats = engine.stats()
     assert stats["paged_attention"]["enabled"] and stats["paged_attention"]["one_row_compiled"]
-    assert stats["paged_attention"]["mode"] == "reference"  # this CPU: MLX's ops
+    # MLX's ops on a CPU, the kernel on a CUDA GPU
+    assert stats["paged_attention"]["mode"] == ("kernel" if paged_attention.kernel_available() else "reference")
     assert stats["compiled_decode"]["traces"] > 0 and calls and all(s[0] == 1 for s in calls)
     ok, note = compare_greedy(result.token_ids, reference_greedy(tiny_llama, prompt, 12))
     assert ok, note

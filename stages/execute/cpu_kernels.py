@@ -118,6 +118,12 @@ def _swap_mlp(layer: Any, hidden: int) -> bool:
     return same
 
 
+def _calls_sdpa(cls: type) -> bool:
+    """Whether `cls`'s own __call__ calls its module's `scaled_dot_product_attention`."""
+    code = getattr(cls.__dict__.get("__call__"), "__code__", None)
+    return code is not None and SDPA_NAME in code.co_names
+
+
 def route_attention(layer: Any) -> bool:
     """Wrap the module-global `scaled_dot_product_attention` of `layer`'s attention module.
 
@@ -132,9 +138,11 @@ def route_attention(layer: Any) -> bool:
     attn = getattr(layer, "self_attn", None)
     if attn is None:
         return False
-    if SDPA_NAME not in type(attn).__call__.__code__.co_names:
+    # the family's own class: a subclass may wrap its __call__ (fused.py's Fused<...>)
+    owner = next((cls for cls in type(attn).__mro__ if _calls_sdpa(cls)), None)
+    if owner is None:
         return False
-    module = sys.modules[type(attn).__module__]
+    module = sys.modules[owner.__module__]
     original = getattr(module, SDPA_NAME, None)
     if original is None:
         return False

@@ -4,7 +4,9 @@ MLP's gate/up through one concatenated weight (execute.fuse_projections).
 A one-row decode step on an H200 spent 970 us per token of the 1B shape in MLX's GEMV
 kernel over 113 matrices, and 624 us over the 65 that fusing leaves: the narrow k/v
 projections (2048 -> 512) run far from the memory's speed, and every kernel costs a
-launch (tools/probe_cuda.py, tools/results/gpu/H200-issue17.md, session 6).
+launch (tools/probe_cuda.py, tools/results/gpu/H200-issue17.md, session 6). The engine
+at 16 and 64 requests gained 9-18% there; the 4-bit 8B shape did not gain (-5%, one
+run), so "auto" leaves quantized layers separate.
 
 mlx-lm's model code stays as it is: the fused module's class gains a `__call__` that
 multiplies once and hands each projection its slice of the output, then runs the
@@ -67,11 +69,12 @@ def _fused_class(cls: type) -> type:
     return _FUSED_CLASSES[cls]
 
 
-def _concatenated(layers: list[nn.Module]) -> nn.Module | None:
+def _concatenated(layers: list[nn.Module], quantized: bool) -> nn.Module | None:
     """One layer computing every layer's output side by side, or None when they cannot
     be joined (other types, input widths, quantization settings, or mixed biases)."""
     kind = type(layers[0])
-    if kind not in (nn.Linear, nn.QuantizedLinear) or any(type(layer) is not kind for layer in layers):
+    kinds = (nn.Linear, nn.QuantizedLinear) if quantized else (nn.Linear,)
+    if kind not in kinds or any(type(layer) is not kind for layer in layers):
         return None
     if len({layer["weight"].shape[1] for layer in layers}) != 1 or len({"bias" in layer for layer in layers}) != 1:
         return None
@@ -94,10 +97,10 @@ def _concatenated(layers: list[nn.Module]) -> nn.Module | None:
     return fused
 
 
-def fuse_projections(model: Any) -> int:
-    """Fuse every q/k/v and gate/up group of `model` whose layers can be joined; returns
-    how many groups were fused. The separate weights are dropped (evaluate the model's
-    parameters afterwards to free them)."""
+def fuse_projections(model: Any, quantized: bool = True) -> int:
+    """Fuse every q/k/v and gate/up group of `model` whose layers can be joined (quantized
+    layers too if `quantized`); returns how many groups were fused. The separate weights
+    are dropped as each group is built."""
     count = 0
     for _, module in list(model.named_modules()):
         groups = []
@@ -105,7 +108,7 @@ def fuse_projections(model: Any) -> int:
             layers = [module.get(name) if isinstance(module.get(name), nn.Module) else None for name in names]
             if any(layer is None for layer in layers):
                 continue
-            fused = _concatenated(layers)
+            fused = _concatenated(layers, quantized)
             if fused is None:
                 continue
             module[f"fused_{names[0]}"] = fused

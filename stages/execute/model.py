@@ -116,10 +116,11 @@ class LoadedModel:
     fused_groups: int = 0  # q/k/v and gate/up groups multiplied as one (fused.py)
 
 
-def load_model(name: str, world: Any = None, fuse: bool = False) -> LoadedModel:
+def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized: bool = False) -> LoadedModel:
     """Load with mlx-lm; with a world of several ranks, keep this rank's shard only
     (loaded lazily, so only the shard's weights are ever read). `fuse`: q/k/v and
-    gate/up projections through one weight each (fused.py)."""
+    gate/up projections through one weight each (fused.py), quantized ones too if
+    `fuse_quantized`."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     path = resolve_model_path(name)
@@ -142,7 +143,7 @@ def load_model(name: str, world: Any = None, fuse: bool = False) -> LoadedModel:
     if fuse:
         from unikern.stages.execute.fused import fuse_projections
 
-        fused_groups = fuse_projections(model)
+        fused_groups = fuse_projections(model, quantized=fuse_quantized)
     weights = [w for _, w in tree_flatten(model.parameters())]
     mx.eval(weights)
     geometry = ModelGeometry(model, family)

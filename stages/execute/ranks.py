@@ -54,7 +54,8 @@ class Prepared:
 def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Prepared:
     """Load (this rank's shard of) the model, wire it and warm it up: on the model thread."""
     backend = current_platform().backend
-    loaded = load_model(params.model, world, fuse=switch(params.fuse_projections, auto=backend == "cuda"))
+    loaded = load_model(params.model, world, fuse=switch(params.fuse_projections, auto=backend == "cuda"),
+                        fuse_quantized=params.fuse_projections == "always")
     wired = wiring.wire(loaded.weights, params.wire_weights)
     on_cpu = backend == "cpu"
     rows = {"auto": AUTO_ROWS.get(backend), "never": None}.get(params.dequantize_rows, params.dequantize_rows)

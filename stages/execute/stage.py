@@ -55,13 +55,15 @@ class MLXExecuteParams(StageParams, frozen=True):
     dequantize_rows: int | Literal["auto", "never"] = "auto"
     # multiply each attention's q/k/v and each MLP's gate/up projections through one
     # concatenated weight (stages/execute/fused.py): fewer, wider matmuls. "auto": on
-    # CUDA only, where it was measured (a one-row step's GEMV time 970 -> 624 us, 1B)
+    # CUDA, unquantized layers, where it was measured (a one-row step's GEMV time 970 ->
+    # 624 us at the 1B shape; 16 and 64 requests 9-18% faster); "always": quantized too
     fuse_projections: Literal["auto", "always", "never"] = "auto"
     # decode steps of full-attention layers read keys and values straight from the pool
     # by each row's slot table and length (stages/execute/paged_attention.py): one CUDA
-    # kernel per layer instead of a gathered copy and a masked SDPA; elsewhere ("always")
-    # MLX's own ops, for tests. "auto": on CUDA only
-    paged_attention: Literal["auto", "always", "never"] = "auto"
+    # kernel per layer instead of a gathered copy and a masked SDPA; elsewhere MLX's own
+    # ops (tests). "auto" = on CUDA. Off by default: the kernel matches the reference on
+    # an H200, but its effect on the engine's speed is not measured yet
+    paged_attention: Literal["auto", "always", "never"] = "never"
     # with paged_attention (no mask), one-row decode windows are traced steps too, as
     # windows of several rows are (compile_decode); "auto": on CUDA only
     compile_one_row: Literal["auto", "always", "never"] = "auto"
