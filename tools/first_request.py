@@ -27,6 +27,10 @@ def one_worker(model: str, warmup: str, requests: list[dict], fresh_cache: bool,
     try:
         client.wait_ready(timeout=600)
         ready_s = next(e["_t"] for e in client.events if e["event"] == "ready")
+        client.send_json({"op": "stats"})  # the execute stage's own split of the start-up
+        client.wait("stats", lambda c: bool(c.stats_events()), timeout=60)
+        stats = client.stats_events()[-1]
+        split = {**stats.get("model", {}).get("startup", {}), "warmup_s": stats.get("warmup", {}).get("seconds")}
         timings = []
         for request in requests:  # one at a time: each one's latency alone
             rid = request["id"]
@@ -40,7 +44,7 @@ def one_worker(model: str, warmup: str, requests: list[dict], fresh_cache: bool,
         code = client.wait_exit(120)
     finally:
         client.close()
-    return {"warmup": warmup, "ready_s": ready_s, "requests": timings, "exit_code": code}
+    return {"warmup": warmup, "ready_s": ready_s, "split": split, "requests": timings, "exit_code": code}
 
 
 def main() -> None:
@@ -67,7 +71,9 @@ def main() -> None:
         runs = [one_worker(model, v, requests, args.fresh_cache) for v in args.variants]
     for run in runs:
         reqs = "  ".join(f"{r['id']} first {r['first_token_s']:.2f} s done {r['done_s']:.2f} s" for r in run["requests"])
-        print(f"{run.get('start', '')}{' ' if 'start' in run else ''}warmup={run['warmup']:<6} ready {run['ready_s']:6.2f} s  {reqs}  exit {run['exit_code']}")
+        split = " ".join(f"{k} {v}" for k, v in run["split"].items() if v is not None)
+        print(f"{run.get('start', '')}{' ' if 'start' in run else ''}warmup={run['warmup']:<6} ready {run['ready_s']:6.2f} s "
+              f"({split})  {reqs}  exit {run['exit_code']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "runs": runs}, indent=1))
 

@@ -49,14 +49,18 @@ class Prepared:
     quantized: dict[str, Any]
     paged_attention: bool = False
     compile_one_row: bool = False
+    startup: dict[str, float] | None = None  # seconds per start-up phase (stats.model.startup)
 
 
 def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Prepared:
     """Load (this rank's shard of) the model, wire it and warm it up: on the model thread."""
     backend = current_platform().backend
+    start = time.perf_counter()
     loaded = load_model(params.model, world, fuse=switch(params.fuse_projections, auto=backend == "cuda"),
                         fuse_quantized=params.fuse_projections == "always")
+    loaded_at = time.perf_counter()
     wired = wiring.wire(loaded.weights, params.wire_weights)
+    startup = {"load_s": round(loaded_at - start, 3), "wire_s": round(time.perf_counter() - loaded_at, 3)}
     on_cpu = backend == "cpu"
     rows = {"auto": AUTO_ROWS.get(backend), "never": None}.get(params.dequantize_rows, params.dequantize_rows)
     quantized = {"dequantize_rows": rows, "routed_layers": route_quantized_layers(loaded.model, rows)}
@@ -69,7 +73,7 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     warmup = None
     if switch(params.warmup, auto=not on_cpu):
         warmup = warm_up(loaded.model, loaded.geometry, kernels, compile_decode, paged, one_row)
-    return Prepared(loaded, wired, kernels, compile_decode, warmup, quantized, paged, one_row)
+    return Prepared(loaded, wired, kernels, compile_decode, warmup, quantized, paged, one_row, startup)
 
 
 def pool_spec(pool: KVPool) -> MakeRunner:

@@ -121,6 +121,7 @@ class MLXExecuteStage(StageBase):
             loaded.thread = thread
             self.loaded, self.wired = loaded, prepared.wired
             self.quantized = prepared.quantized
+            self.startup = prepared.startup
             if prepared.warmup is not None:
                 self.warmup = prepared.warmup
                 log.info("execute.warmed_up", **self.warmup)
@@ -233,6 +234,7 @@ class MLXExecuteStage(StageBase):
         return {
             "model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes,
                       "quantized": getattr(self, "quantized", {"dequantize_rows": None, "routed_layers": 0}),
+                      "startup": getattr(self, "startup", None) or {},
                       "fused_projections": {"groups": loaded.fused_groups,
                                             "fallback_calls": fallback_calls(loaded.model) if loaded.fused_groups else 0}},
             "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
