@@ -76,18 +76,21 @@ class ScaledKeys(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.q_proj = nn.Linear(16, 16)
-        self.k_proj = nn.Linear(16, 8)
-        self.v_proj = nn.Linear(16, 8)
+        self.q_proj = nn.Linear(64, 64)
+        self.k_proj = nn.Linear(64, 32)
+        self.v_proj = nn.Linear(64, 32)
 
     def __call__(self, x):
         return mx.concatenate([self.q_proj(x), self.k_proj(2 * x), self.v_proj(x)], axis=-1)
 
 
-def test_a_projection_called_on_another_input_computes_its_own_rows():
+@pytest.mark.parametrize("bits", [None, 4])
+def test_a_projection_called_on_another_input_computes_its_own_rows(bits):
     mx.random.seed(3)
     module = ScaledKeys()
-    x = mx.random.normal((3, 16))
+    if bits:
+        nn.quantize(module, group_size=32, bits=bits)
+    x = mx.random.normal((3, 64))
     expected = module(x)
     assert fuse_projections(module) == 1
     assert mx.allclose(module(x), expected, rtol=1e-5, atol=1e-5)

@@ -44,8 +44,20 @@ class HandedProjection(nn.Module):
         d.update(_x=None, _out=None)
         if out is not None and x is handed:
             return out
-        d["misses"] += 1  # not the owner's input: this projection alone, through the fused weight
-        return d["_fused"](x)[..., d["_lo"] : d["_hi"]]
+        d["misses"] += 1  # not the owner's input: this projection alone
+        return _rows(d["_fused"], x, d["_lo"], d["_hi"])
+
+
+def _rows(fused: nn.Module, x: mx.array, lo: int, hi: int) -> mx.array:
+    """x through rows [lo, hi) of a fused layer's weight (contiguous views, no copy)."""
+    if isinstance(fused, nn.QuantizedLinear):
+        biases = fused.get("biases")
+        y = mx.quantized_matmul(x, fused["weight"][lo:hi], scales=fused["scales"][lo:hi],
+                                biases=None if biases is None else biases[lo:hi], transpose=True,
+                                group_size=fused.group_size, bits=fused.bits, mode=fused.mode)
+    else:
+        y = x @ fused["weight"][lo:hi].T
+    return y + fused["bias"][lo:hi] if "bias" in fused else y
 
 
 def _fused_class(cls: type) -> type:
