@@ -10,7 +10,7 @@ Variants:
   default      mlx-lm's model and KVCache, greedy, as generate_step runs them
   nographs     MLX_USE_CUDA_GRAPHS=0: kernels launched one by one, no graph capture
   ops400       MLX_MAX_OPS_PER_BUFFER=400: one CUDA graph per token instead of ~4
-  fused        q/k/v and gate/up projections multiplied through one concatenated weight
+  fused        q/k/v and gate/up through one weight each (stages/execute/fused.py)
   fused-nographs  both
   compiled     each layer's MLP half (norm, SwiGLU, residual add) an mx.compile'd function
 """
@@ -36,52 +36,6 @@ VARIANTS = {
     "compiled": ({}, ["compiled"]),
     "compiled-fused-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "compiled"]),
 }
-
-
-def fuse_projections(model) -> int:
-    """Replace each layer's q/k/v (and gate/up) projections by views of one output of a
-    concatenated weight; returns how many groups were fused."""
-    import mlx.core as mx
-    import mlx.nn as nn
-
-    class Part(nn.Module):
-        def __init__(self, shared: dict, index: int, lo: int, hi: int) -> None:
-            super().__init__()
-            self._shared = shared
-            self._index, self._lo, self._hi = index, lo, hi
-
-        def __call__(self, x):
-            s = self._shared
-            if self._index == 0 or s.get("x") is not x:
-                y = x @ s["w"].T
-                if s["b"] is not None:
-                    y = y + s["b"]
-                s["x"], s["y"] = x, y
-            return s["y"][..., self._lo : self._hi]
-
-    def fuse(owner, names) -> bool:
-        mods = [getattr(owner, n, None) for n in names]
-        if any(type(m) is not nn.Linear for m in mods):
-            return False
-        biases = [getattr(m, "bias", None) for m in mods]
-        if any(b is None for b in biases) and any(b is not None for b in biases):
-            return False
-        shared = {"w": mx.concatenate([m.weight for m in mods], axis=0),
-                  "b": None if biases[0] is None else mx.concatenate(biases)}
-        mx.eval(shared["w"], *([shared["b"]] if shared["b"] is not None else []))
-        lo = 0
-        for i, (n, m) in enumerate(zip(names, mods, strict=True)):
-            hi = lo + m.weight.shape[0]
-            setattr(owner, n, Part(shared, i, lo, hi))
-            lo = hi
-        return True
-
-    layers = getattr(model, "layers", None) or model.model.layers
-    count = 0
-    for layer in layers:
-        count += fuse(layer.self_attn, ["q_proj", "k_proj", "v_proj"])
-        count += fuse(layer.mlp, ["gate_proj", "up_proj"])
-    return count
 
 
 def compile_mlp_halves(model) -> int:
@@ -113,7 +67,9 @@ def child(args) -> None:
     model, _ = load(args.model)
     features = args.features.split(",") if args.features else []
     notes = {}
-    if "fused" in features:
+    if "fused" in features:  # the engine's own (execute.fuse_projections)
+        from unikern.stages.execute.fused import fuse_projections
+
         notes["fused_groups"] = fuse_projections(model)
     layers = getattr(model, "layers", None) or model.model.layers
     if "compiled" in features:
