@@ -102,12 +102,14 @@ for v in ${BENCH_ENV_VARIANTS:-}; do  # e.g. "MLX_USE_CUDA_GRAPHS=0": the 1B ben
     --model $M/llama-1b --engines mlx-lm unikern --repeats 3 --concurrency 1 64 --label "llama 1B, $v" \
     --json "$RES/bench-gpu-1b-$n.json"
 done
-for m in ${BENCH_SET_MODELS:-1b}; do  # each model under each --set variant, e.g. "execute.fuse_projections=never"
-  engines="mlx-lm unikern"; [ "$m" = 8b-q4 ] && engines=unikern
-  for v in ${BENCH_SET_VARIANTS:-}; do
-    n=${v//=/-}
-    TAIL=6 step bench-set "$RES/bench-gpu-$m-$n.json" python3 "$REPO/tools/bench_gpu.py" bench --model $M/llama-$m \
-      --engines $engines --repeats 3 --set "$v" --label "llama $m, $v" --json "$RES/bench-gpu-$m-$n.json"
+for r in $(seq "${BENCH_SET_ROUNDS:-1}"); do  # rounds interleave the variants (an A/B, twice...)
+  for m in ${BENCH_SET_MODELS:-1b}; do  # each model under each --set variant, e.g. "execute.fuse_projections=never"
+    engines="mlx-lm unikern"; [ "$m" = 8b-q4 ] && engines=unikern
+    for v in ${BENCH_SET_VARIANTS:-}; do
+      n=${v//=/-}; [ "$r" -gt 1 ] && n="$n-round$r"
+      TAIL=6 step bench-set "$RES/bench-gpu-$m-$n.json" python3 "$REPO/tools/bench_gpu.py" bench --model $M/llama-$m \
+        --engines $engines --repeats 3 --set "$v" --label "llama $m, $v, round $r" --json "$RES/bench-gpu-$m-$n.json"
+    done
   done
 done
 (cd $RES && tar -czf $G/res.tgz . && mkdir -p "$OUT" && cp $G/res.tgz "$OUT/gpu-results.tgz")  # one file: every log
