@@ -89,21 +89,22 @@ def build_app(state: ServerState) -> Starlette:
             status = "stopping" if state.draining else "starting"
             raise APIError(503, f"the server is {status}", headers={"Retry-After": "1"})
 
-    async def chat(request: Request) -> Response:
+    async def openai_call(request: Request, chat: bool) -> Response:
+        """/v1/chat/completions (chat) and /v1/completions: the same flow, two body shapes."""
         require_engine()
-        body = await _read(request, openai.ChatRequest, params.max_body_bytes)
-        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        gen = Generation(state, openai.prepare_chat(state, body), rid)
-        shaper = openai.Shaper(state, gen, rid, chat=True, token_ids=body.return_token_ids)
+        body_type = openai.ChatRequest if chat else openai.CompletionRequest
+        body = await _read(request, body_type, params.max_body_bytes)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        prepared = openai.prepare_chat(state, body) if chat else openai.prepare_completion(body)
+        gen = Generation(state, prepared, rid)
+        shaper = openai.Shaper(state, gen, rid, chat=chat, token_ids=body.return_token_ids)
         return await respond(request, gen, body.stream, lambda: shaper.stream(body.include_usage), shaper.collect)
 
+    async def chat(request: Request) -> Response:
+        return await openai_call(request, chat=True)
+
     async def completions(request: Request) -> Response:
-        require_engine()
-        body = await _read(request, openai.CompletionRequest, params.max_body_bytes)
-        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        gen = Generation(state, openai.prepare_completion(body), rid)
-        shaper = openai.Shaper(state, gen, rid, chat=False, token_ids=body.return_token_ids)
-        return await respond(request, gen, body.stream, lambda: shaper.stream(body.include_usage), shaper.collect)
+        return await openai_call(request, chat=False)
 
     async def messages(request: Request) -> Response:
         require_engine()
