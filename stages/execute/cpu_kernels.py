@@ -4,13 +4,14 @@ through zero-copy views, for float32 models (see README, "CPU kernels")."""
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import structlog
 from mlx_lm.models.activations import swiglu
+
+from unikern.stages.execute.routing import layers_of, route_attention
 
 if TYPE_CHECKING:
     from unikern.platform.bridge import Bridge
@@ -21,9 +22,6 @@ log = structlog.get_logger()
 # the step lazy so that decode lookahead still overlaps graph building with compute
 MIN_ELEMENTS = 16384
 
-# the module-level name mlx-lm's attention layers call (mlx_lm.models.base re-exported)
-SDPA_NAME = "scaled_dot_product_attention"
-_ROUTED = "__unikern_routed__"
 
 
 def _bridge() -> Bridge:
@@ -93,14 +91,6 @@ class SwiGLU(nn.Module):
         return self.down_proj(silu_mul_(gate, up))
 
 
-def layers_of(model: Any) -> list[Any]:
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        layers = getattr(getattr(model, "model", None), "layers", None)
-    # a pipeline rank's layers come wrapped (sharding.PipelineBlock): swap inside them
-    return [layer.block if getattr(layer, "pipelined", False) else layer for layer in layers or []]
-
-
 def _swap_mlp(layer: Any, hidden: int) -> bool:
     mlp = getattr(layer, "mlp", None)
     if mlp is None or isinstance(mlp, SwiGLU):
@@ -116,54 +106,6 @@ def _swap_mlp(layer: Any, hidden: int) -> bool:
     if same:
         layer.mlp = fast
     return same
-
-
-def _calls_sdpa(cls: type) -> bool:
-    """Whether `cls`'s own __call__ calls its module's `scaled_dot_product_attention`."""
-    code = getattr(cls.__dict__.get("__call__"), "__code__", None)
-    return code is not None and SDPA_NAME in code.co_names
-
-
-def route_attention(layer: Any) -> bool:
-    """Wrap the module-global `scaled_dot_product_attention` of `layer`'s attention module.
-
-    No other route exists: mlx-lm's attention modules call their module's
-    `scaled_dot_product_attention`, which dispatches on nothing but `cache.bits`, so keeping
-    mlx-lm's model code unchanged means wrapping that name. The wrapper passes every call
-    through untouched unless the cache is a paged cache with kernels on
-    (`cache.cpu_attention`) or a decode step read straight from the pool
-    (`cache.paged_decode`, paged_attention.py), so mlx-lm's own generate in the same
-    process is unaffected.
-    """
-    attn = getattr(layer, "self_attn", None)
-    if attn is None:
-        return False
-    # the family's own class: a subclass may wrap its __call__ (fused.py's Fused<...>)
-    owner = next((cls for cls in type(attn).__mro__ if _calls_sdpa(cls)), None)
-    if owner is None:
-        return False
-    module = sys.modules[owner.__module__]
-    original = getattr(module, SDPA_NAME, None)
-    if original is None:
-        return False
-    if getattr(original, _ROUTED, False):
-        return True
-
-    def routed(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None, **kwargs):
-        paged = getattr(cache, "paged_decode", None)
-        if paged is not None and sinks is None and not kwargs:
-            out = paged(queries, scale)  # None: not a step it takes
-            if out is not None:
-                return out
-        attention = getattr(cache, "cpu_attention", None)
-        if attention is not None and sinks is None and not kwargs:
-            return attention(queries, keys, values, scale, mask)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kwargs)
-
-    setattr(routed, _ROUTED, True)
-    routed.__wrapped__ = original
-    setattr(module, SDPA_NAME, routed)
-    return True
 
 
 def install(model: Any, dtype: mx.Dtype) -> dict[str, Any]:

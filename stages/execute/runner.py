@@ -108,7 +108,7 @@ class ModelRunner:
         self.paged_report: dict[str, Any] = {"enabled": False, "reason": "off (execute.paged_attention)"}
         if paged_attention:
             from unikern.stages.execute import paged_attention as pa
-            from unikern.stages.execute.cpu_kernels import layers_of, route_attention
+            from unikern.stages.execute.routing import layers_of, route_attention
 
             routed = sum(route_attention(layer) for layer in layers_of(model))
             if routed:
