@@ -31,6 +31,7 @@ fi
 export PYTHONPATH=/tmp/py:/tmp/src:$REPO UNIKERN_MODEL_CACHE=/tmp/models TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1 MLX_MEMORY_LIMIT_GIB=${MLX_MEMORY_LIMIT_GIB:-60} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export PATH=$CUDA_HOME/bin:$PATH
+cd "$REPO"  # the test steps name tests/ relative to it
 for d in "$@"; do [ -f "$d/llama.cpp.tgz" ] && [ ! -d $G/llama.cpp ] && tar -xzf "$d/llama.cpp.tgz" -C $G; done
 BIN=$G/llama-build/bin
 
@@ -43,6 +44,7 @@ build_llama() {  # only the three targets the benchmark needs
 }
 
 want() { [ -z "${GPU_STEPS:-}" ] || [[ " $GPU_STEPS " == *" $1 "* ]]; }  # GPU_STEPS: a subset of the steps
+named() { [[ " ${GPU_STEPS:-} " == *" $1 "* ]]; }  # steps that run only when GPU_STEPS names them
 
 step() {  # NAME DONE_FILE COMMAND...: runs it unless DONE_FILE exists, time is short or GPU_STEPS leaves it out
   local name=$1 done_file=$2; shift 2
@@ -112,5 +114,16 @@ for r in $(seq "${BENCH_SET_ROUNDS:-1}"); do  # rounds interleave the variants (
     done
   done
 done
+# two GPUs of one host (nvidia-h200-x2; tools/h200_x2.sh names these): issue 18's tests over
+# NCCL, and the 8B-shape bf16 model at 64 requests on 1 GPU against tensor parallelism 2
+if named pytest-nccl; then
+  TAIL=30 step pytest-nccl $RES/pytest-nccl.log.done bash -c "env MLX_ENABLE_TF32=0 UNIKERN_TEST_BACKEND=nccl \
+    python3 -m pytest -p no:cacheprovider -q -rA -o filterwarnings=default --durations=0 tests/test_distributed.py \
+    && touch $RES/pytest-nccl.log.done"
+fi
+if named bench-tp-8b; then
+  TAIL=10 step bench-tp-8b $RES/bench-tp-llama-8b-nccl.json python3 "$REPO/tools/bench_tp.py" --model $M/llama-8b \
+    --tp 2 --backend nccl --concurrency 64 --max-tokens 64 --repeats 3 --out $RES/bench-tp-llama-8b-nccl.json
+fi
 (cd $RES && tar -czf $G/res.tgz . && mkdir -p "$OUT" && cp $G/res.tgz "$OUT/gpu-results.tgz")  # one file: every log
 say "done; $(left) s left"
