@@ -89,6 +89,35 @@ async def complete_all(engine, prompts: list[list[int]], max_tokens: int) -> lis
     return results
 
 
+async def generate_sampled(engine, prompt: list[int], max_tokens: int, sample) -> tuple[list, list, list]:
+    """One request streamed, `sample()` (a reading of the engine's stats) taken every
+    millisecond until its first token and after each token: (tokens, prefill samples,
+    decode samples). Samples only: a bound checked on them must hold at any moment."""
+    import anyio
+
+    from unikern import messages as m
+
+    tokens: list[int] = []
+    prefill: list = []
+    decode: list = []
+    done = anyio.Event()
+
+    async def watch_prefill() -> None:
+        while not done.is_set():
+            prefill.append(sample())
+            await anyio.sleep(0.001)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_prefill)
+        async for event in engine.generate(prompt_tokens=prompt, max_tokens=max_tokens):
+            if isinstance(event, m.TokenEvent):
+                done.set()
+                tokens.append(event.token_id)
+                decode.append(sample())
+        done.set()
+    return tokens, prefill, decode
+
+
 @pytest.fixture(autouse=True)
 def near_tie_budget(request):
     """Fails a test whose greedy comparisons met more than MAX_NEAR_TIES_PER_TEST near-ties."""

@@ -55,19 +55,13 @@ def overrides(family: str, mode: str, num_blocks: int) -> dict:
 # process of its own: this script, which prints its results and stats as JSON
 ENGINE_SCRIPT = """
 import json, sys, time, anyio, unikern
+from tests.conftest import complete_all
 path, overrides, prefix, batch, max_tokens = json.loads(sys.argv[1])
 
 async def main():
     async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
         warm = await engine.complete(prompt_tokens=prefix + [3, 4], max_tokens=2)  # the prefix, cached
-        results = [None] * len(batch)
-
-        async def one(i):
-            results[i] = await engine.complete(prompt_tokens=batch[i], max_tokens=max_tokens)
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(batch)):
-                tg.start_soon(one, i)
+        results = await complete_all(engine, batch, max_tokens)
         time.sleep(0.3)  # per-rank figures are gathered after a step at most every 0.25 s
         await engine.complete(prompt_tokens=[5, 6, 7], max_tokens=2)
         stats = engine.stats()

@@ -4,12 +4,10 @@ the released blocks stay in the prefix cache, and the tokens are mlx-lm's."""
 
 from __future__ import annotations
 
-import anyio
 import pytest
 
 import unikern
-from tests.conftest import compare_greedy, reference_greedy
-from unikern import messages as m
+from tests.conftest import compare_greedy, generate_sampled, reference_greedy
 from unikern.stages.kv.blocks import BlockManager
 from unikern.stages.schedule.windows import ZERO_BLOCK, release_out_of_window
 
@@ -38,25 +36,10 @@ def windowed_model() -> str:
 
 async def test_a_4000_token_request_holds_only_its_window():
     path = windowed_model()
-    decode_used: list[int] = []
-    prefill_used: list[int] = []
     async with unikern.Engine.from_pipeline("generate", model=path, overrides=OVERRIDES) as engine:
-        done = anyio.Event()
-
-        async def watch_prefill() -> None:  # samples only: the bound must hold at any moment
-            while not done.is_set():
-                prefill_used.append(engine.stats()["kv"]["blocks_used"])
-                await anyio.sleep(0.001)
-
-        tokens: list[int] = []
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch_prefill)
-            async for event in engine.generate(prompt_tokens=PROMPT, max_tokens=MAX_TOKENS):
-                if isinstance(event, m.TokenEvent):
-                    done.set()
-                    tokens.append(event.token_id)
-                    decode_used.append(engine.stats()["kv"]["blocks_used"])
-            done.set()
+        tokens, prefill_used, decode_used = await generate_sampled(
+            engine, PROMPT, MAX_TOKENS, lambda: engine.stats()["kv"]["blocks_used"]
+        )
         kv = engine.stats()["kv"]
         # the released blocks went back as cached blocks: a prompt sharing 3,000 tokens hits
         # them, holds only its window once admitted, and still gets mlx-lm's tokens

@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 import unikern
-from tests.conftest import compare_greedy, reference_greedy
+from tests.conftest import compare_greedy, generate_sampled, reference_greedy
 from unikern import messages as m
 from unikern.stages.execute.model import LayerSlot
 from unikern.stages.kv.blocks import BlockManager
@@ -44,30 +44,16 @@ def mixed_model(family: str = "gemma3") -> str:
 @pytest.mark.parametrize(("family", "fill"), [("gemma3", "zeros"), ("gpt-oss", "nan")])
 async def test_window_group_holds_only_its_window_while_the_full_group_holds_all(family, fill):
     path = mixed_model(family)
-    decode: list[tuple[int, int]] = []  # (full group, window group) blocks in use
-    prefill: list[int] = []
     overrides = {**OVERRIDES, "kv": {**OVERRIDES["kv"], "unwritten_fill": fill}}
     async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
         groups = engine.stats()["kv"]["groups"]
         assert [(g["layers"], g["num_layers"], g["window"]) for g in groups] == [("full", 2, None),
                                                                                  ("window", 2, WINDOW)]
-        done = anyio.Event()
-
-        async def watch_prefill() -> None:
-            while not done.is_set():
-                prefill.append(engine.stats()["kv"]["groups"][1]["blocks_used"])
-                await anyio.sleep(0.001)
-
-        tokens: list[int] = []
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch_prefill)
-            async for event in engine.generate(prompt_tokens=PROMPT, max_tokens=MAX_TOKENS):
-                if isinstance(event, m.TokenEvent):
-                    done.set()
-                    tokens.append(event.token_id)
-                    kv = engine.stats()["kv"]
-                    decode.append((kv["groups"][0]["blocks_used"], kv["groups"][1]["blocks_used"]))
-            done.set()
+        # samples of (full group, window group) blocks in use
+        tokens, prefill, decode = await generate_sampled(
+            engine, PROMPT, MAX_TOKENS, lambda: tuple(g["blocks_used"] for g in engine.stats()["kv"]["groups"])
+        )
+        prefill = [window for _, window in prefill]
         # a prompt sharing 1,500 tokens hits both groups: the full one's every block, the
         # window group's blocks of the last window before the hit (cached as they left it)
         shared = PROMPT[:1500] + [9, 8, 7]
