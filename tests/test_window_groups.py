@@ -15,21 +15,17 @@ import pytest
 
 import unikern
 from tests.conftest import compare_greedy, generate_sampled, reference_greedy
+
+# the window, block, chunk and lookahead settings and bounds of the all-windowed model's test
+from tests.test_window_blocks import BLOCK, DECODE_BOUND, OVERRIDES, PREFILL_BOUND, WINDOW
 from unikern import messages as m
 from unikern.stages.execute.model import LayerSlot
 from unikern.stages.kv.blocks import BlockManager
 from unikern.stages.schedule.policy import Scheduler
 from unikern.stages.schedule.windows import ZERO_BLOCK
 
-WINDOW, BLOCK, CHUNK, LOOKAHEAD_MAX = 200, 64, 512, 8
 PROMPT = [(5 * j) % 1000 + 9 for j in range(1900)]
 MAX_TOKENS = 100  # 2,000 tokens in all
-OVERRIDES = {
-    "kv": {"kv_budget_bytes": 32 << 20, "block_size": BLOCK, "kernel_block_size": 16},
-    "schedule": {"max_prefill_chunk": CHUNK, "decode_lookahead": 4, "decode_lookahead_max": LOOKAHEAD_MAX},
-}
-DECODE_BOUND = -(-WINDOW // BLOCK) + 1  # the window's blocks + 1 (the lookahead fits: see test_window_blocks)
-PREFILL_BOUND = -(-(WINDOW - 1 + CHUNK) // BLOCK) + 1
 
 
 def mixed_model(family: str = "gemma3") -> str:
