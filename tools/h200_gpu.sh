@@ -98,6 +98,12 @@ TAIL=6 step bench-8b-q4-never $RES/bench-gpu-8b-q4-never.json python3 "$REPO/too
 # GPU kernels) under MLX's CUDA settings, then the engines under the settings that matter
 TAIL=40 step probe-1b $RES/probe-1b.json python3 "$REPO/tools/probe_cuda.py" --model $M/llama-1b \
   --json $RES/probe-1b.json
+# the engine's own decode (ModelRunner windows) with and without paged attention, one row and 64
+for rows in ${PROBE_ENGINE_ROWS:-1 64}; do
+  TAIL=30 step probe-engine "$RES/probe-engine-1b-rows$rows.json" python3 "$REPO/tools/probe_cuda.py" \
+    --model $M/llama-1b --rows "$rows" --variants ${PROBE_ENGINE_VARIANTS:-engine engine-paged} --repeats 3 \
+    --json "$RES/probe-engine-1b-rows$rows.json"
+done
 for v in ${BENCH_ENV_VARIANTS:-}; do  # e.g. "MLX_USE_CUDA_GRAPHS=0": the 1B bench with that setting
   n=${v//=/-}  # step bench-1b-env: GPU_STEPS names it so
   TAIL=6 step bench-1b-env "$RES/bench-gpu-1b-$n.json" env "$v" python3 "$REPO/tools/bench_gpu.py" bench \

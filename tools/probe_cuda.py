@@ -13,6 +13,12 @@ Variants:
   fused        q/k/v and gate/up through one weight each (stages/execute/fused.py)
   fused-nographs  both
   compiled     each layer's MLP half (norm, SwiGLU, residual add) an mx.compile'd function
+  engine       unikern's ModelRunner on lookahead windows of 32 (as the engine decodes one
+               request), projections fused as execute.fuse_projections=auto does on CUDA:
+               wall and GPU time per token (its graph build and encode are not split)
+  engine-paged the same with execute.paged_attention (one kernel reads the pool) and the
+               one-row window a traced step (execute.compile_one_row)
+  engine-paged-eager  paged attention, the one-row window built op by op
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ VARIANTS = {
     "fused-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused"]),
     "compiled": ({}, ["compiled"]),
     "compiled-fused-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "compiled"]),
+    "engine": ({}, ["fused", "engine"]),
+    "engine-paged": ({}, ["fused", "engine", "paged", "traced"]),
+    "engine-paged-eager": ({}, ["fused", "engine", "paged"]),
 }
 
 
@@ -81,7 +90,7 @@ def child(args) -> None:
         notes["compiled_layers"] = len(layers)
     prompt = mx.array([(7 * j) % 1000 + 5 for j in range(args.prompt)])
 
-    def run(n: int, profile=None) -> dict:
+    def run_mlx_lm(n: int, profile=None) -> dict:
         cache = make_prompt_cache(model)
         logits = model(prompt[None], cache=cache)[:, -1, :]
         y = mx.argmax(logits, axis=-1)
@@ -106,9 +115,10 @@ def child(args) -> None:
         ms = 1e3 / n
         return {"tokens": tokens, "ms_per_token": wall * ms, "build_ms": build * ms, "submit_ms": submit * ms, "wait_ms": wait * ms}
 
+    run = engine_run(model, args, features, notes) if "engine" in features else run_mlx_lm
     run(8)  # kernels built, graphs cached
     rows = [run(args.tokens) for _ in range(args.repeats)]
-    out = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "tokens"}
+    out = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k not in ("tokens", "decoded")}
     out["tokens"] = rows[0]["tokens"][:32]
     out.update(notes)
     try:
@@ -116,6 +126,51 @@ def child(args) -> None:
     except Exception as exc:  # a profile is a bonus: the timings above stand without it
         out["profile_error"] = f"{type(exc).__name__}: {exc}"[:300]
     print("PROBE " + json.dumps(out))
+
+
+def engine_run(model, args, features: list[str], notes: dict):
+    """A run(n) over unikern's ModelRunner: a prefill, then lookahead windows of 32, for
+    --rows requests decoding together (ms_per_token is per step: a token of every row)."""
+    from unikern import messages as m
+    from unikern.stages.execute.model import ModelGeometry
+    from unikern.stages.execute.runner import ModelRunner
+    from unikern.stages.kv.pool import KVPool
+
+    geo = ModelGeometry(model)
+    block_size, window = 16, 32
+    blocks = -(-(args.prompt + args.tokens + window + 1) // block_size)
+    pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
+                  dtype=geo.dtype, block_size=block_size, kernel_block_size=block_size,
+                  num_blocks=args.rows * blocks + 2, slab_blocks=args.rows * blocks + 2)
+    runner = ModelRunner(model, pool, None, cpu_kernels=False, compile_decode=True, geometry=geo,
+                         paged_attention="paged" in features, compile_one_row="traced" in features)
+    notes["paged"] = runner.paged_report
+    notes["one_row_traced"] = runner.compile_one_row
+    rows = args.rows
+    tables = [tuple(range(2 + r * blocks, 2 + (r + 1) * blocks)) for r in range(rows)]
+    params = m.SamplingParams(max_tokens=args.tokens + window)
+    # distinct prompts: the rows' tokens differ, as a server's do
+    prompts = [tuple((7 * j + 13 * r) % 1000 + 5 for j in range(args.prompt)) for r in range(rows)]
+
+    def run(n: int, profile=None) -> dict:
+        out = runner.run(m.Step(1, tuple(m.SeqWork(f"r{r}", prompts[r], 0, tables[r], True, params)
+                                         for r in range(rows)), 1), {})
+        tokens, pos = {k: [v[-1]] for k, v in out.items()}, len(prompts[0])
+        start = time.perf_counter()
+        while len(tokens["r0"]) <= n:
+            work = tuple(m.SeqWork(f"r{r}", (tokens[f"r{r}"][-1],), pos, tables[r], True, params,
+                                   num_generated=len(tokens["r0"])) for r in range(rows))
+            for k, v in runner.run(m.Step(2, work, window), {}).items():
+                tokens[k] += v
+            pos += window
+            if profile is not None:
+                profile.step()
+        wall = time.perf_counter() - start
+        done = len(tokens["r0"]) - 1
+        return {"tokens": tokens["r0"][:n], "decoded": done, "ms_per_token": wall * 1e3 / done,
+                "build_ms": float("nan"), "submit_ms": float("nan"), "wait_ms": float("nan")}
+
+    return run
 
 
 def kernel_profile(run) -> dict:
@@ -127,7 +182,7 @@ def kernel_profile(run) -> dict:
     torch.cuda.init()
     n = 16
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run(n)
+        n = run(n).get("decoded", n)  # the engine decodes whole windows
     kernels: dict[str, list[float]] = {}
     for e in prof.events():
         if e.device_type.name == "CUDA" or getattr(e, "device_time", 0):
@@ -152,6 +207,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rows", type=int, default=1, help="engine variants: requests decoding together")
     parser.add_argument("--timeout", type=int, default=240)
     parser.add_argument("--json")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -163,7 +219,7 @@ def main() -> None:
     for name in args.variants:
         env, features = VARIANTS[name]
         cmd = [sys.executable, __file__, "--child", "--model", args.model, "--tokens", str(args.tokens),
-               "--prompt", str(args.prompt), "--repeats", str(args.repeats), "--features", ",".join(features)]
+               "--prompt", str(args.prompt), "--repeats", str(args.repeats), "--rows", str(args.rows), "--features", ",".join(features)]
         try:
             done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
                                   timeout=args.timeout)
