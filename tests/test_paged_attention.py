@@ -70,8 +70,9 @@ async def test_one_row_reads_the_pool_through_a_traced_step(tiny_llama, monkeypa
     monkeypatch.setattr(paged_attention, "decode", lambda *a: calls.append(a[0].shape) or decode(*a))
     prompt = list(range(5, 45))
     # with fused projections too, as on CUDA by default: the routing finds the family's SDPA
+    # (no warm-up: on a GPU it would run a two-row window through the same decode)
     overrides = {"execute": {"paged_attention": "always", "compile_decode": "always", "compile_one_row": "always",
-                             "fuse_projections": "always", "cpu_kernels": False}}  # CPU kernels: no trace
+                             "fuse_projections": "always", "cpu_kernels": False, "warmup": "never"}}
     async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as engine:
         result = await engine.complete(prompt_tokens=prompt, max_tokens=12)
         stats = engine.stats()
