@@ -7,11 +7,11 @@ row's slot table in the pool, with the row's length instead of a mask: no gather
 no mask, and fixed shapes, so a one-row window can be a traced (`mx.compile`d) step too.
 
 On CUDA the kernel is written with `mx.fast.cuda_kernel`: one thread block per (row,
-query head); each warp takes 32 positions at a time, a lane per position for q.k (one
-warp-wide max and sum per 32 positions, an online softmax in float32) and a lane per
-feature for the values; the warps are merged at the end. (Its first version gave each
-position a whole warp and a shuffle reduction: 220 us per token over the 16 layers of
-the 1B shape on an H200, latency-bound.) Elsewhere (and for head sizes the kernel does not take)
+query head), each warp taking every NW-th position with an online softmax in float32,
+the warps merged at the end. (A version with a lane per position for q.k, one warp-wide
+max and sum per 32 positions, measured slower on an H200: 248 against 220 us per token
+over the 16 layers of the 1B shape at one row, 990 against 744 at 64 rows;
+tools/results/gpu/H200-issue17.md.) Elsewhere (and for head sizes the kernel does not take)
 `reference` computes the same thing with MLX's own ops; the CPU tests run the routing
 through it and a GPU test holds the kernel to it."""
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-WARPS = 8  # per block: chunks of 32 positions are dealt round-robin to the warps
+WARPS = 8  # per block: positions are dealt round-robin to the warps
 
 _SOURCE = """
     const int bh = blockIdx.x;  // one block per (row, query head)
@@ -31,50 +31,24 @@ _SOURCE = """
     const int L = slots_shape[1];
     const size_t S = k_pool_shape[1];
     const int len = min(lengths[b], L);
-    constexpr int PACK = 16 / sizeof(T);  // elements per 16-byte load
-    __shared__ float s_q[D];
-    for (int e = threadIdx.x; e < D; e += blockDim.x) {
-        s_q[e] = static_cast<float>(q[(size_t)bh * D + e]) * scale[0];
-    }
-    __syncthreads();
+    float qv[E];
     float acc[E];
-    for (int e = 0; e < E; ++e) acc[e] = 0.f;
+    for (int e = 0; e < E; ++e) {
+        qv[e] = static_cast<float>(q[(size_t)bh * D + lane * E + e]) * scale[0];
+        acc[e] = 0.f;
+    }
     float m = -INFINITY;
     float l = 0.f;
-    // each warp takes 32 positions at a time, one per lane: the lane's whole q.k in
-    // 16-byte loads, one max and one sum across the warp per chunk; then the chunk's
-    // values, a row at a time, each lane its E features of the row
-    for (int t0 = warp * 32; t0 < len; t0 += NW * 32) {
-        const int t = t0 + lane;
-        float s = -INFINITY;
-        int slot = 0;
-        if (t < len) {
-            slot = slots[(size_t)b * L + t];
-            const uint4* row = reinterpret_cast<const uint4*>(k_pool + ((size_t)kvh * S + slot) * D);
-            float dot = 0.f;
-            for (int c = 0; c < D / PACK; ++c) {
-                const uint4 raw = row[c];
-                const T* x = reinterpret_cast<const T*>(&raw);
-                for (int i = 0; i < PACK; ++i) dot += s_q[c * PACK + i] * static_cast<float>(x[i]);
-            }
-            s = dot;
-        }
-        float top = s;
-        for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
-        const float m_new = fmaxf(m, top);  // finite: lane 0's position is in range
+    for (int t = warp; t < len; t += NW) {
+        const size_t base = ((size_t)kvh * S + (size_t)slots[(size_t)b * L + t]) * D + lane * E;
+        float s = 0.f;
+        for (int e = 0; e < E; ++e) s += qv[e] * static_cast<float>(k_pool[base + e]);
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+        const float m_new = fmaxf(m, s);
         const float corr = expf(m - m_new);
-        const float p = t < len ? expf(s - m_new) : 0.f;
-        float sum = p;
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
-        l = l * corr + sum;
-        for (int e = 0; e < E; ++e) acc[e] *= corr;
-        const int n = min(32, len - t0);
-        for (int j = 0; j < n; ++j) {
-            const float pj = __shfl_sync(0xffffffff, p, j);
-            const int sj = __shfl_sync(0xffffffff, slot, j);
-            const T* vr = v_pool + ((size_t)kvh * S + sj) * D + lane * E;
-            for (int e = 0; e < E; ++e) acc[e] += pj * static_cast<float>(vr[e]);
-        }
+        const float p = expf(s - m_new);
+        l = l * corr + p;
+        for (int e = 0; e < E; ++e) acc[e] = acc[e] * corr + p * static_cast<float>(v_pool[base + e]);
         m = m_new;
     }
     __shared__ float s_m[NW];
