@@ -1,12 +1,14 @@
 """Decode attention read straight from the paged pool (stages/execute/paged_attention.py):
-the MLX-ops reference against a softmax written out here, the CUDA kernel against the
-reference (on a CUDA machine), and a one-row request through a traced step."""
+the MLX-ops reference against a softmax written out here, the CUDA kernels' own source
+against it in a thread-per-lane emulation on the CPU (tests/cuda_emulation.py) and on a
+CUDA machine against the reference, and a one-row request through a traced step."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import unikern
+from tests import cuda_emulation
 from tests.conftest import compare_greedy, reference_greedy
 from unikern.stages.execute import paged_attention
 
@@ -46,12 +48,32 @@ def test_the_reference_is_softmax_attention_over_each_rows_slots(shape):
     np.testing.assert_allclose(np.array(got), expected(*host, scale), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+@pytest.mark.parametrize("kernel", ["head", "group"])
+@pytest.mark.parametrize("shape", [(3, 8, 2, 64, 96, 40), (2, 4, 4, 128, 64, 17), (2, 8, 1, 32, 80, 70)])
+def test_the_kernel_source_computes_the_attention_in_an_emulation(shape, kernel, monkeypatch):
+    """Each CUDA kernel's source, run on the CPU with a thread per lane: the same outputs
+    as the softmax written out above, for grouped and plain heads and short rows."""
+    B, H, Hk, D, S, L = shape
+    monkeypatch.setattr(paged_attention, "KERNEL", kernel)
+    name, source, constants, blocks = paged_attention.launch(B, H, Hk, D)
+    assert name == kernel
+    (q, pool_k, pool_v, slots, lengths), _ = case(B, H, Hk, D, S, L, mx.float32, seed=D)
+    scale = D**-0.5
+    inputs = {"q": q, "k_pool": pool_k, "v_pool": pool_v, "slots": slots, "lengths": lengths,
+              "scale": np.array([scale], dtype=np.float32)}
+    got = cuda_emulation.run_kernel(source, inputs, constants, blocks, paged_attention.WARPS * 32, (B, H, 1, D))
+    np.testing.assert_allclose(got, expected(q, pool_k, pool_v, slots, lengths, scale), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.skipif(not paged_attention.kernel_available(), reason="the kernel runs on a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["head", "group"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("shape", [(5, 32, 8, 64, 700, 300), (1, 32, 8, 64, 256, 129), (3, 16, 16, 128, 512, 70),
                                    (64, 32, 8, 64, 2048, 128)])
-def test_the_cuda_kernel_gives_the_reference(shape, dtype):
+def test_the_cuda_kernel_gives_the_reference(shape, dtype, kernel, monkeypatch):
     B, H, Hk, D, S, L = shape
+    monkeypatch.setattr(paged_attention, "KERNEL", kernel)
     _, dev = case(B, H, Hk, D, S, L, dtype, seed=B)
     scale = D**-0.5
     got = paged_attention.decode(*dev, scale, use_kernel=True)

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 WARPS = 8  # per block: positions are dealt round-robin to the warps
 
-_SOURCE = """
+_HEAD_SOURCE = """
     const int bh = blockIdx.x;  // one block per (row, query head)
     const int b = bh / H;
     const int h = bh % H;
@@ -75,7 +75,90 @@ _SOURCE = """
     }
 """
 
-_kernel = None
+# The same attention with one block per (row, KV head) for all G query heads of its
+# group: each key and value is read once for the group instead of G times, and each warp
+# carries G independent dot products and softmaxes per position (G times the work between
+# its dependent shuffles). Selected by KERNEL = "group"; not measured yet, so not the default.
+_GROUP_SOURCE = """
+    const int bk = blockIdx.x;  // one block per (row, KV head)
+    const int b = bk / HK;
+    const int kvh = bk % HK;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int L = slots_shape[1];
+    const size_t S = k_pool_shape[1];
+    const int len = min(lengths[b], L);
+    float qv[G][E];
+    float acc[G][E];
+    float m[G];
+    float l[G];
+    for (int g = 0; g < G; ++g) {
+        const size_t row = ((size_t)b * H + (size_t)kvh * G + g) * D + lane * E;
+        for (int e = 0; e < E; ++e) {
+            qv[g][e] = static_cast<float>(q[row + e]) * scale[0];
+            acc[g][e] = 0.f;
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+    }
+    for (int t = warp; t < len; t += NW) {
+        const size_t base = ((size_t)kvh * S + (size_t)slots[(size_t)b * L + t]) * D + lane * E;
+        float kf[E];
+        float vf[E];
+        for (int e = 0; e < E; ++e) {
+            kf[e] = static_cast<float>(k_pool[base + e]);
+            vf[e] = static_cast<float>(v_pool[base + e]);
+        }
+        float s[G];
+        for (int g = 0; g < G; ++g) {
+            s[g] = 0.f;
+            for (int e = 0; e < E; ++e) s[g] += qv[g][e] * kf[e];
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            for (int g = 0; g < G; ++g) s[g] += __shfl_xor_sync(0xffffffff, s[g], o);
+        }
+        for (int g = 0; g < G; ++g) {
+            const float m_new = fmaxf(m[g], s[g]);
+            const float corr = expf(m[g] - m_new);
+            const float p = expf(s[g] - m_new);
+            l[g] = l[g] * corr + p;
+            for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * corr + p * vf[e];
+            m[g] = m_new;
+        }
+    }
+    __shared__ float s_m[NW][G];
+    __shared__ float s_l[NW][G];
+    __shared__ float s_acc[NW][G][D];
+    for (int g = 0; g < G; ++g) {
+        if (lane == 0) {
+            s_m[warp][g] = m[g];
+            s_l[warp][g] = l[g];
+        }
+        for (int e = 0; e < E; ++e) s_acc[warp][g][lane * E + e] = acc[g][e];
+    }
+    __syncthreads();
+    for (int g = warp; g < G; g += NW) {  // a warp merges each head of the group
+        float top = -INFINITY;
+        for (int w = 0; w < NW; ++w) top = fmaxf(top, s_m[w][g]);
+        float total = 0.f;
+        float o[E];
+        for (int e = 0; e < E; ++e) o[e] = 0.f;
+        for (int w = 0; w < NW; ++w) {
+            const float c = s_m[w][g] == -INFINITY ? 0.f : expf(s_m[w][g] - top);
+            total += s_l[w][g] * c;
+            for (int e = 0; e < E; ++e) o[e] += s_acc[w][g][lane * E + e] * c;
+        }
+        const size_t row = ((size_t)b * H + (size_t)kvh * G + g) * D + lane * E;
+        for (int e = 0; e < E; ++e) out[row + e] = static_cast<T>(o[e] / total);
+    }
+"""
+
+# which kernel decode() runs: "head" (measured, tools/results/gpu/H200-issue17.md) or
+# "group" (above; tests and tools/probe_cuda.py set it to compare the two)
+KERNEL = "head"
+GROUP_SHARED_BYTES = 32 << 10  # the group kernel's per-warp partials live in shared memory
+
+_kernels: dict[str, object] = {}
 _scales: dict[float, mx.array] = {}
 
 
@@ -99,6 +182,16 @@ def reference(q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, 
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask[:, None, None, :])
 
 
+def launch(B: int, H: int, Hk: int, D: int) -> tuple[str, str, dict[str, int], int]:
+    """The kernel KERNEL selects for these shapes (the group kernel where its partials fit
+    in shared memory): its name, source, integer template parameters and block count."""
+    constants = {"D": D, "E": D // 32, "H": H, "HK": Hk, "NW": WARPS}
+    group = H // Hk
+    if KERNEL == "group" and WARPS * group * D * 4 <= GROUP_SHARED_BYTES:
+        return "group", _GROUP_SOURCE, {**constants, "G": group}, B * Hk
+    return "head", _HEAD_SOURCE, constants, B * H
+
+
 def decode(q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, lengths: mx.array,
            scale: float, use_kernel: bool) -> mx.array:
     """Attention of one query per row over positions [0, lengths[b]) of its slot table."""
@@ -106,20 +199,20 @@ def decode(q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, len
     Hk = pool_k.shape[0]
     if not use_kernel or T != 1 or not supports(D, H, Hk) or pool_k.dtype != q.dtype:
         return reference(q, pool_k, pool_v, slots, lengths, scale)
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="unikern_paged_decode",
+    name, source, constants, blocks = launch(B, H, Hk, D)
+    if name not in _kernels:
+        _kernels[name] = mx.fast.cuda_kernel(
+            name=f"unikern_paged_decode_{name}",
             input_names=["q", "k_pool", "v_pool", "slots", "lengths", "scale"],
             output_names=["out"],
-            source=_SOURCE,
+            source=source,
         )
     if scale not in _scales:
         _scales[scale] = mx.array([scale], dtype=mx.float32)
-    (out,) = _kernel(
+    (out,) = _kernels[name](
         inputs=[q, pool_k, pool_v, slots.astype(mx.int32), lengths.astype(mx.int32), _scales[scale]],
-        template=[("T", q.dtype), ("D", D), ("E", D // 32), ("H", H), ("HK", Hk), ("NW", WARPS)],
-        grid=(B * H * WARPS * 32, 1, 1),
+        template=[("T", q.dtype), *constants.items()],
+        grid=(blocks * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(B, H, 1, D)],
         output_dtypes=[q.dtype],

@@ -1,0 +1,101 @@
+"""Runs the body of an `mx.fast.cuda_kernel` on the CPU: compiled as C++ with one OS
+thread per CUDA thread, warp shuffles through a per-warp exchange buffer and barrier,
+`__syncthreads` through a block barrier, blocks one after another. Slow, float32 only,
+but it executes the kernel's own source, so a wrong index or softmax merge shows up on a
+machine without a GPU (tests/test_paged_attention.py)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+_PRELUDE = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstddef>
+#include <cstdio>
+#include <memory>
+#include <thread>
+#include <vector>
+using std::min;
+using std::max;
+struct dim3 { unsigned x, y, z; };
+static dim3 blockIdx;
+static dim3 blockDim;
+static thread_local dim3 threadIdx;
+static std::vector<std::unique_ptr<std::barrier<>>> warp_bars;
+static std::unique_ptr<std::barrier<>> block_bar;
+static float exchange[64][32];
+#define __shared__ static
+static float exchange_lanes(float v, int from) {
+    const int w = threadIdx.x / 32;
+    exchange[w][threadIdx.x % 32] = v;
+    warp_bars[w]->arrive_and_wait();
+    const float r = exchange[w][from];
+    warp_bars[w]->arrive_and_wait();
+    return r;
+}
+static float __shfl_xor_sync(unsigned, float v, int mask) { return exchange_lanes(v, (threadIdx.x % 32) ^ mask); }
+static float __shfl_sync(unsigned, float v, int lane) { return exchange_lanes(v, lane); }
+static void __syncthreads() { block_bar->arrive_and_wait(); }
+"""
+
+
+def available() -> bool:
+    """A C++20 compiler (std::barrier) to build the emulation with."""
+    return shutil.which("g++") is not None
+
+
+def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, int], blocks: int, threads: int,
+               output_shape: tuple[int, ...]) -> np.ndarray:
+    """`source` run over `blocks` blocks of `threads` threads: the inputs (float32 or int32
+    arrays, each with its `<name>_shape`), `constants` as the kernel's template
+    parameters (T is float), and one float32 output `out` of `output_shape`."""
+    assert threads % 32 == 0 and threads // 32 <= 64
+    params, shapes, reads = [], [], []
+    for name, a in inputs.items():
+        ctype = {np.float32: "float", np.int32: "int"}[a.dtype.type]
+        params.append(f"const {ctype}* {name}")
+        dims = ", ".join(map(str, a.shape))
+        shapes.append(f"static const int {name}_shape[] = {{{dims}}};")
+        reads.append(f"std::vector<{ctype}> {name}_data({a.size}); "
+                     f"fread({name}_data.data(), 4, {a.size}, stdin);")
+    constant_lines = "".join(f"constexpr int {k} = {v};\n" for k, v in constants.items())
+    out_size = int(np.prod(output_shape))
+    call_args = ", ".join(f"{name}_data.data()" for name in inputs) + ", out.data()"
+    code = f"""{_PRELUDE}
+typedef float T;
+{constant_lines}
+{chr(10).join(shapes)}
+static void kernel({", ".join(params)}, T* out) {{
+{source}
+}}
+int main() {{
+    {chr(10).join(reads)}
+    std::vector<float> out({out_size});
+    for (int w = 0; w < {threads // 32}; ++w) warp_bars.emplace_back(new std::barrier<>(32));
+    block_bar.reset(new std::barrier<>({threads}));
+    blockDim.x = {threads};
+    for (unsigned b = 0; b < {blocks}; ++b) {{
+        blockIdx.x = b;
+        std::vector<std::thread> pool;
+        for (unsigned t = 0; t < {threads}; ++t)
+            pool.emplace_back([&, t] {{ threadIdx.x = t; kernel({call_args}); }});
+        for (auto& th : pool) th.join();
+    }}
+    fwrite(out.data(), 4, out.size(), stdout);
+}}
+"""
+    with tempfile.TemporaryDirectory(prefix="cuda-emulation-") as tmp:
+        src, exe = Path(tmp) / "kernel.cpp", Path(tmp) / "kernel"
+        src.write_text(code)
+        subprocess.run(["g++", "-O1", "-std=c++20", "-pthread", "-o", str(exe), str(src)], check=True,
+                       capture_output=True, text=True)
+        data = b"".join(np.ascontiguousarray(a).tobytes() for a in inputs.values())
+        done = subprocess.run([str(exe)], input=data, capture_output=True, check=True)
+    return np.frombuffer(done.stdout, dtype=np.float32).reshape(output_shape)
