@@ -101,7 +101,7 @@ TAIL=40 step probe-1b $RES/probe-1b.json python3 "$REPO/tools/probe_cuda.py" --m
 # the engine's own decode (ModelRunner windows) with and without paged attention, one row and 64
 for rows in ${PROBE_ENGINE_ROWS:-1 64}; do
   TAIL=30 step probe-engine "$RES/probe-engine-1b-rows$rows.json" python3 "$REPO/tools/probe_cuda.py" \
-    --model $M/llama-1b --rows "$rows" --variants ${PROBE_ENGINE_VARIANTS:-engine engine-paged} --repeats 3 \
+    --model $M/llama-1b --rows "$rows" --variants ${PROBE_ENGINE_VARIANTS:-engine engine-paged engine-paged-group} --repeats 3 \
     --json "$RES/probe-engine-1b-rows$rows.json"
 done
 for v in ${BENCH_ENV_VARIANTS:-}; do  # e.g. "MLX_USE_CUDA_GRAPHS=0": the 1B bench with that setting

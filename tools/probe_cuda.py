@@ -19,6 +19,8 @@ Variants:
   engine-paged the same with execute.paged_attention (one kernel reads the pool) and the
                one-row window a traced step (execute.compile_one_row)
   engine-paged-eager  paged attention, the one-row window built op by op
+  engine-paged-group  engine-paged with paged_attention.KERNEL = "group" (a block per row
+               and KV head instead of per row and query head)
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ VARIANTS = {
     "engine": ({}, ["fused", "engine"]),
     "engine-paged": ({}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-eager": ({}, ["fused", "engine", "paged"]),
+    "engine-paged-group": ({}, ["fused", "engine", "paged", "traced", "group"]),
 }
 
 
@@ -136,6 +139,10 @@ def engine_run(model, args, features: list[str], notes: dict):
     from unikern.stages.execute.runner import ModelRunner
     from unikern.stages.kv.pool import KVPool
 
+    if "group" in features:
+        from unikern.stages.execute import paged_attention
+
+        paged_attention.KERNEL = "group"
     geo = ModelGeometry(model)
     block_size, window = 16, 32
     blocks = -(-(args.prompt + args.tokens + window + 1) // block_size)
