@@ -25,6 +25,7 @@ _PRELUDE = r"""
 using std::min;
 using std::max;
 struct dim3 { unsigned x, y, z; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
 static dim3 blockIdx;
 static dim3 blockDim;
 static thread_local dim3 threadIdx;
@@ -53,13 +54,13 @@ def available() -> bool:
 
 def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, int], blocks: int, threads: int,
                output_shape: tuple[int, ...]) -> np.ndarray:
-    """`source` run over `blocks` blocks of `threads` threads: the inputs (float32 or int32
-    arrays, each with its `<name>_shape`), `constants` as the kernel's template
-    parameters (T is float), and one float32 output `out` of `output_shape`."""
+    """`source` run over `blocks` blocks of `threads` threads: the inputs (float32, int32
+    or uint32 arrays, each with its `<name>_shape`), `constants` as the kernel's
+    template parameters (T is float), and one float32 output `out` of `output_shape`."""
     assert threads % 32 == 0 and threads // 32 <= 64
     params, shapes, reads = [], [], []
     for name, a in inputs.items():
-        ctype = {np.float32: "float", np.int32: "int"}[a.dtype.type]
+        ctype = {np.float32: "float", np.int32: "int", np.uint32: "unsigned"}[a.dtype.type]
         params.append(f"const {ctype}* {name}")
         dims = ", ".join(map(str, a.shape))
         shapes.append(f"static const int {name}_shape[] = {{{dims}}};")

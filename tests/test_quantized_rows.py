@@ -1,10 +1,15 @@
-"""Quantized layers route many-row inputs through dequantized weights
-(stages/execute/quantized.py); the family parity test holds the tokens."""
+"""Quantized layers route many-row inputs through dequantized weights, and few rows of
+4-bit ones through the GEMV kernel when asked (stages/execute/quantized.py): its CUDA
+source in a thread-per-lane emulation here, against MLX's kernel on a CUDA machine; the
+family parity test holds the tokens."""
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 
+from tests import cuda_emulation
+from unikern.stages.execute import quantized
 from unikern.stages.execute.quantized import RowRoutedQuantizedLinear, route_quantized_layers
 
 
@@ -53,9 +58,58 @@ async def test_engine_reports_routed_layers_of_a_4bit_model():
     async with unikern.Engine.from_pipeline("generate", model=path) as engine:
         quantized = engine.stats()["model"]["quantized"]
         assert quantized["dequantize_rows"] == 8 and quantized["routed_layers"] == 4 * 7 + 1
+        assert quantized["gemv"] is False  # off by default, and a CUDA kernel
         routed = await engine.complete(prompt_tokens=prompt, max_tokens=8)
     kernel_only = {"execute": {"dequantize_rows": "never"}}
     async with unikern.Engine.from_pipeline("generate", model=path, overrides=kernel_only) as engine:
         assert engine.stats()["model"]["quantized"]["routed_layers"] == 0
         plain = await engine.complete(prompt_tokens=prompt, max_tokens=8)
     assert routed.token_ids == plain.token_ids
+
+
+@pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+@pytest.mark.parametrize("rows,n,k,group_size", [(1, 20, 256, 64), (3, 9, 128, 32), (8, 16, 512, 128)])
+def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, k, group_size):
+    """The 4-bit GEMV kernel's CUDA source, run on the CPU with a thread per lane: x times
+    the dequantized weights, for output features that do not fill the last block."""
+    mx.random.seed(rows)
+    w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=4)
+    x = mx.random.normal((rows, k))
+    constants, blocks = quantized.gemv_launch(rows, n, k, group_size)
+    inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases)}
+    got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, constants, blocks,
+                                    quantized.GEMV_WARPS * 32, (rows, n))
+    want = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
+    np.testing.assert_allclose(got, np.array(want), rtol=1e-4, atol=1e-4)
+
+
+def test_few_rows_of_4bit_layers_take_the_gemv_when_asked(monkeypatch):
+    model = quantized_model(4)
+    x_few, x_many = mx.random.normal((1, 2, 128)), mx.random.normal((3, 3, 128))
+    expected_few = model(x_few)
+    assert route_quantized_layers(model, 8, gemv=True) == 2
+    calls = []
+    monkeypatch.setattr(quantized, "gemv", lambda x, w, s, b, gs: calls.append(x.shape) or mx.quantized_matmul(
+        x, w, scales=s, biases=b, transpose=True, group_size=gs, bits=4))
+    assert mx.array_equal(model(x_few), expected_few)
+    assert calls == [(1, 2, 128), (1, 2, 256)]  # both layers, their own inputs
+    model(x_many)  # 9 rows: the dequantized matmul
+    assert len(calls) == 2
+    eight_bit = quantized_model(8)
+    route_quantized_layers(eight_bit, 8, gemv=True)
+    eight_bit(x_few)  # the kernel takes 4-bit weights only
+    assert len(calls) == 2
+    assert route_quantized_layers(quantized_model(4), None, gemv=True) == 2  # the GEMV alone
+
+
+@pytest.mark.skipif(not quantized.gemv_available(), reason="the kernel runs on a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_the_gemv_kernel_gives_mlxs_quantized_matmul(rows, group_size):
+    mx.random.seed(rows)
+    w, scales, biases = mx.quantize(mx.random.normal((4096, 2048)).astype(mx.bfloat16), group_size=group_size, bits=4)
+    x = mx.random.normal((rows, 2048)).astype(mx.bfloat16)
+    got = quantized.gemv(x, w, scales, biases, group_size).astype(mx.float32)
+    want = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
+                               bits=4).astype(mx.float32)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-2, atol=2e-2 * float(mx.abs(want).max()))

@@ -104,6 +104,9 @@ for rows in ${PROBE_ENGINE_ROWS:-1 64}; do
     --model $M/llama-1b --rows "$rows" --variants ${PROBE_ENGINE_VARIANTS:-engine engine-paged engine-paged-group} --repeats 3 \
     --json "$RES/probe-engine-1b-rows$rows.json"
 done
+# the 8B 4-bit model's one-row token: MLX's quantized matmul against unikern's GEMV kernel
+TAIL=30 step probe-8b-q4 "$RES/probe-8b-q4.json" python3 "$REPO/tools/probe_cuda.py" --model $M/llama-8b-q4 \
+  --variants default qgemv engine-paged engine-paged-qgemv --repeats 3 --json "$RES/probe-8b-q4.json"
 for v in ${BENCH_ENV_VARIANTS:-}; do  # e.g. "MLX_USE_CUDA_GRAPHS=0": the 1B bench with that setting
   n=${v//=/-}  # step bench-1b-env: GPU_STEPS names it so
   TAIL=6 step bench-1b-env "$RES/bench-gpu-1b-$n.json" env "$v" python3 "$REPO/tools/bench_gpu.py" bench \

@@ -10,7 +10,8 @@ Variants:
   default      mlx-lm's model and KVCache, greedy, as generate_step runs them
   nographs     MLX_USE_CUDA_GRAPHS=0: kernels launched one by one, no graph capture
   ops400       MLX_MAX_OPS_PER_BUFFER=400: one CUDA graph per token instead of ~4
-  fused        q/k/v and gate/up through one weight each (stages/execute/fused.py)
+  fused        q/k/v and gate/up through one weight each (stages/execute/fused.py; unquantized
+               layers, as execute.fuse_projections=auto does)
   fused-nographs  both
   compiled     each layer's MLP half (norm, SwiGLU, residual add) an mx.compile'd function
   engine       unikern's ModelRunner on lookahead windows of 32 (as the engine decodes one
@@ -21,6 +22,9 @@ Variants:
   engine-paged-eager  paged attention, the one-row window built op by op
   engine-paged-group  engine-paged with paged_attention.KERNEL = "group" (a block per row
                and KV head instead of per row and query head)
+  qgemv        4-bit models: mlx-lm's loop with the quantized layers through unikern's GEMV
+               kernel (execute.quantized_gemv) instead of MLX's quantized matmul
+  engine-paged-qgemv  engine-paged with that GEMV
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ VARIANTS = {
     "engine-paged": ({}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-eager": ({}, ["fused", "engine", "paged"]),
     "engine-paged-group": ({}, ["fused", "engine", "paged", "traced", "group"]),
+    "qgemv": ({}, ["qgemv"]),
+    "engine-paged-qgemv": ({}, ["fused", "engine", "paged", "traced", "qgemv"]),
 }
 
 
@@ -82,7 +88,11 @@ def child(args) -> None:
     if "fused" in features:  # the engine's own (execute.fuse_projections)
         from unikern.stages.execute.fused import fuse_projections
 
-        notes["fused_groups"] = fuse_projections(model)
+        notes["fused_groups"] = fuse_projections(model, quantized=False)  # as "auto" does
+    if "qgemv" in features:  # as execute.quantized_gemv does, with dequantize_rows' 8
+        from unikern.stages.execute.quantized import route_quantized_layers
+
+        notes["qgemv_layers"] = route_quantized_layers(model, 8, gemv=True)
     layers = getattr(model, "layers", None) or model.model.layers
     if "compiled" in features:
         compile_mlp_halves(model)

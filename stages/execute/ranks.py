@@ -26,7 +26,7 @@ from unikern.stages.execute.distributed import (
     for_the_wire,
 )
 from unikern.stages.execute.model import LoadedModel, load_model
-from unikern.stages.execute.quantized import AUTO_ROWS, route_quantized_layers
+from unikern.stages.execute.quantized import AUTO_ROWS, gemv_available, route_quantized_layers
 from unikern.stages.execute.runner import ModelRunner, warm_up
 from unikern.stages.kv.pool import KVPool
 
@@ -66,7 +66,9 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     startup = {"process_s": round(before_s, 3), "load_s": round(loaded_at - start, 3), "wire_s": round(time.perf_counter() - loaded_at, 3)}
     on_cpu = backend == "cpu"
     rows = {"auto": AUTO_ROWS.get(backend), "never": None}.get(params.dequantize_rows, params.dequantize_rows)
-    quantized = {"dequantize_rows": rows, "routed_layers": route_quantized_layers(loaded.model, rows)}
+    gemv = switch(params.quantized_gemv, auto=backend == "cuda") and gemv_available()
+    quantized = {"dequantize_rows": rows, "routed_layers": route_quantized_layers(loaded.model, rows, gemv),
+                 "gemv": gemv}
     kernels = params.cpu_kernels and on_cpu
     # a pipeline rank evaluates inside each forward (sharding.PipelineBlock): no trace
     pipelined = world is not None and world.mode == "pipeline"

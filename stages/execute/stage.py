@@ -53,6 +53,11 @@ class MLXExecuteParams(StageParams, frozen=True):
     # and run a plain matmul, since MLX's CPU and CUDA quantized kernels cost a row's time
     # per row (quantized.AUTO_ROWS); "auto": 8 on CPU and CUDA, off on Metal
     dequantize_rows: int | Literal["auto", "never"] = "auto"
+    # 4-bit affine weights: steps of fewer rows than that through unikern's GEMV kernel
+    # (quantized.py: the weights read once for up to 8 rows) instead of MLX's quantized
+    # matmul; CUDA only, "auto" = on CUDA. Off by default: its source is checked in a CPU
+    # emulation and against MLX's kernel by a CUDA test, but its speed is not measured yet
+    quantized_gemv: Literal["auto", "always", "never"] = "never"
     # multiply each attention's q/k/v and each MLP's gate/up projections through one
     # concatenated weight (stages/execute/fused.py): fewer, wider matmuls. "auto": on
     # CUDA, unquantized layers, where it was measured (a one-row step's GEMV time 970 ->
@@ -234,7 +239,7 @@ class MLXExecuteStage(StageBase):
         compiled = runner.compiled if runner else None
         return {
             "model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes,
-                      "quantized": getattr(self, "quantized", {"dequantize_rows": None, "routed_layers": 0}),
+                      "quantized": getattr(self, "quantized", {"dequantize_rows": None, "routed_layers": 0, "gemv": False}),
                       "startup": getattr(self, "startup", None) or {},
                       "fused_projections": {"groups": loaded.fused_groups,
                                             "fallback_calls": fallback_calls(loaded.model) if loaded.fused_groups else 0}},
