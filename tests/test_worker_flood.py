@@ -93,10 +93,12 @@ def test_every_request_gets_exactly_one_terminal_event(flooded):
     kinds: dict[str, int] = {}
     for rid in big_ids:
         event = client.terminal[rid]
-        key = event.get("finish_reason") or event["code"]
+        # served: two tokens, or the model's end token first (which prompts are served
+        # depends on timing, and a few of the random prompts draw it)
+        key = "served" if event.get("finish_reason") in ("length", "stop") else event.get("code")
         kinds[key] = kinds.get(key, 0) + 1
     # both happen: the flood is served as far as the queue goes, the rest refused at once
-    assert set(kinds) == {"length", "overloaded"}, kinds
+    assert set(kinds) == {"served", "overloaded"}, kinds
     refused = next(e for e in client.events if e.get("code") == "overloaded")
     assert f"is {MAX_WAITING}" in refused["message"] and "schedule.max_waiting" in refused["message"]
     assert not client.not_json

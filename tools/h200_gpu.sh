@@ -63,8 +63,11 @@ if [ ! -x $BIN/llama-batched-bench ] && want llama; then build_llama & BUILD_PID
 say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader)"
 M=$G/models
 step models-1b $M/llama-1b/config.json python3 "$REPO/tools/bench_gpu.py" models --out $M --shapes 1b --quantize
-TAIL=12 step pytest-gpu $RES/pytest-gpu.log.done bash -c "python3 -m pytest -p no:cacheprovider -q -rA \
-  ${PYTEST_GPU:-tests/test_paged_attention.py tests/test_fused_projections.py} && touch $RES/pytest-gpu.log.done"
+# float32 parity is asked with TF32 off (issue 17); session 7's run a, with TF32 on, failed
+# three float32 families at margins of 0.006-0.2
+TAIL=12 step pytest-gpu $RES/pytest-gpu.log.done bash -c "MLX_ENABLE_TF32=0 python3 -m pytest -p no:cacheprovider \
+  -q -rA ${PYTEST_GPU:-tests/test_paged_attention.py tests/test_fused_projections.py tests/test_quantized_rows.py} \
+  && touch $RES/pytest-gpu.log.done"
 step gguf-1b $M/llama-1b-bf16.gguf python3 "$REPO/tools/bench_gpu.py" gguf --out $M --shapes 1b --quantize \
   --llama-cpp $G/llama.cpp --llama-bin $BIN
 step models-8b $M/llama-8b-q4/config.json python3 "$REPO/tools/bench_gpu.py" models --out $M --shapes 8b --quantize 8b
