@@ -6,6 +6,7 @@ machine without a GPU (tests/test_paged_attention.py)."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 import tempfile
@@ -47,9 +48,14 @@ static void __syncthreads() { block_bar->arrive_and_wait(); }
 """
 
 
+@functools.cache
 def available() -> bool:
-    """A C++20 compiler (std::barrier) to build the emulation with."""
-    return shutil.which("g++") is not None
+    """A C++20 compiler with std::barrier (g++ 11 or later) to build the emulation with."""
+    if shutil.which("g++") is None:
+        return False
+    probe = subprocess.run(["g++", "-std=c++20", "-fsyntax-only", "-x", "c++", "-"], input="#include <barrier>\n",
+                           capture_output=True, text=True)
+    return probe.returncode == 0
 
 
 def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, int], blocks: int, threads: int,

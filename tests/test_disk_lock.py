@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -97,8 +98,10 @@ async def test_queued_stores_are_dropped_and_counted_at_shutdown(tiny_llama, tmp
     """Slow writes, one block at a time: when the request is done, most of its 8 blocks
     still wait to be stored. Shutdown finishes the one under way and drops the rest."""
     write = DiskTier.write
+    under_way = threading.Event()
 
     def slow_write(self, block_hash, payload):
+        under_way.set()
         time.sleep(0.2)  # a worker thread: a slow disk
         return write(self, block_hash, payload)
 
@@ -107,6 +110,9 @@ async def test_queued_stores_are_dropped_and_counted_at_shutdown(tiny_llama, tmp
     with capture_logs() as logs:
         async with offload(tiny_llama, root, max_inflight_blocks=1) as engine:
             await engine.complete(prompt_tokens=PROMPT, max_tokens=2)
+            # shut down with a write under way (on a busy machine the first one may not
+            # have started yet when the request is done)
+            assert await anyio.to_thread.run_sync(under_way.wait, 30)
         stats = engine.stats()
     mover, disk = stats["offload"], stats["tiers"]["disk"]
     assert stats["offload"]["stores_requested"] == 8

@@ -13,7 +13,8 @@ max and sum per 32 positions, measured slower on an H200: 248 against 220 us per
 over the 16 layers of the 1B shape at one row, 990 against 744 at 64 rows;
 tools/results/gpu/H200-issue17.md.) Elsewhere (and for head sizes the kernel does not take)
 `reference` computes the same thing with MLX's own ops; the CPU tests run the routing
-through it and a GPU test holds the kernel to it."""
+through it, run the kernels' CUDA source in a thread-per-lane emulation
+(tests/cuda_emulation.py), and a GPU test holds the kernels to it."""
 
 from __future__ import annotations
 
