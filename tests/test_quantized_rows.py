@@ -113,3 +113,17 @@ def test_the_gemv_kernel_gives_mlxs_quantized_matmul(rows, group_size):
     want = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
                                bits=4).astype(mx.float32)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-2, atol=2e-2 * float(mx.abs(want).max()))
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(quantized.gemv_available(), reason="the refusal is for backends without CUDA")
+async def test_always_gemv_without_cuda_is_refused_at_start():
+    import unikern
+    from unikern.errors import UnikernError
+    from unikern.testing.families import cached_quantized
+
+    overrides = {"execute": {"quantized_gemv": "always"}}  # the execute stage fails its start, saying why
+    with pytest.raises(UnikernError, match="ConfigError: execute.quantized_gemv: 'always' needs MLX's CUDA backend"):
+        async with unikern.Engine.from_pipeline("generate", model=str(cached_quantized("tiny-llama", 4)),
+                                                overrides=overrides):
+            pass

@@ -15,6 +15,7 @@ import anyio
 import psutil
 
 from unikern import messages as m
+from unikern.errors import ConfigError
 from unikern.platform import current_platform, shared_bridge
 from unikern.platform.pinning import WeightWiring, WiredReport
 from unikern.stages.execute.distributed import (
@@ -66,6 +67,9 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     startup = {"process_s": round(before_s, 3), "load_s": round(loaded_at - start, 3), "wire_s": round(time.perf_counter() - loaded_at, 3)}
     on_cpu = backend == "cpu"
     rows = {"auto": AUTO_ROWS.get(backend), "never": None}.get(params.dequantize_rows, params.dequantize_rows)
+    if params.quantized_gemv == "always" and not gemv_available():
+        raise ConfigError(f"execute.quantized_gemv: 'always' needs MLX's CUDA backend (this one is {backend!r}); "
+                          "use 'auto' (on where CUDA is) or 'never'")
     gemv = switch(params.quantized_gemv, auto=backend == "cuda") and gemv_available()
     quantized = {"dequantize_rows": rows, "routed_layers": route_quantized_layers(loaded.model, rows, gemv),
                  "gemv": gemv}
