@@ -107,6 +107,9 @@ for rows in ${PROBE_ENGINE_ROWS:-1 64}; do
     --model $M/llama-1b --rows "$rows" --variants ${PROBE_ENGINE_VARIANTS:-engine engine-paged engine-paged-group} --repeats 3 \
     --json "$RES/probe-engine-1b-rows$rows.json"
 done
+# the engine's run split into time inside the model thread's steps and the gaps between them
+TAIL=6 step gaps-1b "$RES/gaps-1b.json" python3 "$REPO/tools/step_gaps.py" --model $M/llama-1b \
+  --concurrency 1 16 64 --json "$RES/gaps-1b.json"
 # the 8B 4-bit model's one-row token: MLX's quantized matmul against unikern's GEMV kernel
 TAIL=30 step probe-8b-q4 "$RES/probe-8b-q4.json" python3 "$REPO/tools/probe_cuda.py" --model $M/llama-8b-q4 \
   --variants default qgemv engine-paged engine-paged-qgemv --repeats 3 --json "$RES/probe-8b-q4.json"

@@ -1,0 +1,94 @@
+"""Where an engine run's wall time goes between the model thread's steps: each step's
+time inside `ModelRunner.execute` (the forward, its sync and sampling) and the gaps
+between one step's end and the next one's start (the StepDone's trip through the
+scheduler, the output stage and the messages, the next step's tables). Run in one
+process through the library, as tools/bench_gpu.py runs unikern.
+
+    python tools/step_gaps.py --model DIR [--concurrency 1 16 64] [--set execute.x=y] [--json out.json]
+
+Per level, the median over the repeats of: wall, time inside execute, the gaps' sum and
+largest one, and the steps (prefill and decode windows, with their lengths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-5m", help="a modelgen preset or a model directory")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="stage.key=value")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    import unikern  # first: the BLAS MLX's CPU backend should use
+
+    # isort: split
+    import anyio
+
+    from unikern.spec import parse_overrides
+    from unikern.stages.execute.runner import ModelRunner
+    from unikern.testing.modelgen import cached_model
+
+    path = args.model if Path(args.model).exists() else str(cached_model(args.model))
+    overrides = {"schedule": {"max_num_seqs": max(args.concurrency)}}
+    for stage, values in parse_overrides(args.overrides).items():
+        overrides.setdefault(stage, {}).update(values)
+    steps: list[tuple[float, float, int, int, int]] = []  # start, end, num_steps, rows, tokens fed
+    execute = ModelRunner.execute
+
+    def timed(self, step, seeds):
+        start = time.perf_counter()
+        try:
+            return execute(self, step, seeds)
+        finally:
+            steps.append((start, time.perf_counter(), step.num_steps, len(step.work),
+                          sum(len(w.token_ids) for w in step.work)))
+
+    ModelRunner.execute = timed
+    results = []
+
+    async def run_level(engine, level: int) -> dict:
+        prompts = [[(7 * i + 13 * j) % 1000 + 5 for j in range(args.prompt_tokens)] for i in range(level)]
+        steps.clear()
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for p in prompts:
+                tg.start_soon(lambda p=p: engine.complete(prompt_tokens=p, max_tokens=args.max_tokens))
+        wall = time.perf_counter() - start
+        gaps = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
+        return {"wall_ms": wall * 1e3, "execute_ms": sum(e - s for s, e, *_ in steps) * 1e3,
+                "gaps_ms": sum(gaps) * 1e3, "largest_gap_ms": max(gaps, default=0) * 1e3,
+                "steps": [{"num_steps": n, "rows": r, "tokens_fed": t, "ms": (e - s) * 1e3} for s, e, n, r, t in steps]}
+
+    async def main_async() -> None:
+        async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
+            for level in args.concurrency:
+                await run_level(engine, level)  # untimed: kernels built, steps traced
+                runs = [await run_level(engine, level) for _ in range(args.repeats)]
+                row = {"concurrency": level, "runs": runs}
+                for key in ("wall_ms", "execute_ms", "gaps_ms", "largest_gap_ms"):
+                    row[key] = statistics.median(r[key] for r in runs)
+                results.append(row)
+                shape = " ".join(f"{s['num_steps']}x{s['rows']}" for s in runs[-1]["steps"])
+                print(f"c={level:<3} wall {row['wall_ms']:7.1f} ms  in execute {row['execute_ms']:7.1f}  gaps "
+                      f"{row['gaps_ms']:6.1f} (largest {row['largest_gap_ms']:.1f})  steps (num_steps x rows): {shape}",
+                      flush=True)
+
+    anyio.run(main_async)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "overrides": args.overrides,
+                                               "levels": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
