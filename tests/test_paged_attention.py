@@ -10,6 +10,7 @@ import pytest
 import unikern
 from tests import cuda_emulation
 from tests.conftest import compare_greedy, reference_greedy
+from unikern.platform import cuda_is_default
 from unikern.stages.execute import paged_attention
 
 
@@ -66,7 +67,7 @@ def test_the_kernel_source_computes_the_attention_in_an_emulation(shape, kernel,
     np.testing.assert_allclose(got, expected(q, pool_k, pool_v, slots, lengths, scale), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.skipif(not paged_attention.kernel_available(), reason="the kernel runs on a CUDA GPU")
+@pytest.mark.skipif(not cuda_is_default(), reason="the kernel runs on a CUDA GPU")
 @pytest.mark.parametrize("kernel", ["head", "group"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("shape", [(5, 32, 8, 64, 700, 300), (1, 32, 8, 64, 256, 129), (3, 16, 16, 128, 512, 70),
@@ -100,7 +101,7 @@ async def test_one_row_reads_the_pool_through_a_traced_step(tiny_llama, monkeypa
         stats = engine.stats()
     assert stats["paged_attention"]["enabled"] and stats["paged_attention"]["one_row_compiled"]
     # MLX's ops on a CPU, the kernel on a CUDA GPU
-    assert stats["paged_attention"]["mode"] == ("kernel" if paged_attention.kernel_available() else "reference")
+    assert stats["paged_attention"]["mode"] == ("kernel" if cuda_is_default() else "reference")
     assert stats["compiled_decode"]["traces"] > 0 and calls and all(s[0] == 1 for s in calls)
     ok, note = compare_greedy(result.token_ids, reference_greedy(tiny_llama, prompt, 12))
     assert ok, note

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests import cuda_emulation
+from unikern.platform import cuda_is_default
 from unikern.stages.execute import quantized
 from unikern.stages.execute.quantized import RowRoutedQuantizedLinear, route_quantized_layers
 
@@ -102,7 +103,7 @@ def test_few_rows_of_4bit_layers_take_the_gemv_when_asked(monkeypatch):
     assert route_quantized_layers(quantized_model(4), None, gemv=True) == 2  # the GEMV alone
 
 
-@pytest.mark.skipif(not quantized.gemv_available(), reason="the kernel runs on a CUDA GPU")
+@pytest.mark.skipif(not cuda_is_default(), reason="the kernel runs on a CUDA GPU")
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_the_gemv_kernel_gives_mlxs_quantized_matmul(rows, group_size):
@@ -116,7 +117,7 @@ def test_the_gemv_kernel_gives_mlxs_quantized_matmul(rows, group_size):
 
 
 @pytest.mark.anyio
-@pytest.mark.skipif(quantized.gemv_available(), reason="the refusal is for backends without CUDA")
+@pytest.mark.skipif(cuda_is_default(), reason="the refusal is for backends without CUDA")
 async def test_always_gemv_without_cuda_is_refused_at_start():
     import unikern
     from unikern.errors import UnikernError

@@ -1,8 +1,8 @@
 """Where an engine run's wall time goes between the model thread's steps: each step's
 time inside `ModelRunner.execute` (the forward, its sync and sampling) and the gaps
 between one step's end and the next one's start (the StepDone's trip through the
-scheduler, the output stage and the messages, the next step's tables). Run in one
-process through the library, as tools/bench_gpu.py runs unikern.
+scheduler, the output stage and the messages, the next step's tables). The requests are
+tools/bench_gpu.py's for unikern (its prompts and its run_unikern), through the library.
 
     python tools/step_gaps.py --model DIR [--concurrency 1 16 64] [--set execute.x=y] [--json out.json]
 
@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--token-budget", type=int, default=4096, help="schedule.max_num_batched_tokens, as bench_gpu")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="stage.key=value")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -34,13 +35,15 @@ def main() -> None:
 
     # isort: split
     import anyio
+    from bench import make_prompts  # tools/ is on sys.path when run as a script
+    from bench_gpu import run_unikern
 
     from unikern.spec import parse_overrides
     from unikern.stages.execute.runner import ModelRunner
     from unikern.testing.modelgen import cached_model
 
     path = args.model if Path(args.model).exists() else str(cached_model(args.model))
-    overrides = {"schedule": {"max_num_seqs": max(args.concurrency)}}
+    overrides = {"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": args.token_budget}}
     for stage, values in parse_overrides(args.overrides).items():
         overrides.setdefault(stage, {}).update(values)
     steps: list[tuple[float, float, int, int, int]] = []  # start, end, num_steps, rows, tokens fed
@@ -57,16 +60,14 @@ def main() -> None:
     ModelRunner.execute = timed
     results = []
 
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+
     async def run_level(engine, level: int) -> dict:
-        prompts = [[(7 * i + 13 * j) % 1000 + 5 for j in range(args.prompt_tokens)] for i in range(level)]
+        prompts = make_prompts(level, vocab, args.prompt_tokens, args.prompt_tokens, seed=level)  # as bench_gpu's
         steps.clear()
-        start = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for p in prompts:
-                tg.start_soon(lambda p=p: engine.complete(prompt_tokens=p, max_tokens=args.max_tokens))
-        wall = time.perf_counter() - start
+        run = await run_unikern(engine, prompts, args.max_tokens)
         gaps = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
-        return {"wall_ms": wall * 1e3, "execute_ms": sum(e - s for s, e, *_ in steps) * 1e3,
+        return {"wall_ms": run["wall"] * 1e3, "ttft_ms": run["ttft"] * 1e3, "execute_ms": sum(e - s for s, e, *_ in steps) * 1e3,
                 "gaps_ms": sum(gaps) * 1e3, "largest_gap_ms": max(gaps, default=0) * 1e3,
                 "steps": [{"num_steps": n, "rows": r, "tokens_fed": t, "ms": (e - s) * 1e3} for s, e, n, r, t in steps]}
 
@@ -76,7 +77,7 @@ def main() -> None:
                 await run_level(engine, level)  # untimed: kernels built, steps traced
                 runs = [await run_level(engine, level) for _ in range(args.repeats)]
                 row = {"concurrency": level, "runs": runs}
-                for key in ("wall_ms", "execute_ms", "gaps_ms", "largest_gap_ms"):
+                for key in ("wall_ms", "ttft_ms", "execute_ms", "gaps_ms", "largest_gap_ms"):
                     row[key] = statistics.median(r[key] for r in runs)
                 results.append(row)
                 shape = " ".join(f"{s['num_steps']}x{s['rows']}" for s in runs[-1]["steps"])

@@ -12,6 +12,14 @@ if TYPE_CHECKING:
     from unikern.platform.facts import Platform
 
 
+def cuda_is_default() -> bool:
+    """Whether MLX's default device is a CUDA GPU: where unikern's `mx.fast.cuda_kernel`
+    kernels and NCCL run (a CUDA machine whose default device is set to the CPU says no)."""
+    import mlx.core as mx
+
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
 @functools.cache
 def current_platform() -> Platform:
     from unikern.platform.facts import Platform

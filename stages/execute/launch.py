@@ -19,6 +19,7 @@ import mlx.core as mx
 import structlog
 
 from unikern.errors import ConfigError
+from unikern.platform import cuda_is_default
 from unikern.stages.execute.distributed import BACKENDS, Follower, RankLost, World
 
 log = structlog.get_logger("unikern")
@@ -38,7 +39,7 @@ def resolve_backend(backend: str, hostfile: str | None = None) -> str:
         return backend
     if hostfile or os.environ.get("MLX_HOSTFILE"):
         return "ring"
-    return "nccl" if mx.default_device() == mx.gpu and mx.cuda.is_available() else "ring"
+    return "nccl" if cuda_is_default() else "ring"
 
 
 def start_world(size: int, mode: str, backend: str, hostfile: str | None) -> World:

@@ -163,11 +163,6 @@ _kernels: dict[str, object] = {}
 _scales: dict[float, mx.array] = {}
 
 
-def kernel_available() -> bool:
-    """Whether this MLX runs the CUDA kernel (a CUDA GPU is the default device)."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
-
-
 def supports(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
     """Shapes the kernel takes: 32 lanes x head_dim/32 elements, whole query groups."""
     return head_dim % 32 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0

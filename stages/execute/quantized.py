@@ -72,11 +72,6 @@ GEMV_MAX_ROWS = 8
 _gemv_kernel = None
 
 
-def gemv_available() -> bool:
-    """Whether the GEMV kernel can run here (a CUDA GPU is the default device)."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
-
-
 def gemv_launch(rows: int, n: int, k: int, group_size: int) -> tuple[dict[str, int], int]:
     """The GEMV kernel's integer template parameters and block count for x [rows, k]
     against n output features."""
@@ -122,9 +117,9 @@ def _matmul(layer: nn.Module, x: mx.array) -> mx.array:
     x's dtype, a transient array) from there."""
     rows = x.size // x.shape[-1] if x.ndim else 1
     w, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
-    if layer.gemv and rows < layer.dequantize_rows and gemv_applies(layer, x):
-        return gemv(x, w, scales, biases, layer.group_size)
     if rows < layer.dequantize_rows:
+        if layer.gemv and gemv_applies(layer, x):
+            return gemv(x, w, scales, biases, layer.group_size)
         return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=layer.group_size,
                                    bits=layer.bits, mode=layer.mode)
     return x @ mx.dequantize(w, scales, biases, group_size=layer.group_size, bits=layer.bits, mode=layer.mode,

@@ -16,7 +16,7 @@ import psutil
 
 from unikern import messages as m
 from unikern.errors import ConfigError
-from unikern.platform import current_platform, shared_bridge
+from unikern.platform import cuda_is_default, current_platform, shared_bridge
 from unikern.platform.pinning import WeightWiring, WiredReport
 from unikern.stages.execute.distributed import (
     MakeRunner,
@@ -27,7 +27,7 @@ from unikern.stages.execute.distributed import (
     for_the_wire,
 )
 from unikern.stages.execute.model import LoadedModel, load_model
-from unikern.stages.execute.quantized import AUTO_ROWS, gemv_available, route_quantized_layers
+from unikern.stages.execute.quantized import AUTO_ROWS, route_quantized_layers
 from unikern.stages.execute.runner import ModelRunner, warm_up
 from unikern.stages.kv.pool import KVPool
 
@@ -67,10 +67,10 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     startup = {"process_s": round(before_s, 3), "load_s": round(loaded_at - start, 3), "wire_s": round(time.perf_counter() - loaded_at, 3)}
     on_cpu = backend == "cpu"
     rows = {"auto": AUTO_ROWS.get(backend), "never": None}.get(params.dequantize_rows, params.dequantize_rows)
-    if params.quantized_gemv == "always" and not gemv_available():
+    if params.quantized_gemv == "always" and not cuda_is_default():
         raise ConfigError(f"execute.quantized_gemv: 'always' needs MLX's CUDA backend (this one is {backend!r}); "
                           "use 'auto' (on where CUDA is) or 'never'")
-    gemv = switch(params.quantized_gemv, auto=backend == "cuda") and gemv_available()
+    gemv = switch(params.quantized_gemv, auto=backend == "cuda") and cuda_is_default()
     quantized = {"dequantize_rows": rows, "routed_layers": route_quantized_layers(loaded.model, rows, gemv),
                  "gemv": gemv}
     kernels = params.cpu_kernels and on_cpu

@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 
 from unikern import messages as m
-from unikern.platform import blas, shared_bridge
+from unikern.platform import blas, cuda_is_default, shared_bridge
 from unikern.platform.bridge import Bridge, apply_torch_logits_processors
 from unikern.stages.execute.compiled import CompiledDecode
 from unikern.stages.execute.model import ModelGeometry
@@ -107,12 +107,11 @@ class ModelRunner:
         self.paged: str | None = None
         self.paged_report: dict[str, Any] = {"enabled": False, "reason": "off (execute.paged_attention)"}
         if paged_attention:
-            from unikern.stages.execute import paged_attention as pa
             from unikern.stages.execute.routing import layers_of, route_attention
 
             routed = sum(route_attention(layer) for layer in layers_of(model))
             if routed:
-                self.paged = "kernel" if pa.kernel_available() else "reference"
+                self.paged = "kernel" if cuda_is_default() else "reference"
                 self.paged_report = {"enabled": True, "mode": self.paged, "routed_layers": routed}
             else:
                 self.paged_report = {"enabled": False, "reason": "no attention layer calls a routable SDPA"}
