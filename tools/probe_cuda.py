@@ -59,7 +59,9 @@ VARIANTS = {
 def compile_mlp_halves(model) -> int:
     import mlx.core as mx
 
-    layers = getattr(model, "layers", None) or model.model.layers
+    from unikern.stages.execute.routing import layers_of
+
+    layers = layers_of(model)
     for layer in layers:
         mlp, norm = layer.mlp, layer.post_attention_layernorm
 
@@ -82,6 +84,8 @@ def child(args) -> None:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
+    from unikern.stages.execute.routing import layers_of
+
     model, _ = load(args.model)
     features = args.features.split(",") if args.features else []
     notes = {}
@@ -93,7 +97,7 @@ def child(args) -> None:
         from unikern.stages.execute.quantized import route_quantized_layers
 
         notes["qgemv_layers"] = route_quantized_layers(model, 8, gemv=True)
-    layers = getattr(model, "layers", None) or model.model.layers
+    layers = layers_of(model)
     if "compiled" in features:
         compile_mlp_halves(model)
         # nn.Module.__call__ is looked up on the type: route through the instance's
