@@ -118,6 +118,18 @@ async def generate_sampled(engine, prompt: list[int], max_tokens: int, sample) -
     return tokens, prefill, decode
 
 
+@pytest.fixture
+def paged_decode_calls(monkeypatch) -> list[tuple[int, ...]]:
+    """The query shape of every call to paged_attention.decode (decode attention read
+    straight from the pool) while the test runs; the calls still compute."""
+    from unikern.stages.execute import paged_attention
+
+    calls: list[tuple[int, ...]] = []
+    decode = paged_attention.decode
+    monkeypatch.setattr(paged_attention, "decode", lambda *a: calls.append(a[0].shape) or decode(*a))
+    return calls
+
+
 @pytest.fixture(autouse=True)
 def near_tie_budget(request):
     """Fails a test whose greedy comparisons met more than MAX_NEAR_TIES_PER_TEST near-ties."""

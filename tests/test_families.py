@@ -67,12 +67,8 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("family", list(FAMILIES))
-async def test_family_greedy_parity(family, variant, monkeypatch):
-    from unikern.stages.execute import paged_attention
-
-    calls = []
-    decode = paged_attention.decode
-    monkeypatch.setattr(paged_attention, "decode", lambda *a: calls.append(a[0].shape) or decode(*a))
+async def test_family_greedy_parity(family, variant, paged_decode_calls):
+    calls = paged_decode_calls
     path = family_model(family)
     batch = prompts()
     overrides = {**OVERRIDES, "execute": VARIANTS[variant]}

@@ -85,12 +85,10 @@ def test_the_cuda_kernel_gives_the_reference(shape, dtype, kernel, monkeypatch):
 
 
 @pytest.mark.anyio
-async def test_one_row_reads_the_pool_through_a_traced_step(tiny_llama, monkeypatch):
+async def test_one_row_reads_the_pool_through_a_traced_step(tiny_llama, paged_decode_calls):
     """With the attention reading the pool itself, a lone request's decode windows are
     traced steps (compile_one_row) and give mlx-lm's tokens."""
-    calls = []
-    decode = paged_attention.decode
-    monkeypatch.setattr(paged_attention, "decode", lambda *a: calls.append(a[0].shape) or decode(*a))
+    calls = paged_decode_calls
     prompt = list(range(5, 45))
     # with fused projections too, as on CUDA by default: the routing finds the family's SDPA
     # (no warm-up: on a GPU it would run a two-row window through the same decode)
