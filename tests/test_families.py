@@ -7,6 +7,7 @@ import pytest
 
 import unikern
 from tests.conftest import compare_greedy, complete_all, reference_greedy
+from unikern.platform import cuda_is_default
 
 pytestmark = pytest.mark.anyio
 
@@ -63,11 +64,15 @@ VARIANTS = {
     "paged": {"fuse_projections": "always", "paged_attention": "always", "compile_decode": "always",
               "compile_one_row": "always", "cpu_kernels": False},  # CPU kernels: no traced steps
 }
+# 4-bit families on CUDA: every decode step of up to 64 rows through unikern's GEMV kernel
+VARIANTS["gemv"] = {**VARIANTS["paged"], "quantized_gemv": "always", "dequantize_rows": 65}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("family", list(FAMILIES))
 async def test_family_greedy_parity(family, variant, paged_decode_calls):
+    if variant == "gemv" and (family != "llama-4bit" or not cuda_is_default()):
+        pytest.skip("the GEMV kernel: CUDA, 4-bit affine weights")
     calls = paged_decode_calls
     path = family_model(family)
     batch = prompts()
@@ -76,11 +81,12 @@ async def test_family_greedy_parity(family, variant, paged_decode_calls):
         results = await complete_all(engine, batch, max_tokens=MAX_TOKENS)
         stats = engine.stats()
         assert stats["kv"]["blocks_used"] == 0
+    assert stats["model"]["quantized"]["gemv"] == (variant == "gemv")
     fused = stats["model"]["fused_projections"]
     assert fused["fallback_calls"] == 0  # every projection was handed its slice
     assert (fused["groups"] > 0) == (variant != "plain" and family != "mamba2"), fused
     # nemotron-h's attention calls MLX's SDPA itself (and mamba2 has none): nothing to route
-    paged = variant == "paged" and family not in ("mamba2", "nemotron-h")
+    paged = variant in ("paged", "gemv") and family not in ("mamba2", "nemotron-h")
     assert stats["paged_attention"]["enabled"] == paged, stats["paged_attention"]
     # decode steps read the pool through paged_attention.decode, except in layers it does
     # not take: gpt-oss's attention sinks, step3p5-swa's windows (every layer sliding)

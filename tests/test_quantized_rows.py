@@ -69,15 +69,18 @@ async def test_engine_reports_routed_layers_of_a_4bit_model():
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
-@pytest.mark.parametrize("rows,n,k,group_size", [(1, 20, 256, 64), (3, 9, 128, 32), (8, 16, 512, 128)])
+@pytest.mark.parametrize("rows,n,k,group_size", [(1, 20, 256, 64), (3, 12, 128, 32), (8, 16, 2048, 128),
+                                                (21, 8, 256, 64)])
 def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, k, group_size):
     """The 4-bit GEMV kernel's CUDA source, run on the CPU with a thread per lane: x times
-    the dequantized weights, for output features that do not fill the last block."""
+    the dequantized weights, for fewer weight words than threads (k 128, 256), more (2048),
+    and rows in two passes, the second partial (21)."""
     mx.random.seed(rows)
     w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=4)
     x = mx.random.normal((rows, k))
     constants, blocks = quantized.gemv_launch(rows, n, k, group_size)
     inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases)}
+    assert constants["MT"] == {1: 1, 3: 4, 8: 8, 21: 16}[rows]
     got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, constants, blocks,
                                     quantized.GEMV_WARPS * 32, (rows, n))
     want = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
@@ -104,7 +107,7 @@ def test_few_rows_of_4bit_layers_take_the_gemv_when_asked(monkeypatch):
 
 
 @pytest.mark.skipif(not cuda_is_default(), reason="the kernel runs on a CUDA GPU")
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 40])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_the_gemv_kernel_gives_mlxs_quantized_matmul(rows, group_size):
     mx.random.seed(rows)

@@ -110,9 +110,13 @@ done
 # the engine's run split into time inside the model thread's steps and the gaps between them
 TAIL=6 step gaps-1b "$RES/gaps-1b.json" python3 "$REPO/tools/step_gaps.py" --model $M/llama-1b \
   --concurrency 1 16 64 --json "$RES/gaps-1b.json"
-# the 8B 4-bit model's one-row token: MLX's quantized matmul against unikern's GEMV kernel
-TAIL=30 step probe-8b-q4 "$RES/probe-8b-q4.json" python3 "$REPO/tools/probe_cuda.py" --model $M/llama-8b-q4 \
-  --variants default qgemv engine-paged engine-paged-qgemv --repeats 3 --json "$RES/probe-8b-q4.json"
+# the 8B 4-bit model's decode step: MLX's quantized matmul (dequantized weights from 8 rows)
+# against unikern's GEMV kernel, at one row and (PROBE_8B_ROWS) more
+for rows in ${PROBE_8B_ROWS:-1}; do
+  variants="default qgemv engine-paged engine-paged-qgemv"; [ "$rows" -gt 1 ] && variants="engine-paged engine-paged-qgemv-all"
+  TAIL=30 step probe-8b-q4 "$RES/probe-8b-q4-rows$rows.json" python3 "$REPO/tools/probe_cuda.py" --model $M/llama-8b-q4 \
+    --rows "$rows" --variants $variants --repeats 3 --json "$RES/probe-8b-q4-rows$rows.json"
+done
 for v in ${BENCH_ENV_VARIANTS:-}; do  # e.g. "MLX_USE_CUDA_GRAPHS=0": the 1B bench with that setting
   n=${v//=/-}  # step bench-1b-env: GPU_STEPS names it so
   TAIL=6 step bench-1b-env "$RES/bench-gpu-1b-$n.json" env "$v" python3 "$REPO/tools/bench_gpu.py" bench \
@@ -122,10 +126,12 @@ done
 for r in $(seq "${BENCH_SET_ROUNDS:-1}"); do  # rounds interleave the variants (an A/B, twice...)
   for m in ${BENCH_SET_MODELS:-1b}; do  # each model under each --set variant, e.g. "execute.fuse_projections=never"
     engines="mlx-lm unikern"; [ "$m" = 8b-q4 ] && engines=unikern
-    for v in ${BENCH_SET_VARIANTS:-}; do
-      n=${v//=/-}; [ "$r" -gt 1 ] && n="$n-round$r"
+    for v in ${BENCH_SET_VARIANTS:-}; do  # a variant of several settings: comma-separated
+      n=${v//=/-}; n=${n//,/+}; [ "$r" -gt 1 ] && n="$n-round$r"
+      sets=(); IFS=, read -ra parts <<< "$v"; for p in "${parts[@]}"; do sets+=(--set "$p"); done
       TAIL=6 step bench-set "$RES/bench-gpu-$m-$n.json" python3 "$REPO/tools/bench_gpu.py" bench --model $M/llama-$m \
-        --engines $engines --repeats 3 --set "$v" --label "llama $m, $v, round $r" --json "$RES/bench-gpu-$m-$n.json"
+        --engines $engines --repeats ${BENCH_SET_REPEATS:-3} "${sets[@]}" --label "llama $m, $v, round $r" \
+        --json "$RES/bench-gpu-$m-$n.json"
     done
   done
 done

@@ -24,7 +24,9 @@ Variants:
                and KV head instead of per row and query head)
   qgemv        4-bit models: mlx-lm's loop with the quantized layers through unikern's GEMV
                kernel (execute.quantized_gemv) instead of MLX's quantized matmul
-  engine-paged-qgemv  engine-paged with that GEMV
+  engine-paged-qgemv  engine-paged with that GEMV (steps of fewer than 8 rows, as
+               execute.dequantize_rows=auto leaves it)
+  engine-paged-qgemv-all  the GEMV for every step of up to 64 rows (dequantize_rows=65)
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ VARIANTS = {
     "engine-paged-group": ({}, ["fused", "engine", "paged", "traced", "group"]),
     "qgemv": ({}, ["qgemv"]),
     "engine-paged-qgemv": ({}, ["fused", "engine", "paged", "traced", "qgemv"]),
+    "engine-paged-qgemv-all": ({}, ["fused", "engine", "paged", "traced", "qgemv", "gemv-to-64"]),
 }
 
 
@@ -93,10 +96,10 @@ def child(args) -> None:
         from unikern.stages.execute.fused import fuse_projections
 
         notes["fused_groups"] = fuse_projections(model, quantized=False)  # as "auto" does
-    if "qgemv" in features:  # as execute.quantized_gemv does, with dequantize_rows' 8
+    if "qgemv" in features:  # as execute.quantized_gemv does, with dequantize_rows' 8 (or 65)
         from unikern.stages.execute.quantized import route_quantized_layers
 
-        notes["qgemv_layers"] = route_quantized_layers(model, 8, gemv=True)
+        notes["qgemv_layers"] = route_quantized_layers(model, 65 if "gemv-to-64" in features else 8, gemv=True)
     layers = layers_of(model)
     if "compiled" in features:
         compile_mlp_halves(model)

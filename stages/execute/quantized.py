@@ -20,71 +20,96 @@ from mlx.nn.layers.distributed import (
 AUTO_ROWS = {"cpu": 8, "cuda": 8, "metal": None}
 
 
-# A GEMV for 4-bit affine weights, for steps of a few rows (execute.quantized_gemv):
-# one warp per output feature, each lane taking 32 weights (one 16-byte load of packed
-# nibbles, inside one scale group) at a time and every row of x against them, so the
-# weights are read once per step whatever the rows; sum(x * (s*q + b)) is computed as
-# s * sum(x*q) + b * sum(x) per 32 weights. Written for MLX's affine layout: weight
-# [N, K/8] uint32 (nibble i of a word is bits 4i..4i+3), scales and biases [N, K/GS].
+# A GEMV for 4-bit affine weights, for steps of few rows (execute.quantized_gemv). A block
+# of GEMV_WARPS warps computes GEMV_FEATURES consecutive output features for up to MT rows
+# (a pass; more rows take more passes, whose blocks sit next to each other so the later
+# ones find the weights in L2). Its threads stride together over the weights' 32-bit words
+# (8 nibbles, inside one scale group): each dequantizes its word of every feature once
+# into registers, then multiplies every row of x against them, so a row costs only its own
+# FMAs; per-thread sums meet by warp shuffles, then across the warps in shared memory.
+# MLX's affine layout: weight [N, K/8] uint32 (nibble i of a word is bits 4i..4i+3),
+# scales and biases [N, K/GS]; rows come from x's shape at run time, so the kernel is
+# built once per (K, GS, MT, dtype).
 _GEMV_SOURCE = """
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    const int N = w_shape[0];
-    const int n = blockIdx.x * NW + warp;
-    if (n >= N) return;  // the whole warp: no block barrier below
-    constexpr int CHUNKS = K / 32;
+    constexpr int F = GEMV_F;
+    constexpr int WORDS = K / 8;
     constexpr int PACK = 16 / sizeof(T);  // x elements per 16-byte load
-    const uint4* wrow = reinterpret_cast<const uint4*>(w + (size_t)n * (K / 8));
-    float acc[M];
-    for (int r = 0; r < M; ++r) acc[r] = 0.f;
-    for (int c = lane; c < CHUNKS; c += 32) {
-        const uint4 packed = wrow[c];
-        const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
-        const size_t g = (size_t)n * (K / GS) + (c * 32) / GS;
-        const float s = static_cast<float>(scales[g]);
-        const float bias = static_cast<float>(biases[g]);
-        for (int r = 0; r < M; ++r) {
-            const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)r * K + (size_t)c * 32);
-            float dq = 0.f;
-            float sx = 0.f;
-            for (int v = 0; v < 32 / PACK; ++v) {
+    const int N = w_shape[0];
+    const int M = x_shape[0];
+    const int passes = (M + MT - 1) / MT;
+    const int r0 = (blockIdx.x % passes) * MT;
+    const int n0 = (blockIdx.x / passes) * F;
+    if (n0 >= N) return;  // the whole block
+    float acc[MT][F];
+    for (int r = 0; r < MT; ++r)
+        for (int j = 0; j < F; ++j) acc[r][j] = 0.f;
+    for (int c = threadIdx.x; c < WORDS; c += blockDim.x) {
+        const int g = (c * 8) / GS;
+        float wf[F][8];
+        #pragma unroll
+        for (int j = 0; j < F; ++j) {
+            const unsigned word = w[(size_t)(n0 + j) * WORDS + c];
+            const float s = static_cast<float>(scales[(size_t)(n0 + j) * (K / GS) + g]);
+            const float b = static_cast<float>(biases[(size_t)(n0 + j) * (K / GS) + g]);
+            for (int i = 0; i < 8; ++i) wf[j][i] = s * static_cast<float>((word >> (4 * i)) & 15u) + b;
+        }
+        #pragma unroll
+        for (int r = 0; r < MT; ++r) {
+            if (r0 + r >= M) break;
+            const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(r0 + r) * K + (size_t)c * 8);
+            #pragma unroll
+            for (int v = 0; v < 8 / PACK; ++v) {
                 const uint4 raw = xr[v];
                 const T* xs = reinterpret_cast<const T*>(&raw);
                 for (int i = 0; i < PACK; ++i) {
-                    const int k = v * PACK + i;  // 0..31 within the chunk
                     const float xv = static_cast<float>(xs[i]);
-                    dq += xv * static_cast<float>((words[k / 8] >> (4 * (k % 8))) & 15u);
-                    sx += xv;
+                    for (int j = 0; j < F; ++j) acc[r][j] += xv * wf[j][v * PACK + i];
                 }
             }
-            acc[r] += s * dq + bias * sx;
         }
     }
-    for (int r = 0; r < M; ++r) {
-        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffff, acc[r], o);
+    __shared__ float partial[GEMV_W][MT * F];
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    #pragma unroll
+    for (int r = 0; r < MT; ++r) {
+        #pragma unroll
+        for (int j = 0; j < F; ++j) {
+            float v = acc[r][j];
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+            if (lane == 0) partial[warp][r * F + j] = v;
+        }
     }
-    if (lane == 0) {
-        for (int r = 0; r < M; ++r) out[(size_t)r * N + n] = static_cast<T>(acc[r]);
+    __syncthreads();
+    for (int t = threadIdx.x; t < MT * F; t += blockDim.x) {
+        const int r = t / F;
+        if (r0 + r >= M) continue;
+        float sum = 0.f;
+        for (int q = 0; q < GEMV_W; ++q) sum += partial[q][t];
+        out[(size_t)(r0 + r) * N + n0 + t % F] = static_cast<T>(sum);
     }
 """
-GEMV_WARPS = 8  # output features per block
-GEMV_MAX_ROWS = 8
+GEMV_WARPS = 4  # warps per block, splitting K between them
+GEMV_FEATURES = 4  # output features per block, each weight word read once for all rows
+GEMV_PASS_ROWS = 16  # rows per pass at most (registers: a thread keeps rows x features sums)
 _gemv_kernel = None
 
 
 def gemv_launch(rows: int, n: int, k: int, group_size: int) -> tuple[dict[str, int], int]:
     """The GEMV kernel's integer template parameters and block count for x [rows, k]
-    against n output features."""
-    return {"K": k, "GS": group_size, "M": rows, "NW": GEMV_WARPS}, -(-n // GEMV_WARPS)
+    against n output features: rows per pass rounded up to a power of two (few builds)."""
+    per_pass = 1 << (min(rows, GEMV_PASS_ROWS) - 1).bit_length()
+    constants = {"K": k, "GS": group_size, "MT": per_pass, "GEMV_W": GEMV_WARPS, "GEMV_F": GEMV_FEATURES}
+    return constants, -(-rows // per_pass) * -(-n // GEMV_FEATURES)
 
 
 def gemv_applies(layer: nn.Module, x: mx.array) -> bool:
     """Shapes and formats the GEMV kernel takes: 4-bit affine weights with scale groups of
-    a multiple of 32, at most GEMV_MAX_ROWS rows, x in the scales' dtype."""
+    a multiple of 32, output features a multiple of GEMV_FEATURES, x in the scales' dtype."""
     k = x.shape[-1]
-    rows = x.size // k
     return (layer.bits == 4 and layer.mode == "affine" and layer.group_size % 32 == 0 and k % layer.group_size == 0
-            and 0 < rows <= GEMV_MAX_ROWS and x.dtype == layer["scales"].dtype and "biases" in layer)
+            and layer["weight"].shape[0] % GEMV_FEATURES == 0 and x.size > 0 and x.dtype == layer["scales"].dtype
+            and "biases" in layer)
 
 
 def gemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:

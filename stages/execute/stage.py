@@ -53,10 +53,11 @@ class MLXExecuteParams(StageParams, frozen=True):
     # and run a plain matmul, since MLX's CPU and CUDA quantized kernels cost a row's time
     # per row (quantized.AUTO_ROWS); "auto": 8 on CPU and CUDA, off on Metal
     dequantize_rows: int | Literal["auto", "never"] = "auto"
-    # 4-bit affine weights: steps of fewer rows than that through unikern's GEMV kernel
-    # (quantized.py: the weights read once for up to 8 rows) instead of MLX's quantized
-    # matmul; CUDA only, "auto" = on CUDA. Off by default: its source is checked in a CPU
-    # emulation and against MLX's kernel by a CUDA test, but its speed is not measured yet
+    # 4-bit affine weights: steps of fewer rows than dequantize_rows through unikern's
+    # GEMV kernel (quantized.py: each weight word read and dequantized once for up to 16
+    # rows, one pass per 16 rows) instead of MLX's quantized matmul; CUDA only, "auto" =
+    # on CUDA. Off by default until measured on the GPU; its source is checked in a CPU
+    # emulation and against MLX's kernel by a CUDA test
     quantized_gemv: Literal["auto", "always", "never"] = "never"
     # multiply each attention's q/k/v and each MLP's gate/up projections through one
     # concatenated weight (stages/execute/fused.py): fewer, wider matmuls. "auto": on
