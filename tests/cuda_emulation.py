@@ -48,6 +48,41 @@ static void __syncthreads() { block_bar->arrive_and_wait(); }
 """
 
 
+# The tensor-core primitives that stages/execute/quantized.py's MMA_HEADER gives the CUDA
+# kernel, for the emulation: bfloat16 pairs packed in 32-bit registers (rounded to
+# nearest even, the low half first) and mma.sync m16n8k16 computed by the warp's lanes
+# from each other's fragments, with the fragment layouts of PTX's documentation.
+TENSOR_CORE_HEADER = r"""
+#include <cstring>
+static unsigned mma_a[64][32][4];
+static unsigned mma_b[64][32][2];
+static unsigned bf16_bits(float f) { unsigned u; std::memcpy(&u, &f, 4); u += 0x7fffu + ((u >> 16) & 1u); return u >> 16; }
+static float bf16_half(unsigned reg, int high) {
+    const unsigned u = (high ? reg >> 16 : reg & 0xffffu) << 16; float f; std::memcpy(&f, &u, 4); return f;
+}
+static unsigned unikern_pack(float lo, float hi) { return bf16_bits(lo) | (bf16_bits(hi) << 16); }
+static void unikern_load8(const float* p, unsigned r[4]) { for (int i = 0; i < 4; ++i) r[i] = unikern_pack(p[2 * i], p[2 * i + 1]); }
+static void unikern_mma(float d[4], const unsigned a[4], const unsigned b[2]) {
+    const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int i = 0; i < 4; ++i) mma_a[w][lane][i] = a[i];
+    for (int i = 0; i < 2; ++i) mma_b[w][lane][i] = b[i];
+    warp_bars[w]->arrive_and_wait();
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {  // d[i]: row g (+8 for i >= 2), column 2t + i % 2
+        const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + i % 2;
+        float sum = 0.f;
+        for (int k = 0; k < 16; ++k) {  // A[row][k] and B[k][col] from the lanes that hold them
+            const int owner = (k % 8) / 2;
+            sum += bf16_half(mma_a[w][(row % 8) * 4 + owner][(row >= 8) + 2 * (k >= 8)], k % 2)
+                 * bf16_half(mma_b[w][col * 4 + owner][k >= 8], k % 2);
+        }
+        d[i] += sum;
+    }
+    warp_bars[w]->arrive_and_wait();
+}
+"""
+
+
 @functools.cache
 def available() -> bool:
     """A C++20 compiler with std::barrier (g++ 11 or later) to build the emulation with."""
@@ -59,10 +94,11 @@ def available() -> bool:
 
 
 def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, int], blocks: int, threads: int,
-               output_shape: tuple[int, ...]) -> np.ndarray:
+               output_shape: tuple[int, ...], header: str = "") -> np.ndarray:
     """`source` run over `blocks` blocks of `threads` threads: the inputs (float32, int32
     or uint32 arrays, each with its `<name>_shape`), `constants` as the kernel's
-    template parameters (T is float), and one float32 output `out` of `output_shape`."""
+    template parameters (T is float), one float32 output `out` of `output_shape`, and
+    `header` (C++ helpers, e.g. TENSOR_CORE_HEADER) before the kernel."""
     assert threads % 32 == 0 and threads // 32 <= 64
     params, shapes, reads = [], [], []
     for name, a in inputs.items():
@@ -76,6 +112,7 @@ def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, 
     out_size = int(np.prod(output_shape))
     call_args = ", ".join(f"{name}_data.data()" for name in inputs) + ", out.data()"
     code = f"""{_PRELUDE}
+{header}
 typedef float T;
 {constant_lines}
 {chr(10).join(shapes)}

@@ -1,7 +1,7 @@
-"""Quantized layers route many-row inputs through dequantized weights, and few rows of
-4-bit ones through the GEMV kernel when asked (stages/execute/quantized.py): its CUDA
-source in a thread-per-lane emulation here, against MLX's kernel on a CUDA machine; the
-family parity test holds the tokens."""
+"""Quantized layers route many-row inputs through dequantized weights, and fewer rows of
+4-bit ones through the GEMV or the tensor-core kernel when asked
+(stages/execute/quantized.py): their CUDA sources in a thread-per-lane emulation here,
+against MLX's kernel on a CUDA machine; the family parity test holds the tokens."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -59,7 +59,7 @@ async def test_engine_reports_routed_layers_of_a_4bit_model():
     async with unikern.Engine.from_pipeline("generate", model=path) as engine:
         quantized = engine.stats()["model"]["quantized"]
         assert quantized["dequantize_rows"] == 8 and quantized["routed_layers"] == 4 * 7 + 1
-        assert quantized["gemv"] is False  # off by default, and a CUDA kernel
+        assert quantized["gemv"] is False and quantized["mma"] is False  # CUDA kernels: off here
         routed = await engine.complete(prompt_tokens=prompt, max_tokens=8)
     kernel_only = {"execute": {"dequantize_rows": "never"}}
     async with unikern.Engine.from_pipeline("generate", model=path, overrides=kernel_only) as engine:
@@ -87,6 +87,26 @@ def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, 
     np.testing.assert_allclose(got, np.array(want), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+@pytest.mark.parametrize("rows,n,k,group_size", [(5, 16, 256, 64), (21, 8, 512, 32), (70, 8, 128, 128)])
+def test_the_mma_source_computes_the_quantized_matmul_in_an_emulation(rows, n, k, group_size):
+    """The tensor-core kernel's CUDA source on the CPU, mma.sync emulated from its fragment
+    layouts: bfloat16 x times the bfloat16-rounded dequantized weights, for one partial row
+    tile (5), two tiles (21), and two passes of four tiles with warps left without a
+    k-chunk (70 rows, k 128)."""
+    mx.random.seed(rows)
+    w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=4)
+    x = mx.random.normal((rows, k))
+    constants, blocks = quantized.mma_launch(rows, n, k, group_size)
+    assert constants["RT"] == {5: 1, 21: 2, 70: 4}[rows]
+    inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases)}
+    got = cuda_emulation.run_kernel(quantized._MMA_SOURCE, inputs, constants, blocks, quantized.MMA_WARPS * 32,
+                                    (rows, n), header=cuda_emulation.TENSOR_CORE_HEADER)
+    as_bf16 = lambda a: np.array(a.astype(mx.bfloat16).astype(mx.float32))  # noqa: E731
+    want = as_bf16(x) @ as_bf16(mx.dequantize(w, scales, biases, group_size=group_size, bits=4)).T
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+
+
 def test_few_rows_of_4bit_layers_take_the_gemv_when_asked(monkeypatch):
     model = quantized_model(4)
     x_few, x_many = mx.random.normal((1, 2, 128)), mx.random.normal((3, 3, 128))
@@ -106,6 +126,24 @@ def test_few_rows_of_4bit_layers_take_the_gemv_when_asked(monkeypatch):
     assert route_quantized_layers(quantized_model(4), None, gemv=True) == 2  # the GEMV alone
 
 
+def test_steps_above_the_gemvs_rows_take_the_tensor_core_kernel_when_asked(monkeypatch):
+    """With both kernels: up to GEMV_ROWS rows the GEMV, above them (bfloat16) the
+    tensor-core kernel, from dequantize_rows the dequantized weights; float32 rows
+    against bfloat16 scales, which neither kernel takes, MLX's quantized matmul."""
+    model = quantized_model(4)
+    model.set_dtype(mx.bfloat16)
+    assert route_quantized_layers(model, 40, gemv=True, mma=True) == 2
+    calls = []
+    mlx_kernel = lambda x, w, s, b, gs: mx.quantized_matmul(x, w, scales=s, biases=b, transpose=True,  # noqa: E731
+                                                              group_size=gs, bits=4)
+    monkeypatch.setattr(quantized, "gemv", lambda *a: calls.append(("gemv", a[0].shape[0])) or mlx_kernel(*a))
+    monkeypatch.setattr(quantized, "mma", lambda *a: calls.append(("mma", a[0].shape[0])) or mlx_kernel(*a))
+    for rows in (quantized.GEMV_ROWS, quantized.GEMV_ROWS + 1, 39, 40):
+        model(mx.random.normal((rows, 128)).astype(mx.bfloat16))
+    model(mx.random.normal((20, 128)))  # float32 rows
+    assert calls == [("gemv", 8), ("gemv", 8), ("mma", 9), ("mma", 9), ("mma", 39), ("mma", 39)]
+
+
 @pytest.mark.skipif(not cuda_is_default(), reason="the kernel runs on a CUDA GPU")
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 40])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
@@ -119,15 +157,29 @@ def test_the_gemv_kernel_gives_mlxs_quantized_matmul(rows, group_size):
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-2, atol=2e-2 * float(mx.abs(want).max()))
 
 
+@pytest.mark.skipif(not cuda_is_default(), reason="the kernel runs on a CUDA GPU")
+@pytest.mark.parametrize("rows", [9, 16, 40, 64, 100])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_the_mma_kernel_gives_mlxs_quantized_matmul(rows, group_size):
+    mx.random.seed(rows)
+    w, scales, biases = mx.quantize(mx.random.normal((4096, 2048)).astype(mx.bfloat16), group_size=group_size, bits=4)
+    x = mx.random.normal((rows, 2048)).astype(mx.bfloat16)
+    got = quantized.mma(x, w, scales, biases, group_size).astype(mx.float32)
+    want = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
+                               bits=4).astype(mx.float32)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-2, atol=2e-2 * float(mx.abs(want).max()))
+
+
 @pytest.mark.anyio
 @pytest.mark.skipif(cuda_is_default(), reason="the refusal is for backends without CUDA")
-async def test_always_gemv_without_cuda_is_refused_at_start():
+@pytest.mark.parametrize("setting", ["quantized_gemv", "quantized_mma"])
+async def test_always_on_a_cuda_kernel_without_cuda_is_refused_at_start(setting):
     import unikern
     from unikern.errors import UnikernError
     from unikern.testing.families import cached_quantized
 
-    overrides = {"execute": {"quantized_gemv": "always"}}  # the execute stage fails its start, saying why
-    with pytest.raises(UnikernError, match="ConfigError: execute.quantized_gemv: 'always' needs MLX's CUDA backend"):
+    overrides = {"execute": {setting: "always"}}  # the execute stage fails its start, saying why
+    with pytest.raises(UnikernError, match=f"ConfigError: execute.{setting}: 'always' needs MLX's CUDA backend"):
         async with unikern.Engine.from_pipeline("generate", model=str(cached_quantized("tiny-llama", 4)),
                                                 overrides=overrides):
             pass

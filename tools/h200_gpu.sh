@@ -87,6 +87,13 @@ step ready-1b $RES/ready-1b.json python3 "$REPO/tools/first_request.py" --model 
   --json $RES/ready-1b.json
 TAIL=12 step parity-1b $RES/parity-1b.json python3 "$REPO/tools/parity_check.py" --model $M/llama-1b --prompts 16 \
   --max-tokens 32 --json $RES/parity-1b.json
+# the 8B 4-bit model's greedy tokens against mlx-lm's with PARITY_8B_SETS (e.g. the
+# tensor-core kernel: "execute.quantized_mma=always"); runs only when GPU_STEPS names it
+if named parity-8b-q4; then
+  sets=(); for p in ${PARITY_8B_SETS:-}; do sets+=(--set "$p"); done
+  TAIL=12 step parity-8b-q4 $RES/parity-8b-q4.json python3 "$REPO/tools/parity_check.py" --model $M/llama-8b-q4 \
+    --prompts 16 --max-tokens 32 "${sets[@]}" --json $RES/parity-8b-q4.json
+fi
 TAIL=12 step profile-decode-1b $RES/profile-decode-1b.json python3 "$REPO/tools/profile_decode.py" \
   --model $M/llama-1b --tokens 64 --repeats 5 --json $RES/profile-decode-1b.json
 # execute.dequantize_rows (stages/execute/quantized.py): the 8B 4-bit model with MLX's
@@ -113,7 +120,8 @@ TAIL=6 step gaps-1b "$RES/gaps-1b.json" python3 "$REPO/tools/step_gaps.py" --mod
 # the 8B 4-bit model's decode step: MLX's quantized matmul (dequantized weights from 8 rows)
 # against unikern's GEMV kernel, at one row and (PROBE_8B_ROWS) more
 for rows in ${PROBE_8B_ROWS:-1}; do
-  variants="default qgemv engine-paged engine-paged-qgemv"; [ "$rows" -gt 1 ] && variants="engine-paged engine-paged-qgemv-all"
+  variants="default qgemv engine-paged engine-paged-qgemv"
+  [ "$rows" -gt 1 ] && variants=${PROBE_8B_VARIANTS:-engine-paged engine-paged-qgemv-all engine-paged-qmma}
   TAIL=30 step probe-8b-q4 "$RES/probe-8b-q4-rows$rows.json" python3 "$REPO/tools/probe_cuda.py" --model $M/llama-8b-q4 \
     --rows "$rows" --variants $variants --repeats 3 --json "$RES/probe-8b-q4-rows$rows.json"
 done

@@ -22,11 +22,15 @@ Variants:
   engine-paged-eager  paged attention, the one-row window built op by op
   engine-paged-group  engine-paged with paged_attention.KERNEL = "group" (a block per row
                and KV head instead of per row and query head)
+  engine-paged-head   engine-paged with paged_attention.KERNEL = "head" (the default is
+               "group" since session 8)
   qgemv        4-bit models: mlx-lm's loop with the quantized layers through unikern's GEMV
                kernel (execute.quantized_gemv) instead of MLX's quantized matmul
   engine-paged-qgemv  engine-paged with that GEMV (steps of fewer than 8 rows, as
                execute.dequantize_rows=auto leaves it)
   engine-paged-qgemv-all  the GEMV for every step of up to 64 rows (dequantize_rows=65)
+  engine-paged-qmma  the GEMV up to 8 rows, the tensor-core kernel (execute.quantized_mma)
+               from 9 to 64 rows
 """
 
 from __future__ import annotations
@@ -53,9 +57,11 @@ VARIANTS = {
     "engine-paged": ({}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-eager": ({}, ["fused", "engine", "paged"]),
     "engine-paged-group": ({}, ["fused", "engine", "paged", "traced", "group"]),
+    "engine-paged-head": ({}, ["fused", "engine", "paged", "traced", "head"]),
     "qgemv": ({}, ["qgemv"]),
     "engine-paged-qgemv": ({}, ["fused", "engine", "paged", "traced", "qgemv"]),
     "engine-paged-qgemv-all": ({}, ["fused", "engine", "paged", "traced", "qgemv", "gemv-to-64"]),
+    "engine-paged-qmma": ({}, ["fused", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma"]),
 }
 
 
@@ -99,7 +105,8 @@ def child(args) -> None:
     if "qgemv" in features:  # as execute.quantized_gemv does, with dequantize_rows' 8 (or 65)
         from unikern.stages.execute.quantized import route_quantized_layers
 
-        notes["qgemv_layers"] = route_quantized_layers(model, 65 if "gemv-to-64" in features else 8, gemv=True)
+        notes["qgemv_layers"] = route_quantized_layers(model, 65 if "gemv-to-64" in features else 8, gemv=True,
+                                                       mma="qmma" in features)
     layers = layers_of(model)
     if "compiled" in features:
         compile_mlp_halves(model)
@@ -156,10 +163,10 @@ def engine_run(model, args, features: list[str], notes: dict):
     from unikern.stages.execute.runner import ModelRunner
     from unikern.stages.kv.pool import KVPool
 
-    if "group" in features:
+    if "group" in features or "head" in features:
         from unikern.stages.execute import paged_attention
 
-        paged_attention.KERNEL = "group"
+        paged_attention.KERNEL = "group" if "group" in features else "head"
     geo = ModelGeometry(model)
     block_size, window = 16, 32
     blocks = -(-(args.prompt + args.tokens + window + 1) // block_size)

@@ -79,7 +79,9 @@ _HEAD_SOURCE = """
 # The same attention with one block per (row, KV head) for all G query heads of its
 # group: each key and value is read once for the group instead of G times, and each warp
 # carries G independent dot products and softmaxes per position (G times the work between
-# its dependent shuffles). Selected by KERNEL = "group"; not measured yet, so not the default.
+# its dependent shuffles). The default (KERNEL): on an H200 at the 1B shape (8 KV heads of
+# 4 query heads each) it took 227 / 587 / 598 us per step at 1 / 16 / 64 rows against the
+# head kernel's 238 / 703 / 616 (CUPTI, tools/results/gpu/session8/a-gemv/probe-engine*).
 _GROUP_SOURCE = """
     const int bk = blockIdx.x;  // one block per (row, KV head)
     const int b = bk / HK;
@@ -154,9 +156,9 @@ _GROUP_SOURCE = """
     }
 """
 
-# which kernel decode() runs: "head" (measured, tools/results/gpu/H200-issue17.md) or
-# "group" (above; tests and tools/probe_cuda.py set it to compare the two)
-KERNEL = "head"
+# which kernel decode() runs: "group" (above) or "head" (a block per row and query head;
+# tests and tools/probe_cuda.py set it to compare the two)
+KERNEL = "group"
 GROUP_SHARED_BYTES = 32 << 10  # the group kernel's per-warp partials live in shared memory
 
 _kernels: dict[str, object] = {}

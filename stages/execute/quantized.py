@@ -18,6 +18,11 @@ from mlx.nn.layers.distributed import (
 # ran 64 rows in ~210 ms against 7.6 ms for one), while dequantizing costs one pass over
 # the weights whatever the rows. Metal's quantized kernels tile rows well: left alone.
 AUTO_ROWS = {"cpu": 8, "cuda": 8, "metal": None}
+# The same with unikern's CUDA kernels below it (execute.quantized_gemv / quantized_mma).
+# The GEMV, measured at the 8B shape on an H200 (tools/results/gpu/session8/a-gemv):
+# steps of 16 rows 728 -> 894 tok/s against dequantized weights, 64 rows 2,579 -> 1,074;
+# so from 17 rows. The tensor-core kernel: from 65 rows (its tiles take 64 per pass).
+KERNEL_ROWS = {"gemv": 17, "mma": 65}
 
 
 # A GEMV for 4-bit affine weights, for steps of few rows (execute.quantized_gemv). A block
@@ -136,13 +141,159 @@ def gemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_siz
     return out.reshape(*x.shape[:-1], n)
 
 
+# A tensor-core kernel for 4-bit affine weights and bfloat16 rows, for steps of more rows
+# than the GEMV's (execute.quantized_mma): mma.sync m16n8k16 (bf16 in, float32 sums). A
+# block of MMA_WARPS warps computes 8 output features for up to 16*RT rows (a pass), its
+# warps splitting K in 64-wide chunks. Thread (g = lane/4, t = lane%4) reads two packed
+# words of feature g (16 nibbles, k 16t..16t+15 of the chunk, one scale group) and turns
+# them into the B fragments of the chunk's four k-steps. A k-step's 16 positions may be
+# any 16 of the chunk as long as A and B agree: the fragment slots that thread t owns
+# (k 2t, 2t+1, 2t+8, 2t+9 of the step) take its own k 16t+4s..16t+4s+3, so no thread needs
+# another's nibbles, and its A fragments come from two 16-byte loads per row. Sums meet
+# across the warps in shared memory. Helpers (MMA_HEADER): unikern_load8 (8 bf16 as 4
+# pairs), unikern_pack (two floats to a bf16 pair), unikern_mma (the instruction);
+# tests/cuda_emulation.py gives C++ versions of the three for its CPU run.
+MMA_HEADER = """
+__device__ inline void unikern_load8(const __nv_bfloat16* p, unsigned r[4]) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
+}
+__device__ inline unsigned unikern_pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+__device__ inline void unikern_mma(float d[4], const unsigned a[4], const unsigned b[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+"""
+_MMA_SOURCE = """
+    constexpr int CHUNKS = K / 64;
+    const int N = w_shape[0];
+    const int M = x_shape[0];
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int passes = (M + 16 * RT - 1) / (16 * RT);
+    const int r0 = (blockIdx.x % passes) * 16 * RT;
+    const int n0 = (blockIdx.x / passes) * 8;
+    if (n0 >= N) return;  // the whole block
+    float acc[RT][4];
+    #pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+        for (int i = 0; i < 4; ++i) acc[rt][i] = 0.f;
+    const unsigned* wrow = w + (size_t)(n0 + g) * (K / 8);
+    for (int c = warp; c < CHUNKS; c += MMA_W) {
+        const unsigned words[2] = {wrow[c * 8 + 2 * t], wrow[c * 8 + 2 * t + 1]};
+        const size_t gi = (size_t)(n0 + g) * (K / GS) + (c * 64 + 16 * t) / GS;
+        const float s = static_cast<float>(scales[gi]);
+        const float b = static_cast<float>(biases[gi]);
+        unsigned bf[4][2];  // k-step st: nibbles 4st..4st+3 of the thread's 16
+        #pragma unroll
+        for (int st = 0; st < 4; ++st) {
+            const unsigned word = words[st / 2] >> (16 * (st % 2));
+            bf[st][0] = unikern_pack(s * static_cast<float>(word & 15u) + b,
+                                     s * static_cast<float>((word >> 4) & 15u) + b);
+            bf[st][1] = unikern_pack(s * static_cast<float>((word >> 8) & 15u) + b,
+                                     s * static_cast<float>((word >> 12) & 15u) + b);
+        }
+        #pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+            const int ra = r0 + rt * 16 + g;
+            unsigned xa[8], xb[8];  // rows ra and ra + 8, k 16t..16t+15 of the chunk, as pairs
+            for (int i = 0; i < 8; ++i) { xa[i] = 0u; xb[i] = 0u; }
+            const size_t col = (size_t)c * 64 + 16 * t;
+            if (ra < M) {
+                unikern_load8(x + (size_t)ra * K + col, xa);
+                unikern_load8(x + (size_t)ra * K + col + 8, xa + 4);
+            }
+            if (ra + 8 < M) {
+                unikern_load8(x + (size_t)(ra + 8) * K + col, xb);
+                unikern_load8(x + (size_t)(ra + 8) * K + col + 8, xb + 4);
+            }
+            #pragma unroll
+            for (int st = 0; st < 4; ++st) {
+                const unsigned a[4] = {xa[2 * st], xb[2 * st], xa[2 * st + 1], xb[2 * st + 1]};
+                unikern_mma(acc[rt], a, bf[st]);
+            }
+        }
+    }
+    __shared__ float partial[MMA_W][RT * 4][32];
+    #pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+        for (int i = 0; i < 4; ++i) partial[warp][rt * 4 + i][lane] = acc[rt][i];
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < RT * 4 * 32; idx += blockDim.x) {
+        const int slot = idx / 32;  // rt * 4 + i
+        const int ln = idx % 32;
+        const int i = slot % 4;
+        const int row = r0 + (slot / 4) * 16 + ln / 4 + (i >= 2 ? 8 : 0);
+        if (row >= M) continue;
+        float sum = 0.f;
+        for (int q = 0; q < MMA_W; ++q) sum += partial[q][slot][ln];
+        out[(size_t)row * N + n0 + 2 * (ln % 4) + (i % 2)] = static_cast<T>(sum);
+    }
+"""
+MMA_WARPS = 4  # warps per block, splitting K between them
+MMA_PASS_TILES = 4  # 16-row tiles per pass at most (64 rows), sharing each B fragment
+GEMV_ROWS = 8  # with both kernels on, the GEMV keeps steps of up to this many rows
+_mma_kernel = None
+
+
+def mma_launch(rows: int, n: int, k: int, group_size: int) -> tuple[dict[str, int], int]:
+    """The tensor-core kernel's template parameters and block count for x [rows, k]
+    against n output features: 16-row tiles per pass 1, 2 or 4."""
+    tiles = 1 << (min(-(-rows // 16), MMA_PASS_TILES) - 1).bit_length()
+    return {"K": k, "GS": group_size, "RT": tiles, "MMA_W": MMA_WARPS}, -(-rows // (16 * tiles)) * (n // 8)
+
+
+def mma_applies(layer: nn.Module, x: mx.array) -> bool:
+    """What the tensor-core kernel takes: 4-bit affine weights with scale groups of a
+    multiple of 32, k a multiple of 64, output features a multiple of 8, bfloat16 rows."""
+    k = x.shape[-1]
+    return (layer.bits == 4 and layer.mode == "affine" and layer.group_size % 32 == 0 and k % 64 == 0
+            and k % layer.group_size == 0 and layer["weight"].shape[0] % 8 == 0 and x.size > 0
+            and x.dtype == mx.bfloat16 and layer["scales"].dtype == mx.bfloat16 and "biases" in layer)
+
+
+def mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+    """x @ dequantize(w)^T through the tensor-core kernel: x [..., K] -> [..., N]."""
+    global _mma_kernel
+    if _mma_kernel is None:
+        _mma_kernel = mx.fast.cuda_kernel(
+            name="unikern_q4_mma",
+            input_names=["x", "w", "scales", "biases"],
+            output_names=["out"],
+            source=_MMA_SOURCE,
+            header=MMA_HEADER,
+        )
+    k, n = x.shape[-1], w.shape[0]
+    rows = x.size // k
+    constants, blocks = mma_launch(rows, n, k, group_size)
+    (out,) = _mma_kernel(
+        inputs=[x.reshape(rows, k), w, scales, biases],
+        template=[("T", x.dtype), *constants.items()],
+        grid=(blocks * MMA_WARPS * 32, 1, 1),
+        threadgroup=(MMA_WARPS * 32, 1, 1),
+        output_shapes=[(rows, n)],
+        output_dtypes=[x.dtype],
+    )
+    return out.reshape(*x.shape[:-1], n)
+
+
 def _matmul(layer: nn.Module, x: mx.array) -> mx.array:
-    """x @ layer's weights^T, without its bias: MLX's quantized kernel (or the GEMV above,
-    when `layer.gemv`) below `layer.dequantize_rows` rows, the dequantized weights (in
-    x's dtype, a transient array) from there."""
+    """x @ layer's weights^T, without its bias. Below `layer.dequantize_rows` rows: the
+    tensor-core kernel above GEMV_ROWS rows when `layer.mma`, else the GEMV when
+    `layer.gemv`, else MLX's quantized kernel (each where it applies); from there, the
+    dequantized weights (in x's dtype, a transient array)."""
     rows = x.size // x.shape[-1] if x.ndim else 1
     w, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
     if rows < layer.dequantize_rows:
+        if layer.mma and rows > GEMV_ROWS and mma_applies(layer, x):
+            return mma(x, w, scales, biases, layer.group_size)
         if layer.gemv and gemv_applies(layer, x):
             return gemv(x, w, scales, biases, layer.group_size)
         return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=layer.group_size,
@@ -159,6 +310,7 @@ class RowRoutedQuantizedLinear(nn.QuantizedLinear):
 
     dequantize_rows: int
     gemv: bool = False  # steps of few rows through the GEMV kernel above
+    mma: bool = False  # and of more than GEMV_ROWS through the tensor-core kernel
 
     def __call__(self, x: mx.array) -> mx.array:
         y = _matmul(self, x)
@@ -170,6 +322,7 @@ class RowRoutedAllToSharded(QuantizedAllToShardedLinear):
 
     dequantize_rows: int
     gemv: bool = False
+    mma: bool = False
 
     def __call__(self, x: mx.array) -> mx.array:
         y = _matmul(self, sum_gradients(self.group)(x))
@@ -181,6 +334,7 @@ class RowRoutedShardedToAll(QuantizedShardedToAllLinear):
 
     dequantize_rows: int
     gemv: bool = False
+    mma: bool = False
 
     def __call__(self, x: mx.array) -> mx.array:
         y = mx.distributed.all_sum(_matmul(self, x), group=self.group)
@@ -191,12 +345,13 @@ ROUTED = {nn.QuantizedLinear: RowRoutedQuantizedLinear, QuantizedAllToShardedLin
           QuantizedShardedToAllLinear: RowRoutedShardedToAll}
 
 
-def route_quantized_layers(model: Any, rows: int | None, gemv: bool = False) -> int:
+def route_quantized_layers(model: Any, rows: int | None, gemv: bool = False, mma: bool = False) -> int:
     """Give every affine quantized linear layer of `model` (plain, or a tensor-parallel
     shard) the row-routed call: dequantized weights from `rows` rows (None: never), and
-    with `gemv` the GEMV kernel for fewer rows where it applies. Returns how many layers
-    were routed (0 when neither is asked for or the model is not quantized)."""
-    if rows is None and not gemv:
+    below that the GEMV kernel (`gemv`) and the tensor-core kernel (`mma`) where they
+    apply. Returns how many layers were routed (0 when nothing is asked for or the
+    model is not quantized)."""
+    if rows is None and not gemv and not mma:
         return 0
     routed = 0
     for _, module in model.named_modules():
@@ -204,6 +359,6 @@ def route_quantized_layers(model: Any, rows: int | None, gemv: bool = False) -> 
             module.__class__ = ROUTED[type(module)]
         if type(module) in ROUTED.values():  # routed now, or by an earlier call
             module.dequantize_rows = rows if rows is not None else 1 << 62
-            module.gemv = gemv
+            module.gemv, module.mma = gemv, mma
             routed += 1
     return routed

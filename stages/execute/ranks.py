@@ -27,7 +27,7 @@ from unikern.stages.execute.distributed import (
     for_the_wire,
 )
 from unikern.stages.execute.model import LoadedModel, load_model
-from unikern.stages.execute.quantized import AUTO_ROWS, route_quantized_layers
+from unikern.stages.execute.quantized import AUTO_ROWS, KERNEL_ROWS, route_quantized_layers
 from unikern.stages.execute.runner import ModelRunner, warm_up
 from unikern.stages.kv.pool import KVPool
 
@@ -66,13 +66,16 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     wired = wiring.wire(loaded.weights, params.wire_weights)
     startup = {"process_s": round(before_s, 3), "load_s": round(loaded_at - start, 3), "wire_s": round(time.perf_counter() - loaded_at, 3)}
     on_cpu = backend == "cpu"
-    rows = {"auto": AUTO_ROWS.get(backend), "never": None}.get(params.dequantize_rows, params.dequantize_rows)
-    if params.quantized_gemv == "always" and not cuda_is_default():
-        raise ConfigError(f"execute.quantized_gemv: 'always' needs MLX's CUDA backend (this one is {backend!r}); "
-                          "use 'auto' (on where CUDA is) or 'never'")
+    for name in ("quantized_gemv", "quantized_mma"):
+        if getattr(params, name) == "always" and not cuda_is_default():
+            raise ConfigError(f"execute.{name}: 'always' needs MLX's CUDA backend (this one is {backend!r}); "
+                              "use 'auto' (on where CUDA is) or 'never'")
     gemv = switch(params.quantized_gemv, auto=backend == "cuda") and cuda_is_default()
-    quantized = {"dequantize_rows": rows, "routed_layers": route_quantized_layers(loaded.model, rows, gemv),
-                 "gemv": gemv}
+    mma = switch(params.quantized_mma, auto=backend == "cuda") and cuda_is_default()
+    auto_rows = KERNEL_ROWS["mma" if mma else "gemv"] if gemv or mma else AUTO_ROWS.get(backend)
+    rows = {"auto": auto_rows, "never": None}.get(params.dequantize_rows, params.dequantize_rows)
+    quantized = {"dequantize_rows": rows, "routed_layers": route_quantized_layers(loaded.model, rows, gemv, mma),
+                 "gemv": gemv, "mma": mma}
     kernels = params.cpu_kernels and on_cpu
     # a pipeline rank evaluates inside each forward (sharding.PipelineBlock): no trace
     pipelined = world is not None and world.mode == "pipeline"

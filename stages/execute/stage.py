@@ -51,14 +51,20 @@ class MLXExecuteParams(StageParams, frozen=True):
     warmup: Literal["auto", "always", "never"] = "auto"
     # quantized weights: steps of at least this many rows dequantize each layer's weights
     # and run a plain matmul, since MLX's CPU and CUDA quantized kernels cost a row's time
-    # per row (quantized.AUTO_ROWS); "auto": 8 on CPU and CUDA, off on Metal
+    # per row (quantized.AUTO_ROWS); "auto": 8 on CPU, off on Metal; on CUDA 17 with the
+    # GEMV below, 65 with the tensor-core kernel (quantized.KERNEL_ROWS)
     dequantize_rows: int | Literal["auto", "never"] = "auto"
-    # 4-bit affine weights: steps of fewer rows than dequantize_rows through unikern's
-    # GEMV kernel (quantized.py: each weight word read and dequantized once for up to 16
-    # rows, one pass per 16 rows) instead of MLX's quantized matmul; CUDA only, "auto" =
-    # on CUDA. Off by default until measured on the GPU; its source is checked in a CPU
-    # emulation and against MLX's kernel by a CUDA test
-    quantized_gemv: Literal["auto", "always", "never"] = "never"
+    # 4-bit affine weights, steps of fewer rows than dequantize_rows: unikern's GEMV kernel
+    # (quantized.py: each weight word read and dequantized once for up to 16 rows, one
+    # pass per 16) instead of MLX's quantized matmul; CUDA only, "auto" = on CUDA, where it
+    # was measured (8B shape on an H200: one request 138 -> 177 tok/s, 16 requests 728 ->
+    # 894 against dequantized weights; tools/results/gpu/session8/a-gemv)
+    quantized_gemv: Literal["auto", "always", "never"] = "auto"
+    # and steps of more than 8 rows (bfloat16 activations) through unikern's tensor-core
+    # kernel (quantized.py: mma.sync on weights dequantized in registers, 64 rows per
+    # pass); CUDA only. Off by default until measured on the GPU; its source is checked in
+    # a CPU emulation of the instruction and against MLX's kernel by a CUDA test
+    quantized_mma: Literal["auto", "always", "never"] = "never"
     # multiply each attention's q/k/v and each MLP's gate/up projections through one
     # concatenated weight (stages/execute/fused.py): fewer, wider matmuls. "auto": on
     # CUDA, unquantized layers, where it was measured (a one-row step's GEMV time 970 ->
@@ -240,7 +246,8 @@ class MLXExecuteStage(StageBase):
         compiled = runner.compiled if runner else None
         return {
             "model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes,
-                      "quantized": getattr(self, "quantized", {"dequantize_rows": None, "routed_layers": 0, "gemv": False}),
+                      "quantized": getattr(self, "quantized", {"dequantize_rows": None, "routed_layers": 0, "gemv": False,
+                                                                "mma": False}),
                       "startup": getattr(self, "startup", None) or {},
                       "fused_projections": {"groups": loaded.fused_groups,
                                             "fallback_calls": fallback_calls(loaded.model) if loaded.fused_groups else 0}},
