@@ -62,9 +62,11 @@ class MLXExecuteParams(StageParams, frozen=True):
     quantized_gemv: Literal["auto", "always", "never"] = "auto"
     # and steps of more than 8 rows (bfloat16 activations) through unikern's tensor-core
     # kernel (quantized.py: mma.sync on weights dequantized in registers, 64 rows per
-    # pass); CUDA only. Off by default until measured on the GPU; its source is checked in
-    # a CPU emulation of the instruction and against MLX's kernel by a CUDA test
-    quantized_mma: Literal["auto", "always", "never"] = "never"
+    # pass); CUDA only, "auto" = on CUDA, where it was measured (8B shape on an H200,
+    # against the GEMV to 16 rows and dequantized weights above, two rounds: 16 requests
+    # 928 / 906 -> 1,705 / 1,691 tok/s, 64 requests 2,633 / 2,617 -> 3,537 / 3,596;
+    # tools/results/gpu/session8/b-mma)
+    quantized_mma: Literal["auto", "always", "never"] = "auto"
     # multiply each attention's q/k/v and each MLP's gate/up projections through one
     # concatenated weight (stages/execute/fused.py): fewer, wider matmuls. "auto": on
     # CUDA, unquantized layers, where it was measured (a one-row step's GEMV time 970 ->
