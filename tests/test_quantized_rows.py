@@ -144,27 +144,15 @@ def test_steps_above_the_gemvs_rows_take_the_tensor_core_kernel_when_asked(monke
     assert calls == [("gemv", 8), ("gemv", 8), ("mma", 9), ("mma", 9), ("mma", 39), ("mma", 39)]
 
 
-@pytest.mark.skipif(not cuda_is_default(), reason="the kernel runs on a CUDA GPU")
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 40])
+@pytest.mark.skipif(not cuda_is_default(), reason="the kernels run on a CUDA GPU")
+@pytest.mark.parametrize("kernel,rows", [("gemv", r) for r in (1, 2, 5, 8, 16, 40)]
+                         + [("mma", r) for r in (9, 16, 40, 64, 100)])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_the_gemv_kernel_gives_mlxs_quantized_matmul(rows, group_size):
+def test_the_kernels_give_mlxs_quantized_matmul(kernel, rows, group_size):
     mx.random.seed(rows)
     w, scales, biases = mx.quantize(mx.random.normal((4096, 2048)).astype(mx.bfloat16), group_size=group_size, bits=4)
     x = mx.random.normal((rows, 2048)).astype(mx.bfloat16)
-    got = quantized.gemv(x, w, scales, biases, group_size).astype(mx.float32)
-    want = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
-                               bits=4).astype(mx.float32)
-    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-2, atol=2e-2 * float(mx.abs(want).max()))
-
-
-@pytest.mark.skipif(not cuda_is_default(), reason="the kernel runs on a CUDA GPU")
-@pytest.mark.parametrize("rows", [9, 16, 40, 64, 100])
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_the_mma_kernel_gives_mlxs_quantized_matmul(rows, group_size):
-    mx.random.seed(rows)
-    w, scales, biases = mx.quantize(mx.random.normal((4096, 2048)).astype(mx.bfloat16), group_size=group_size, bits=4)
-    x = mx.random.normal((rows, 2048)).astype(mx.bfloat16)
-    got = quantized.mma(x, w, scales, biases, group_size).astype(mx.float32)
+    got = getattr(quantized, kernel)(x, w, scales, biases, group_size).astype(mx.float32)
     want = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
                                bits=4).astype(mx.float32)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-2, atol=2e-2 * float(mx.abs(want).max()))

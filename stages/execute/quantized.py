@@ -99,7 +99,6 @@ _GEMV_SOURCE = """
 GEMV_WARPS = 4  # warps per block, splitting K between them
 GEMV_FEATURES = 4  # output features per block, each weight word read once for all rows
 GEMV_PASS_ROWS = 16  # rows per pass at most (registers: a thread keeps rows x features sums)
-_gemv_kernel = None
 
 
 def gemv_launch(rows: int, n: int, k: int, group_size: int) -> tuple[dict[str, int], int]:
@@ -121,22 +120,28 @@ def gemv_applies(layer: nn.Module, x: mx.array) -> bool:
 
 def gemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
     """x @ dequantize(w)^T through the GEMV kernel: x [..., K] -> [..., N]."""
-    global _gemv_kernel
-    if _gemv_kernel is None:
-        _gemv_kernel = mx.fast.cuda_kernel(
-            name="unikern_q4_gemv",
-            input_names=["x", "w", "scales", "biases"],
-            output_names=["out"],
-            source=_GEMV_SOURCE,
-        )
+    return _run_kernel("unikern_q4_gemv", _GEMV_SOURCE, "", gemv_launch, GEMV_WARPS, x, w, scales, biases,
+                       group_size)
+
+
+_kernels: dict[str, Any] = {}
+
+
+def _run_kernel(name: str, source: str, header: str, launch: Any, warps: int, x: mx.array, w: mx.array,
+                scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+    """One of the 4-bit kernels (built at first use) over x [..., K] -> [..., N]: `launch`
+    gives its template constants and block count, blocks of `warps` warps."""
+    if name not in _kernels:
+        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=["x", "w", "scales", "biases"],
+                                             output_names=["out"], source=source, header=header)
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
-    constants, blocks = gemv_launch(rows, n, k, group_size)
-    (out,) = _gemv_kernel(
+    constants, blocks = launch(rows, n, k, group_size)
+    (out,) = _kernels[name](
         inputs=[x.reshape(rows, k), w, scales, biases],
         template=[("T", x.dtype), *constants.items()],
-        grid=(blocks * GEMV_WARPS * 32, 1, 1),
-        threadgroup=(GEMV_WARPS * 32, 1, 1),
+        grid=(blocks * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1),
         output_shapes=[(rows, n)],
         output_dtypes=[x.dtype],
     )
@@ -242,7 +247,6 @@ _MMA_SOURCE = """
 MMA_WARPS = 4  # warps per block, splitting K between them
 MMA_PASS_TILES = 4  # 16-row tiles per pass at most (64 rows), sharing each B fragment
 GEMV_ROWS = 8  # with both kernels on, the GEMV keeps steps of up to this many rows
-_mma_kernel = None
 
 
 def mma_launch(rows: int, n: int, k: int, group_size: int) -> tuple[dict[str, int], int]:
@@ -263,27 +267,8 @@ def mma_applies(layer: nn.Module, x: mx.array) -> bool:
 
 def mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
     """x @ dequantize(w)^T through the tensor-core kernel: x [..., K] -> [..., N]."""
-    global _mma_kernel
-    if _mma_kernel is None:
-        _mma_kernel = mx.fast.cuda_kernel(
-            name="unikern_q4_mma",
-            input_names=["x", "w", "scales", "biases"],
-            output_names=["out"],
-            source=_MMA_SOURCE,
-            header=MMA_HEADER,
-        )
-    k, n = x.shape[-1], w.shape[0]
-    rows = x.size // k
-    constants, blocks = mma_launch(rows, n, k, group_size)
-    (out,) = _mma_kernel(
-        inputs=[x.reshape(rows, k), w, scales, biases],
-        template=[("T", x.dtype), *constants.items()],
-        grid=(blocks * MMA_WARPS * 32, 1, 1),
-        threadgroup=(MMA_WARPS * 32, 1, 1),
-        output_shapes=[(rows, n)],
-        output_dtypes=[x.dtype],
-    )
-    return out.reshape(*x.shape[:-1], n)
+    return _run_kernel("unikern_q4_mma", _MMA_SOURCE, MMA_HEADER, mma_launch, MMA_WARPS, x, w, scales, biases,
+                       group_size)
 
 
 def _matmul(layer: nn.Module, x: mx.array) -> mx.array:
