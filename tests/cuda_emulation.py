@@ -61,6 +61,7 @@ static float bf16_half(unsigned reg, int high) {
     const unsigned u = (high ? reg >> 16 : reg & 0xffffu) << 16; float f; std::memcpy(&f, &u, 4); return f;
 }
 static unsigned unikern_pack(float lo, float hi) { return bf16_bits(lo) | (bf16_bits(hi) << 16); }
+static float unikern_half(unsigned p, int high) { return bf16_half(p, high); }
 static void unikern_load8(const float* p, unsigned r[4]) { for (int i = 0; i < 4; ++i) r[i] = unikern_pack(p[2 * i], p[2 * i + 1]); }
 static void unikern_mma(float d[4], const unsigned a[4], const unsigned b[2]) {
     const int w = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -3,6 +3,8 @@
 (stages/execute/quantized.py): their CUDA sources in a thread-per-lane emulation here,
 against MLX's kernel on a CUDA machine; the family parity test holds the tokens."""
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -60,6 +62,7 @@ async def test_engine_reports_routed_layers_of_a_4bit_model():
         quantized = engine.stats()["model"]["quantized"]
         assert quantized["dequantize_rows"] == 8 and quantized["routed_layers"] == 4 * 7 + 1
         assert quantized["gemv"] is False and quantized["mma"] is False  # CUDA kernels: off here
+        assert quantized["mma_weights"] is None
         routed = await engine.complete(prompt_tokens=prompt, max_tokens=8)
     kernel_only = {"execute": {"dequantize_rows": "never"}}
     async with unikern.Engine.from_pipeline("generate", model=path, overrides=kernel_only) as engine:
@@ -88,23 +91,30 @@ def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, 
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("rows,n,k,group_size", [(5, 16, 256, 64), (21, 8, 512, 32), (70, 8, 128, 128)])
-def test_the_mma_source_computes_the_quantized_matmul_in_an_emulation(rows, n, k, group_size):
+def test_the_mma_source_computes_the_quantized_matmul_in_an_emulation(rows, n, k, group_size, split):
     """The tensor-core kernel's CUDA source on the CPU, mma.sync emulated from its fragment
-    layouts: bfloat16 x times the bfloat16-rounded dequantized weights, for one partial row
-    tile (5), two tiles (21), and two passes of four tiles with warps left without a
-    k-chunk (70 rows, k 128)."""
+    layouts: bfloat16 x times the dequantized weights, rounded to bf16 or (split) as exact
+    as float32's, for one partial row tile (5), two tiles (21), and two passes of four
+    tiles with warps left without a k-chunk (70 rows, k 128)."""
     mx.random.seed(rows)
     w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=4)
     x = mx.random.normal((rows, k))
-    constants, blocks = quantized.mma_launch(rows, n, k, group_size)
+    constants, blocks = quantized.mma_launch(rows, n, k, group_size, split=split)
     assert constants["RT"] == {5: 1, 21: 2, 70: 4}[rows]
     inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases)}
     got = cuda_emulation.run_kernel(quantized._MMA_SOURCE, inputs, constants, blocks, quantized.MMA_WARPS * 32,
                                     (rows, n), header=cuda_emulation.TENSOR_CORE_HEADER)
     as_bf16 = lambda a: np.array(a.astype(mx.bfloat16).astype(mx.float32))  # noqa: E731
-    want = as_bf16(x) @ as_bf16(mx.dequantize(w, scales, biases, group_size=group_size, bits=4)).T
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+    weights = mx.dequantize(w, scales, biases, group_size=group_size, bits=4)
+    want = as_bf16(x) @ (np.array(weights) if split else as_bf16(weights)).T
+    # split: the weights' halves carry 16 of float32's 24 mantissa bits
+    np.testing.assert_allclose(got, want, rtol=1e-4 if split else 1e-3,
+                               atol=(2e-5 if split else 1e-3) * np.abs(want).max())
+    if split:  # and a bf16 rounding of the weights would not have passed that
+        rounded = as_bf16(x) @ as_bf16(weights).T
+        assert np.abs(rounded - want).max() > 2e-5 * np.abs(want).max()
 
 
 def test_few_rows_of_4bit_layers_take_the_gemv_when_asked(monkeypatch):
@@ -128,31 +138,39 @@ def test_few_rows_of_4bit_layers_take_the_gemv_when_asked(monkeypatch):
 
 def test_steps_above_the_gemvs_rows_take_the_tensor_core_kernel_when_asked(monkeypatch):
     """With both kernels: up to GEMV_ROWS rows the GEMV, above them (bfloat16) the
-    tensor-core kernel, from dequantize_rows the dequantized weights; float32 rows
-    against bfloat16 scales, which neither kernel takes, MLX's quantized matmul."""
+    tensor-core kernel (its weights split in two halves when asked), from dequantize_rows
+    the dequantized weights; float32 rows against bfloat16 scales, which neither kernel
+    takes, MLX's quantized matmul."""
     model = quantized_model(4)
     model.set_dtype(mx.bfloat16)
-    assert route_quantized_layers(model, 40, gemv=True, mma=True) == 2
     calls = []
     mlx_kernel = lambda x, w, s, b, gs: mx.quantized_matmul(x, w, scales=s, biases=b, transpose=True,  # noqa: E731
                                                               group_size=gs, bits=4)
     monkeypatch.setattr(quantized, "gemv", lambda *a: calls.append(("gemv", a[0].shape[0])) or mlx_kernel(*a))
-    monkeypatch.setattr(quantized, "mma", lambda *a: calls.append(("mma", a[0].shape[0])) or mlx_kernel(*a))
+    monkeypatch.setattr(quantized, "mma", lambda *a, split: calls.append(("mma", a[0].shape[0], split))
+                        or mlx_kernel(*a))
+    assert route_quantized_layers(model, 40, gemv=True, mma=True) == 2
     for rows in (quantized.GEMV_ROWS, quantized.GEMV_ROWS + 1, 39, 40):
         model(mx.random.normal((rows, 128)).astype(mx.bfloat16))
     model(mx.random.normal((20, 128)))  # float32 rows
-    assert calls == [("gemv", 8), ("gemv", 8), ("mma", 9), ("mma", 9), ("mma", 39), ("mma", 39)]
+    assert calls == [("gemv", 8), ("gemv", 8), ("mma", 9, False), ("mma", 9, False), ("mma", 39, False),
+                     ("mma", 39, False)]
+    calls.clear()
+    route_quantized_layers(model, 40, gemv=True, mma=True, mma_split=True)
+    model(mx.random.normal((9, 128)).astype(mx.bfloat16))
+    assert calls == [("mma", 9, True), ("mma", 9, True)]
 
 
 @pytest.mark.skipif(not cuda_is_default(), reason="the kernels run on a CUDA GPU")
 @pytest.mark.parametrize("kernel,rows", [("gemv", r) for r in (1, 2, 5, 8, 16, 40)]
-                         + [("mma", r) for r in (9, 16, 40, 64, 100)])
+                         + [("mma", r) for r in (9, 16, 40, 64, 100)] + [("mma-split", r) for r in (9, 64)])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_the_kernels_give_mlxs_quantized_matmul(kernel, rows, group_size):
     mx.random.seed(rows)
     w, scales, biases = mx.quantize(mx.random.normal((4096, 2048)).astype(mx.bfloat16), group_size=group_size, bits=4)
     x = mx.random.normal((rows, 2048)).astype(mx.bfloat16)
-    got = getattr(quantized, kernel)(x, w, scales, biases, group_size).astype(mx.float32)
+    run = {"gemv": quantized.gemv, "mma": quantized.mma, "mma-split": functools.partial(quantized.mma, split=True)}
+    got = run[kernel](x, w, scales, biases, group_size).astype(mx.float32)
     want = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
                                bits=4).astype(mx.float32)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-2, atol=2e-2 * float(mx.abs(want).max()))

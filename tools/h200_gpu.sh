@@ -117,8 +117,8 @@ done
 # the engine's run split into time inside the model thread's steps and the gaps between them
 TAIL=6 step gaps-1b "$RES/gaps-1b.json" python3 "$REPO/tools/step_gaps.py" --model $M/llama-1b \
   --concurrency 1 16 64 --json "$RES/gaps-1b.json"
-# the 8B 4-bit model's decode step: MLX's quantized matmul (dequantized weights from 8 rows)
-# against unikern's GEMV kernel, at one row and (PROBE_8B_ROWS) more
+# the 8B 4-bit model's decode step: MLX's quantized matmul against unikern's GEMV and
+# tensor-core kernels, at one row and (PROBE_8B_ROWS) more
 for rows in ${PROBE_8B_ROWS:-1}; do
   variants="default qgemv engine-paged engine-paged-qgemv"
   [ "$rows" -gt 1 ] && variants=${PROBE_8B_VARIANTS:-engine-paged engine-paged-qgemv-all engine-paged-qmma}
@@ -135,7 +135,7 @@ for r in $(seq "${BENCH_SET_ROUNDS:-1}"); do  # rounds interleave the variants (
   for m in ${BENCH_SET_MODELS:-1b}; do  # each model under each --set variant, e.g. "execute.fuse_projections=never"
     engines="mlx-lm unikern"; [ "$m" = 8b-q4 ] && engines=unikern
     for v in ${BENCH_SET_VARIANTS:-}; do  # a variant of several settings: comma-separated
-      n=${v//=/-}; n=${n//,/+}; [ "$r" -gt 1 ] && n="$n-round$r"
+      n=${v//=/-}; n=${n//,/_}; [ "$r" -gt 1 ] && n="$n-round$r"
       sets=(); IFS=, read -ra parts <<< "$v"; for p in "${parts[@]}"; do sets+=(--set "$p"); done
       TAIL=6 step bench-set "$RES/bench-gpu-$m-$n.json" python3 "$REPO/tools/bench_gpu.py" bench --model $M/llama-$m \
         --engines $engines --repeats ${BENCH_SET_REPEATS:-3} "${sets[@]}" --label "llama $m, $v, round $r" \

@@ -31,6 +31,8 @@ Variants:
   engine-paged-qgemv-all  the GEMV for every step of up to 64 rows (dequantize_rows=65)
   engine-paged-qmma  the GEMV up to 8 rows, the tensor-core kernel (execute.quantized_mma)
                from 9 to 64 rows
+  engine-paged-qmma-split  the same, the tensor-core kernel's weights as two bf16 halves
+               (execute.quantized_mma_weights=split)
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ VARIANTS = {
     "engine-paged-qgemv": ({}, ["fused", "engine", "paged", "traced", "qgemv"]),
     "engine-paged-qgemv-all": ({}, ["fused", "engine", "paged", "traced", "qgemv", "gemv-to-64"]),
     "engine-paged-qmma": ({}, ["fused", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma"]),
+    "engine-paged-qmma-split": ({}, ["fused", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma", "split"]),
 }
 
 
@@ -106,7 +109,7 @@ def child(args) -> None:
         from unikern.stages.execute.quantized import route_quantized_layers
 
         notes["qgemv_layers"] = route_quantized_layers(model, 65 if "gemv-to-64" in features else 8, gemv=True,
-                                                       mma="qmma" in features)
+                                                       mma="qmma" in features, mma_split="split" in features)
     layers = layers_of(model)
     if "compiled" in features:
         compile_mlp_halves(model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import mlx.core as mx
@@ -157,9 +158,13 @@ def _run_kernel(name: str, source: str, header: str, launch: Any, warps: int, x:
 # any 16 of the chunk as long as A and B agree: the fragment slots that thread t owns
 # (k 2t, 2t+1, 2t+8, 2t+9 of the step) take its own k 16t+4s..16t+4s+3, so no thread needs
 # another's nibbles, and its A fragments come from two 16-byte loads per row. Sums meet
-# across the warps in shared memory. Helpers (MMA_HEADER): unikern_load8 (8 bf16 as 4
-# pairs), unikern_pack (two floats to a bf16 pair), unikern_mma (the instruction);
-# tests/cuda_emulation.py gives C++ versions of the three for its CPU run.
+# across the warps in shared memory. With SPLIT, each dequantized weight goes in as two
+# bf16 halves (the value rounded, then what rounding lost) through two MMAs: the weights
+# as exact as float32's, as MLX's one-row kernel has them, where one bf16 rounds them to
+# 8 bits of mantissa. Helpers (MMA_HEADER): unikern_load8 (8 bf16 as 4 pairs),
+# unikern_pack (two floats to a bf16 pair), unikern_half (one half of a pair back as a
+# float), unikern_mma (the instruction); tests/cuda_emulation.py gives C++ versions of
+# the four for its CPU run.
 MMA_HEADER = """
 __device__ inline void unikern_load8(const __nv_bfloat16* p, unsigned r[4]) {
     const uint4 v = *reinterpret_cast<const uint4*>(p);
@@ -168,6 +173,10 @@ __device__ inline void unikern_load8(const __nv_bfloat16* p, unsigned r[4]) {
 __device__ inline unsigned unikern_pack(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<unsigned*>(&v);
+}
+__device__ inline float unikern_half(unsigned p, int high) {
+    const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&p);
+    return high ? __high2float(v) : __low2float(v);
 }
 __device__ inline void unikern_mma(float d[4], const unsigned a[4], const unsigned b[2]) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -199,13 +208,17 @@ _MMA_SOURCE = """
         const float s = static_cast<float>(scales[gi]);
         const float b = static_cast<float>(biases[gi]);
         unsigned bf[4][2];  // k-step st: nibbles 4st..4st+3 of the thread's 16
+        unsigned lost[4][2];  // with SPLIT: what rounding them to bf16 lost
         #pragma unroll
         for (int st = 0; st < 4; ++st) {
             const unsigned word = words[st / 2] >> (16 * (st % 2));
-            bf[st][0] = unikern_pack(s * static_cast<float>(word & 15u) + b,
-                                     s * static_cast<float>((word >> 4) & 15u) + b);
-            bf[st][1] = unikern_pack(s * static_cast<float>((word >> 8) & 15u) + b,
-                                     s * static_cast<float>((word >> 12) & 15u) + b);
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float w0 = s * static_cast<float>((word >> (8 * h)) & 15u) + b;
+                const float w1 = s * static_cast<float>((word >> (8 * h + 4)) & 15u) + b;
+                bf[st][h] = unikern_pack(w0, w1);
+                if (SPLIT) lost[st][h] = unikern_pack(w0 - unikern_half(bf[st][h], 0), w1 - unikern_half(bf[st][h], 1));
+            }
         }
         #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {
@@ -225,6 +238,7 @@ _MMA_SOURCE = """
             for (int st = 0; st < 4; ++st) {
                 const unsigned a[4] = {xa[2 * st], xb[2 * st], xa[2 * st + 1], xb[2 * st + 1]};
                 unikern_mma(acc[rt], a, bf[st]);
+                if (SPLIT) unikern_mma(acc[rt], a, lost[st]);
             }
         }
     }
@@ -249,11 +263,13 @@ MMA_PASS_TILES = 4  # 16-row tiles per pass at most (64 rows), sharing each B fr
 GEMV_ROWS = 8  # with both kernels on, the GEMV keeps steps of up to this many rows
 
 
-def mma_launch(rows: int, n: int, k: int, group_size: int) -> tuple[dict[str, int], int]:
+def mma_launch(rows: int, n: int, k: int, group_size: int, split: bool = False) -> tuple[dict[str, int], int]:
     """The tensor-core kernel's template parameters and block count for x [rows, k]
-    against n output features: 16-row tiles per pass 1, 2 or 4."""
+    against n output features: 16-row tiles per pass 1, 2 or 4; `split`: the weights in
+    two bf16 halves."""
     tiles = 1 << (min(-(-rows // 16), MMA_PASS_TILES) - 1).bit_length()
-    return {"K": k, "GS": group_size, "RT": tiles, "MMA_W": MMA_WARPS}, -(-rows // (16 * tiles)) * (n // 8)
+    constants = {"K": k, "GS": group_size, "RT": tiles, "MMA_W": MMA_WARPS, "SPLIT": int(split)}
+    return constants, -(-rows // (16 * tiles)) * (n // 8)
 
 
 def mma_applies(layer: nn.Module, x: mx.array) -> bool:
@@ -265,9 +281,12 @@ def mma_applies(layer: nn.Module, x: mx.array) -> bool:
             and x.dtype == mx.bfloat16 and layer["scales"].dtype == mx.bfloat16 and "biases" in layer)
 
 
-def mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
-    """x @ dequantize(w)^T through the tensor-core kernel: x [..., K] -> [..., N]."""
-    return _run_kernel("unikern_q4_mma", _MMA_SOURCE, MMA_HEADER, mma_launch, MMA_WARPS, x, w, scales, biases,
+def mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+        split: bool = False) -> mx.array:
+    """x @ dequantize(w)^T through the tensor-core kernel: x [..., K] -> [..., N]; `split`:
+    float32-exact weights through two MMAs."""
+    launch = functools.partial(mma_launch, split=split)
+    return _run_kernel("unikern_q4_mma", _MMA_SOURCE, MMA_HEADER, launch, MMA_WARPS, x, w, scales, biases,
                        group_size)
 
 
@@ -280,7 +299,7 @@ def _matmul(layer: nn.Module, x: mx.array) -> mx.array:
     w, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
     if rows < layer.dequantize_rows:
         if layer.mma and rows > GEMV_ROWS and mma_applies(layer, x):
-            return mma(x, w, scales, biases, layer.group_size)
+            return mma(x, w, scales, biases, layer.group_size, split=layer.mma_split)
         if layer.gemv and gemv_applies(layer, x):
             return gemv(x, w, scales, biases, layer.group_size)
         return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=layer.group_size,
@@ -298,6 +317,7 @@ class RowRoutedQuantizedLinear(nn.QuantizedLinear):
     dequantize_rows: int
     gemv: bool = False  # steps of few rows through the GEMV kernel above
     mma: bool = False  # and of more than GEMV_ROWS through the tensor-core kernel
+    mma_split: bool = False  # its weights as two bf16 halves each (float32-exact)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = _matmul(self, x)
@@ -310,6 +330,7 @@ class RowRoutedAllToSharded(QuantizedAllToShardedLinear):
     dequantize_rows: int
     gemv: bool = False
     mma: bool = False
+    mma_split: bool = False
 
     def __call__(self, x: mx.array) -> mx.array:
         y = _matmul(self, sum_gradients(self.group)(x))
@@ -322,6 +343,7 @@ class RowRoutedShardedToAll(QuantizedShardedToAllLinear):
     dequantize_rows: int
     gemv: bool = False
     mma: bool = False
+    mma_split: bool = False
 
     def __call__(self, x: mx.array) -> mx.array:
         y = mx.distributed.all_sum(_matmul(self, x), group=self.group)
@@ -332,12 +354,13 @@ ROUTED = {nn.QuantizedLinear: RowRoutedQuantizedLinear, QuantizedAllToShardedLin
           QuantizedShardedToAllLinear: RowRoutedShardedToAll}
 
 
-def route_quantized_layers(model: Any, rows: int | None, gemv: bool = False, mma: bool = False) -> int:
+def route_quantized_layers(model: Any, rows: int | None, gemv: bool = False, mma: bool = False,
+                           mma_split: bool = False) -> int:
     """Give every affine quantized linear layer of `model` (plain, or a tensor-parallel
     shard) the row-routed call: dequantized weights from `rows` rows (None: never), and
-    below that the GEMV kernel (`gemv`) and the tensor-core kernel (`mma`) where they
-    apply. Returns how many layers were routed (0 when nothing is asked for or the
-    model is not quantized)."""
+    below that the GEMV kernel (`gemv`) and the tensor-core kernel (`mma`, with the
+    weights in two bf16 halves when `mma_split`) where they apply. Returns how many
+    layers were routed (0 when nothing is asked for or the model is not quantized)."""
     if rows is None and not gemv and not mma:
         return 0
     routed = 0
@@ -346,6 +369,6 @@ def route_quantized_layers(model: Any, rows: int | None, gemv: bool = False, mma
             module.__class__ = ROUTED[type(module)]
         if type(module) in ROUTED.values():  # routed now, or by an earlier call
             module.dequantize_rows = rows if rows is not None else 1 << 62
-            module.gemv, module.mma = gemv, mma
+            module.gemv, module.mma, module.mma_split = gemv, mma, mma_split
             routed += 1
     return routed

@@ -74,8 +74,9 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     mma = switch(params.quantized_mma, auto=backend == "cuda") and cuda_is_default()
     auto_rows = KERNEL_ROWS["mma" if mma else "gemv"] if gemv or mma else AUTO_ROWS.get(backend)
     rows = {"auto": auto_rows, "never": None}.get(params.dequantize_rows, params.dequantize_rows)
-    quantized = {"dequantize_rows": rows, "routed_layers": route_quantized_layers(loaded.model, rows, gemv, mma),
-                 "gemv": gemv, "mma": mma}
+    split = mma and params.quantized_mma_weights == "split"
+    quantized = {"dequantize_rows": rows, "routed_layers": route_quantized_layers(loaded.model, rows, gemv, mma, split),
+                 "gemv": gemv, "mma": mma, "mma_weights": params.quantized_mma_weights if mma else None}
     kernels = params.cpu_kernels and on_cpu
     # a pipeline rank evaluates inside each forward (sharding.PipelineBlock): no trace
     pipelined = world is not None and world.mode == "pipeline"

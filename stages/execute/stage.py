@@ -57,8 +57,9 @@ class MLXExecuteParams(StageParams, frozen=True):
     # 4-bit affine weights, steps of fewer rows than dequantize_rows: unikern's GEMV kernel
     # (quantized.py: each weight word read and dequantized once for up to 16 rows, one
     # pass per 16) instead of MLX's quantized matmul; CUDA only, "auto" = on CUDA, where it
-    # was measured (8B shape on an H200: one request 138 -> 177 tok/s, 16 requests 728 ->
-    # 894 against dequantized weights; tools/results/gpu/session8/a-gemv)
+    # was measured (8B shape on an H200, against MLX's kernel and dequantized weights from
+    # 8 rows: one request 138 -> 177 tok/s; 16 requests 728 -> 894 with it below 65 rows;
+    # tools/results/gpu/session8/a-gemv)
     quantized_gemv: Literal["auto", "always", "never"] = "auto"
     # and steps of more than 8 rows (bfloat16 activations) through unikern's tensor-core
     # kernel (quantized.py: mma.sync on weights dequantized in registers, 64 rows per
@@ -67,6 +68,11 @@ class MLXExecuteParams(StageParams, frozen=True):
     # 928 / 906 -> 1,705 / 1,691 tok/s, 64 requests 2,633 / 2,617 -> 3,537 / 3,596;
     # tools/results/gpu/session8/b-mma)
     quantized_mma: Literal["auto", "always", "never"] = "auto"
+    # the tensor-core kernel's weights: "bfloat16" (each dequantized weight rounded to
+    # bf16, as the dequantized-weights path does) or "split" (two bf16 halves through two
+    # MMAs: as exact as the float32 weights of MLX's one-row kernel; its speed is not
+    # measured yet)
+    quantized_mma_weights: Literal["bfloat16", "split"] = "bfloat16"
     # multiply each attention's q/k/v and each MLP's gate/up projections through one
     # concatenated weight (stages/execute/fused.py): fewer, wider matmuls. "auto": on
     # CUDA, unquantized layers, where it was measured (a one-row step's GEMV time 970 ->
@@ -249,7 +255,7 @@ class MLXExecuteStage(StageBase):
         return {
             "model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes,
                       "quantized": getattr(self, "quantized", {"dequantize_rows": None, "routed_layers": 0, "gemv": False,
-                                                                "mma": False}),
+                                                                "mma": False, "mma_weights": None}),
                       "startup": getattr(self, "startup", None) or {},
                       "fused_projections": {"groups": loaded.fused_groups,
                                             "fallback_calls": fallback_calls(loaded.model) if loaded.fused_groups else 0}},
