@@ -72,18 +72,21 @@ async def test_engine_reports_routed_layers_of_a_4bit_model():
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("rows,n,k,group_size", [(1, 20, 256, 64), (3, 12, 128, 32), (8, 16, 2048, 128),
-                                                (21, 8, 256, 64)])
-def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, k, group_size):
+                                                (21, 8, 256, 64), (2, 4, 8192, 32)])
+def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, k, group_size, wide, monkeypatch):
     """The 4-bit GEMV kernel's CUDA source, run on the CPU with a thread per lane: x times
-    the dequantized weights, for fewer weight words than threads (k 128, 256), more (2048),
-    and rows in two passes, the second partial (21)."""
+    the dequantized weights, for fewer weight words than threads (k 128, 256), more (2048,
+    8192: several loads per thread, 16-byte ones too), and rows in two passes, the second
+    partial (21); with 4- and 16-byte weight loads (GEMV_WIDE_LOADS)."""
+    monkeypatch.setattr(quantized, "GEMV_WIDE_LOADS", wide)
     mx.random.seed(rows)
     w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=4)
     x = mx.random.normal((rows, k))
     constants, blocks = quantized.gemv_launch(rows, n, k, group_size)
     inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases)}
-    assert constants["MT"] == {1: 1, 3: 4, 8: 8, 21: 16}[rows]
+    assert constants["MT"] == {1: 1, 2: 2, 3: 4, 8: 8, 21: 16}[rows] and constants["GEMV_WPL"] == (4 if wide else 1)
     got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, constants, blocks,
                                     quantized.GEMV_WARPS * 32, (rows, n))
     want = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
@@ -163,13 +166,16 @@ def test_steps_above_the_gemvs_rows_take_the_tensor_core_kernel_when_asked(monke
 
 @pytest.mark.skipif(not cuda_is_default(), reason="the kernels run on a CUDA GPU")
 @pytest.mark.parametrize("kernel,rows", [("gemv", r) for r in (1, 2, 5, 8, 16, 40)]
-                         + [("mma", r) for r in (9, 16, 40, 64, 100)] + [("mma-split", r) for r in (9, 64)])
+                         + [("gemv-wide", r) for r in (1, 5, 16)] + [("mma", r) for r in (9, 16, 40, 64, 100)]
+                         + [("mma-split", r) for r in (9, 64)])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_the_kernels_give_mlxs_quantized_matmul(kernel, rows, group_size):
+def test_the_kernels_give_mlxs_quantized_matmul(kernel, rows, group_size, monkeypatch):
+    monkeypatch.setattr(quantized, "GEMV_WIDE_LOADS", kernel == "gemv-wide")
     mx.random.seed(rows)
     w, scales, biases = mx.quantize(mx.random.normal((4096, 2048)).astype(mx.bfloat16), group_size=group_size, bits=4)
     x = mx.random.normal((rows, 2048)).astype(mx.bfloat16)
-    run = {"gemv": quantized.gemv, "mma": quantized.mma, "mma-split": functools.partial(quantized.mma, split=True)}
+    run = {"gemv": quantized.gemv, "gemv-wide": quantized.gemv, "mma": quantized.mma,
+           "mma-split": functools.partial(quantized.mma, split=True)}
     got = run[kernel](x, w, scales, biases, group_size).astype(mx.float32)
     want = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
                                bits=4).astype(mx.float32)

@@ -61,6 +61,9 @@ step() {  # NAME DONE_FILE COMMAND...: runs it unless DONE_FILE exists, time is 
 
 if [ ! -x $BIN/llama-batched-bench ] && want llama; then build_llama & BUILD_PID=$!; fi
 say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader)"
+# the warm start's import time (issue 17): is Python writing and finding bytecode for transformers?
+say "bytecode: PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}, transformers' cached modules: $(python3 -c \
+  'import importlib.util, pathlib; p = pathlib.Path(importlib.util.find_spec("transformers").origin).parent / "__pycache__"; print(len(list(p.glob("*.pyc"))) if p.exists() else 0)' 2>&1 | tail -1)"
 M=$G/models
 step models-1b $M/llama-1b/config.json python3 "$REPO/tools/bench_gpu.py" models --out $M --shapes 1b --quantize
 # float32 parity is asked with TF32 off (issue 17); session 7's run a, with TF32 on, failed
@@ -120,7 +123,7 @@ TAIL=6 step gaps-1b "$RES/gaps-1b.json" python3 "$REPO/tools/step_gaps.py" --mod
 # the 8B 4-bit model's decode step: MLX's quantized matmul against unikern's GEMV and
 # tensor-core kernels, at one row and (PROBE_8B_ROWS) more
 for rows in ${PROBE_8B_ROWS:-1}; do
-  variants="default qgemv engine-paged engine-paged-qgemv"
+  variants=${PROBE_8B_ROW1_VARIANTS:-default qgemv engine-paged engine-paged-qgemv}
   [ "$rows" -gt 1 ] && variants=${PROBE_8B_VARIANTS:-engine-paged engine-paged-qgemv-all engine-paged-qmma}
   TAIL=30 step probe-8b-q4 "$RES/probe-8b-q4-rows$rows.json" python3 "$REPO/tools/probe_cuda.py" --model $M/llama-8b-q4 \
     --rows "$rows" --variants $variants --repeats 3 --json "$RES/probe-8b-q4-rows$rows.json"

@@ -33,6 +33,8 @@ Variants:
                from 9 to 64 rows
   engine-paged-qmma-split  the same, the tensor-core kernel's weights as two bf16 halves
                (execute.quantized_mma_weights=split)
+  qgemv-wide, engine-paged-qgemv-wide  qgemv and engine-paged-qgemv with the GEMV's
+               16-byte weight loads (quantized.GEMV_WIDE_LOADS)
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ VARIANTS = {
     "engine-paged-qgemv-all": ({}, ["fused", "engine", "paged", "traced", "qgemv", "gemv-to-64"]),
     "engine-paged-qmma": ({}, ["fused", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma"]),
     "engine-paged-qmma-split": ({}, ["fused", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma", "split"]),
+    "qgemv-wide": ({}, ["qgemv", "wide"]),
+    "engine-paged-qgemv-wide": ({}, ["fused", "engine", "paged", "traced", "qgemv", "wide"]),
 }
 
 
@@ -106,7 +110,10 @@ def child(args) -> None:
 
         notes["fused_groups"] = fuse_projections(model, quantized=False)  # as "auto" does
     if "qgemv" in features:  # as execute.quantized_gemv does, with dequantize_rows' 8 (or 65)
+        from unikern.stages.execute import quantized
         from unikern.stages.execute.quantized import route_quantized_layers
+
+        quantized.GEMV_WIDE_LOADS = "wide" in features
 
         notes["qgemv_layers"] = route_quantized_layers(model, 65 if "gemv-to-64" in features else 8, gemv=True,
                                                        mma="qmma" in features, mma_split="split" in features)

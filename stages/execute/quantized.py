@@ -41,6 +41,7 @@ KERNEL_ROWS = {"gemv": 17, "mma": 65}
 _GEMV_SOURCE = """
     constexpr int F = GEMV_F;
     constexpr int WORDS = K / 8;
+    constexpr int WPL = GEMV_WPL;  // packed words per weight load: 1 (4 bytes) or 4 (16)
     constexpr int PACK = 16 / sizeof(T);  // x elements per 16-byte load
     const int N = w_shape[0];
     const int M = x_shape[0];
@@ -51,27 +52,41 @@ _GEMV_SOURCE = """
     float acc[MT][F];
     for (int r = 0; r < MT; ++r)
         for (int j = 0; j < F; ++j) acc[r][j] = 0.f;
-    for (int c = threadIdx.x; c < WORDS; c += blockDim.x) {
-        const int g = (c * 8) / GS;
-        float wf[F][8];
+    for (int c = threadIdx.x; c < WORDS / WPL; c += blockDim.x) {
+        const int g = (c * WPL * 8) / GS;  // 8 * WPL <= 32 weights: inside one scale group
+        unsigned words[F][4];  // the first WPL used
+        float s[F], b[F];
         #pragma unroll
-        for (int j = 0; j < F; ++j) {
-            const unsigned word = w[(size_t)(n0 + j) * WORDS + c];
-            const float s = static_cast<float>(scales[(size_t)(n0 + j) * (K / GS) + g]);
-            const float b = static_cast<float>(biases[(size_t)(n0 + j) * (K / GS) + g]);
-            for (int i = 0; i < 8; ++i) wf[j][i] = s * static_cast<float>((word >> (4 * i)) & 15u) + b;
+        for (int j = 0; j < F; ++j) {  // every load of the unit first: more bytes in flight
+            const unsigned* wrow = w + (size_t)(n0 + j) * WORDS;
+            if (WPL == 4) {
+                const uint4 v = reinterpret_cast<const uint4*>(wrow)[c];
+                words[j][0] = v.x; words[j][1] = v.y; words[j][2] = v.z; words[j][3] = v.w;
+            } else {
+                words[j][0] = wrow[c];
+            }
+            s[j] = static_cast<float>(scales[(size_t)(n0 + j) * (K / GS) + g]);
+            b[j] = static_cast<float>(biases[(size_t)(n0 + j) * (K / GS) + g]);
         }
         #pragma unroll
-        for (int r = 0; r < MT; ++r) {
-            if (r0 + r >= M) break;
-            const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(r0 + r) * K + (size_t)c * 8);
+        for (int q = 0; q < WPL; ++q) {
+            const int word = c * WPL + q;  // 8 weights from k = 8 * word
+            float wf[F][8];
             #pragma unroll
-            for (int v = 0; v < 8 / PACK; ++v) {
-                const uint4 raw = xr[v];
-                const T* xs = reinterpret_cast<const T*>(&raw);
-                for (int i = 0; i < PACK; ++i) {
-                    const float xv = static_cast<float>(xs[i]);
-                    for (int j = 0; j < F; ++j) acc[r][j] += xv * wf[j][v * PACK + i];
+            for (int j = 0; j < F; ++j)
+                for (int i = 0; i < 8; ++i) wf[j][i] = s[j] * static_cast<float>((words[j][q] >> (4 * i)) & 15u) + b[j];
+            #pragma unroll
+            for (int r = 0; r < MT; ++r) {
+                if (r0 + r >= M) break;
+                const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(r0 + r) * K + (size_t)word * 8);
+                #pragma unroll
+                for (int v = 0; v < 8 / PACK; ++v) {
+                    const uint4 raw = xr[v];
+                    const T* xs = reinterpret_cast<const T*>(&raw);
+                    for (int i = 0; i < PACK; ++i) {
+                        const float xv = static_cast<float>(xs[i]);
+                        for (int j = 0; j < F; ++j) acc[r][j] += xv * wf[j][v * PACK + i];
+                    }
                 }
             }
         }
@@ -100,13 +115,19 @@ _GEMV_SOURCE = """
 GEMV_WARPS = 4  # warps per block, splitting K between them
 GEMV_FEATURES = 4  # output features per block, each weight word read once for all rows
 GEMV_PASS_ROWS = 16  # rows per pass at most (registers: a thread keeps rows x features sums)
+# each thread's weight loads: 4 bytes (one word) per feature, as measured in session 8 (at
+# one row the 8B shape's weights came at ~1.4 TB/s: too few bytes in flight per SM), or,
+# with GEMV_WIDE_LOADS, 16 bytes (32 weights) per feature and load: written after the
+# machine went back, to be measured (tools/probe_cuda.py variants qgemv-wide)
+GEMV_WIDE_LOADS = False
 
 
 def gemv_launch(rows: int, n: int, k: int, group_size: int) -> tuple[dict[str, int], int]:
     """The GEMV kernel's integer template parameters and block count for x [rows, k]
     against n output features: rows per pass rounded up to a power of two (few builds)."""
     per_pass = 1 << (min(rows, GEMV_PASS_ROWS) - 1).bit_length()
-    constants = {"K": k, "GS": group_size, "MT": per_pass, "GEMV_W": GEMV_WARPS, "GEMV_F": GEMV_FEATURES}
+    constants = {"K": k, "GS": group_size, "MT": per_pass, "GEMV_W": GEMV_WARPS, "GEMV_F": GEMV_FEATURES,
+                 "GEMV_WPL": 4 if GEMV_WIDE_LOADS else 1}
     return constants, -(-rows // per_pass) * -(-n // GEMV_FEATURES)
 
 
