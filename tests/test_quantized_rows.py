@@ -94,20 +94,24 @@ def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, 
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+@pytest.mark.parametrize("shape", list(quantized.MMA_SHAPES))
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("rows,n,k,group_size", [(5, 16, 256, 64), (21, 8, 512, 32), (70, 8, 128, 128)])
-def test_the_mma_source_computes_the_quantized_matmul_in_an_emulation(rows, n, k, group_size, split):
+@pytest.mark.parametrize("rows,n,k,group_size", [(5, 32, 256, 64), (21, 16, 512, 32), (70, 16, 128, 128)])
+def test_the_mma_source_computes_the_quantized_matmul_in_an_emulation(rows, n, k, group_size, split, shape,
+                                                                      monkeypatch):
     """The tensor-core kernel's CUDA source on the CPU, mma.sync emulated from its fragment
     layouts: bfloat16 x times the dequantized weights, rounded to bf16 or (split) as exact
     as float32's, for one partial row tile (5), two tiles (21), and two passes of four
-    tiles with warps left without a k-chunk (70 rows, k 128)."""
+    tiles with warps left without a k-chunk (70 rows, k 128); in both block shapes."""
+    monkeypatch.setattr(quantized, "MMA_SHAPE", shape)
     mx.random.seed(rows)
     w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=4)
     x = mx.random.normal((rows, k))
     constants, blocks = quantized.mma_launch(rows, n, k, group_size, split=split)
     assert constants["RT"] == {5: 1, 21: 2, 70: 4}[rows]
+    assert (constants["MMA_W"], constants["NT"]) == quantized.MMA_SHAPES[shape]
     inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases)}
-    got = cuda_emulation.run_kernel(quantized._MMA_SOURCE, inputs, constants, blocks, quantized.MMA_WARPS * 32,
+    got = cuda_emulation.run_kernel(quantized._MMA_SOURCE, inputs, constants, blocks, constants["MMA_W"] * 32,
                                     (rows, n), header=cuda_emulation.TENSOR_CORE_HEADER)
     as_bf16 = lambda a: np.array(a.astype(mx.bfloat16).astype(mx.float32))  # noqa: E731
     weights = mx.dequantize(w, scales, biases, group_size=group_size, bits=4)
@@ -167,14 +171,15 @@ def test_steps_above_the_gemvs_rows_take_the_tensor_core_kernel_when_asked(monke
 @pytest.mark.skipif(not cuda_is_default(), reason="the kernels run on a CUDA GPU")
 @pytest.mark.parametrize("kernel,rows", [("gemv", r) for r in (1, 2, 5, 8, 16, 40)]
                          + [("gemv-wide", r) for r in (1, 5, 16)] + [("mma", r) for r in (9, 16, 40, 64, 100)]
-                         + [("mma-split", r) for r in (9, 64)])
+                         + [("mma-split", r) for r in (9, 64)] + [("mma-wide", r) for r in (9, 40, 100)])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_the_kernels_give_mlxs_quantized_matmul(kernel, rows, group_size, monkeypatch):
     monkeypatch.setattr(quantized, "GEMV_WIDE_LOADS", kernel == "gemv-wide")
+    monkeypatch.setattr(quantized, "MMA_SHAPE", "wide" if kernel == "mma-wide" else "narrow")
     mx.random.seed(rows)
     w, scales, biases = mx.quantize(mx.random.normal((4096, 2048)).astype(mx.bfloat16), group_size=group_size, bits=4)
     x = mx.random.normal((rows, 2048)).astype(mx.bfloat16)
-    run = {"gemv": quantized.gemv, "gemv-wide": quantized.gemv, "mma": quantized.mma,
+    run = {"gemv": quantized.gemv, "gemv-wide": quantized.gemv, "mma": quantized.mma, "mma-wide": quantized.mma,
            "mma-split": functools.partial(quantized.mma, split=True)}
     got = run[kernel](x, w, scales, biases, group_size).astype(mx.float32)
     want = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,

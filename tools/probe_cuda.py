@@ -35,6 +35,8 @@ Variants:
                (execute.quantized_mma_weights=split)
   qgemv-wide, engine-paged-qgemv-wide  qgemv and engine-paged-qgemv with the GEMV's
                16-byte weight loads (quantized.GEMV_WIDE_LOADS)
+  engine-paged-qmma-wide  engine-paged-qmma with the tensor-core kernel's wide blocks
+               (quantized.MMA_SHAPE = "wide": 8 warps, 16 features per warp)
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ VARIANTS = {
     "engine-paged-qmma-split": ({}, ["fused", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma", "split"]),
     "qgemv-wide": ({}, ["qgemv", "wide"]),
     "engine-paged-qgemv-wide": ({}, ["fused", "engine", "paged", "traced", "qgemv", "wide"]),
+    "engine-paged-qmma-wide": ({}, ["fused", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma", "mma-wide"]),
 }
 
 
@@ -114,6 +117,7 @@ def child(args) -> None:
         from unikern.stages.execute.quantized import route_quantized_layers
 
         quantized.GEMV_WIDE_LOADS = "wide" in features
+        quantized.MMA_SHAPE = "wide" if "mma-wide" in features else "narrow"
 
         notes["qgemv_layers"] = route_quantized_layers(model, 65 if "gemv-to-64" in features else 8, gemv=True,
                                                        mma="qmma" in features, mma_split="split" in features)

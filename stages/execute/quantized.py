@@ -172,7 +172,7 @@ def _run_kernel(name: str, source: str, header: str, launch: Any, warps: int, x:
 
 # A tensor-core kernel for 4-bit affine weights and bfloat16 rows, for steps of more rows
 # than the GEMV's (execute.quantized_mma): mma.sync m16n8k16 (bf16 in, float32 sums). A
-# block of MMA_WARPS warps computes 8 output features for up to 16*RT rows (a pass), its
+# block of MMA_W warps computes 8*NT output features for up to 16*RT rows (a pass), its
 # warps splitting K in 64-wide chunks. Thread (g = lane/4, t = lane%4) reads two packed
 # words of feature g (16 nibbles, k 16t..16t+15 of the chunk, one scale group) and turns
 # them into the B fragments of the chunk's four k-steps. A k-step's 16 positions may be
@@ -216,29 +216,37 @@ _MMA_SOURCE = """
     const int t = lane % 4;
     const int passes = (M + 16 * RT - 1) / (16 * RT);
     const int r0 = (blockIdx.x % passes) * 16 * RT;
-    const int n0 = (blockIdx.x / passes) * 8;
+    const int n0 = (blockIdx.x / passes) * 8 * NT;  // NT tiles of 8 features
     if (n0 >= N) return;  // the whole block
-    float acc[RT][4];
+    float acc[RT][NT][4];
     #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
-        for (int i = 0; i < 4; ++i) acc[rt][i] = 0.f;
-    const unsigned* wrow = w + (size_t)(n0 + g) * (K / 8);
+        for (int nt = 0; nt < NT; ++nt)
+            for (int i = 0; i < 4; ++i) acc[rt][nt][i] = 0.f;
     for (int c = warp; c < CHUNKS; c += MMA_W) {
-        const unsigned words[2] = {wrow[c * 8 + 2 * t], wrow[c * 8 + 2 * t + 1]};
-        const size_t gi = (size_t)(n0 + g) * (K / GS) + (c * 64 + 16 * t) / GS;
-        const float s = static_cast<float>(scales[gi]);
-        const float b = static_cast<float>(biases[gi]);
-        unsigned bf[4][2];  // k-step st: nibbles 4st..4st+3 of the thread's 16
-        unsigned lost[4][2];  // with SPLIT: what rounding them to bf16 lost
+        unsigned bf[NT][4][2];  // tile nt, k-step st: nibbles 4st..4st+3 of the thread's 16
+        unsigned lost[NT][4][2];  // with SPLIT: what rounding them to bf16 lost
         #pragma unroll
-        for (int st = 0; st < 4; ++st) {
-            const unsigned word = words[st / 2] >> (16 * (st % 2));
+        for (int nt = 0; nt < NT; ++nt) {
+            const size_t feature = (size_t)n0 + nt * 8 + g;
+            const unsigned* wrow = w + feature * (K / 8);
+            const unsigned words[2] = {wrow[c * 8 + 2 * t], wrow[c * 8 + 2 * t + 1]};
+            const size_t gi = feature * (K / GS) + (c * 64 + 16 * t) / GS;
+            const float s = static_cast<float>(scales[gi]);
+            const float b = static_cast<float>(biases[gi]);
             #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float w0 = s * static_cast<float>((word >> (8 * h)) & 15u) + b;
-                const float w1 = s * static_cast<float>((word >> (8 * h + 4)) & 15u) + b;
-                bf[st][h] = unikern_pack(w0, w1);
-                if (SPLIT) lost[st][h] = unikern_pack(w0 - unikern_half(bf[st][h], 0), w1 - unikern_half(bf[st][h], 1));
+            for (int st = 0; st < 4; ++st) {
+                const unsigned word = words[st / 2] >> (16 * (st % 2));
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float w0 = s * static_cast<float>((word >> (8 * h)) & 15u) + b;
+                    const float w1 = s * static_cast<float>((word >> (8 * h + 4)) & 15u) + b;
+                    bf[nt][st][h] = unikern_pack(w0, w1);
+                    if (SPLIT) {
+                        lost[nt][st][h] = unikern_pack(w0 - unikern_half(bf[nt][st][h], 0),
+                                                       w1 - unikern_half(bf[nt][st][h], 1));
+                    }
+                }
             }
         }
         #pragma unroll
@@ -258,47 +266,62 @@ _MMA_SOURCE = """
             #pragma unroll
             for (int st = 0; st < 4; ++st) {
                 const unsigned a[4] = {xa[2 * st], xb[2 * st], xa[2 * st + 1], xb[2 * st + 1]};
-                unikern_mma(acc[rt], a, bf[st]);
-                if (SPLIT) unikern_mma(acc[rt], a, lost[st]);
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {  // one A fragment for every tile
+                    unikern_mma(acc[rt][nt], a, bf[nt][st]);
+                    if (SPLIT) unikern_mma(acc[rt][nt], a, lost[nt][st]);
+                }
             }
         }
     }
-    __shared__ float partial[MMA_W][RT * 4][32];
+    __shared__ float partial[MMA_W][RT * NT * 4][32];
     #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
-        for (int i = 0; i < 4; ++i) partial[warp][rt * 4 + i][lane] = acc[rt][i];
+        for (int nt = 0; nt < NT; ++nt)
+            for (int i = 0; i < 4; ++i) partial[warp][(rt * NT + nt) * 4 + i][lane] = acc[rt][nt][i];
     __syncthreads();
-    for (int idx = threadIdx.x; idx < RT * 4 * 32; idx += blockDim.x) {
-        const int slot = idx / 32;  // rt * 4 + i
+    for (int idx = threadIdx.x; idx < RT * NT * 4 * 32; idx += blockDim.x) {
+        const int slot = idx / 32;  // (rt * NT + nt) * 4 + i
         const int ln = idx % 32;
         const int i = slot % 4;
-        const int row = r0 + (slot / 4) * 16 + ln / 4 + (i >= 2 ? 8 : 0);
+        const int nt = (slot / 4) % NT;
+        const int row = r0 + (slot / (4 * NT)) * 16 + ln / 4 + (i >= 2 ? 8 : 0);
         if (row >= M) continue;
         float sum = 0.f;
         for (int q = 0; q < MMA_W; ++q) sum += partial[q][slot][ln];
-        out[(size_t)row * N + n0 + 2 * (ln % 4) + (i % 2)] = static_cast<T>(sum);
+        out[(size_t)row * N + n0 + nt * 8 + 2 * (ln % 4) + (i % 2)] = static_cast<T>(sum);
     }
 """
-MMA_WARPS = 4  # warps per block, splitting K between them
 MMA_PASS_TILES = 4  # 16-row tiles per pass at most (64 rows), sharing each B fragment
+# the block's shape, (warps splitting K, tiles of 8 output features per warp): (4, 1) as
+# measured in session 8, where a 64-row step's 4096-wide calls took 65 us each: every
+# block reads all of x from L2 (512 KB at 64 rows; 512 blocks), ~270 MB per call, about
+# the L2's bandwidth for that time. (8, 2) reads x once per 16 features, half of that,
+# with as many warps in flight: written after the machine went back, to be measured
+# (tools/probe_cuda.py variant engine-paged-qmma-wide)
+MMA_SHAPES = {"narrow": (4, 1), "wide": (8, 2)}
+MMA_SHAPE = "narrow"
 GEMV_ROWS = 8  # with both kernels on, the GEMV keeps steps of up to this many rows
 
 
 def mma_launch(rows: int, n: int, k: int, group_size: int, split: bool = False) -> tuple[dict[str, int], int]:
     """The tensor-core kernel's template parameters and block count for x [rows, k]
-    against n output features: 16-row tiles per pass 1, 2 or 4; `split`: the weights in
-    two bf16 halves."""
+    against n output features: 16-row tiles per pass 1, 2 or 4, the block's shape
+    (MMA_SHAPE); `split`: the weights in two bf16 halves."""
     tiles = 1 << (min(-(-rows // 16), MMA_PASS_TILES) - 1).bit_length()
-    constants = {"K": k, "GS": group_size, "RT": tiles, "MMA_W": MMA_WARPS, "SPLIT": int(split)}
-    return constants, -(-rows // (16 * tiles)) * (n // 8)
+    warps, n_tiles = MMA_SHAPES[MMA_SHAPE]
+    constants = {"K": k, "GS": group_size, "RT": tiles, "NT": n_tiles, "MMA_W": warps, "SPLIT": int(split)}
+    return constants, -(-rows // (16 * tiles)) * (n // (8 * n_tiles))
 
 
 def mma_applies(layer: nn.Module, x: mx.array) -> bool:
     """What the tensor-core kernel takes: 4-bit affine weights with scale groups of a
-    multiple of 32, k a multiple of 64, output features a multiple of 8, bfloat16 rows."""
+    multiple of 32, k a multiple of 64, output features a multiple of the block's (8 per
+    tile), bfloat16 rows."""
     k = x.shape[-1]
     return (layer.bits == 4 and layer.mode == "affine" and layer.group_size % 32 == 0 and k % 64 == 0
-            and k % layer.group_size == 0 and layer["weight"].shape[0] % 8 == 0 and x.size > 0
+            and k % layer.group_size == 0 and layer["weight"].shape[0] % (8 * MMA_SHAPES[MMA_SHAPE][1]) == 0
+            and x.size > 0
             and x.dtype == mx.bfloat16 and layer["scales"].dtype == mx.bfloat16 and "biases" in layer)
 
 
@@ -307,8 +330,8 @@ def mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
     """x @ dequantize(w)^T through the tensor-core kernel: x [..., K] -> [..., N]; `split`:
     float32-exact weights through two MMAs."""
     launch = functools.partial(mma_launch, split=split)
-    return _run_kernel("unikern_q4_mma", _MMA_SOURCE, MMA_HEADER, launch, MMA_WARPS, x, w, scales, biases,
-                       group_size)
+    return _run_kernel("unikern_q4_mma", _MMA_SOURCE, MMA_HEADER, launch, MMA_SHAPES[MMA_SHAPE][0], x, w, scales,
+                       biases, group_size)
 
 
 def _matmul(layer: nn.Module, x: mx.array) -> mx.array:
