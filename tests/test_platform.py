@@ -133,3 +133,37 @@ def test_kernel_cache_follows_xdg_cache_home():
     env = {"XDG_CACHE_HOME": "/x/cache", "HOME": "/home/u"}
     assert kernel_cache.configure(env).startswith("/x/cache/unikern/mlx-kernels/")
     assert env["MLX_PTX_CACHE_DIR"].startswith("/x/cache/")
+
+
+def test_unikerns_cuda_kernels_are_named_by_their_source(monkeypatch):
+    """MLX keys a compiled CUDA kernel (and its PTX on disk, kept across upgrades) by name
+    and template arguments alone: each of unikern's kernels is built under a name that
+    carries a digest of its source, so a changed source never loads the old code."""
+    import mlx.core as mx
+
+    from unikern.platform.kernel_cache import kernel_name
+    from unikern.stages.execute import paged_attention, quantized
+
+    assert kernel_name("k", "a") != kernel_name("k", "b") and kernel_name("k", "a").startswith("k_")
+    assert kernel_name("k", "a", "") != kernel_name("k", "a", "header")
+    built = []
+
+    def fake_cuda_kernel(*, name, source, header="", **_):
+        built.append((name, source, header))
+        return lambda *, output_shapes, output_dtypes, **__: [mx.zeros(s, dtype=d)
+                                                             for s, d in zip(output_shapes, output_dtypes, strict=True)]
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_cuda_kernel)
+    monkeypatch.setattr(quantized, "_kernels", {})
+    monkeypatch.setattr(paged_attention, "_kernels", {})
+    w, scales, biases = mx.quantize(mx.zeros((16, 128), dtype=mx.bfloat16), group_size=64, bits=4)
+    x = mx.zeros((4, 128), dtype=mx.bfloat16)
+    quantized.gemv(x, w, scales, biases, 64)
+    quantized.mma(x, w, scales, biases, 64)
+    q, pool = mx.zeros((1, 4, 1, 64)), mx.zeros((2, 32, 64))
+    paged_attention.decode(q, pool, pool, mx.zeros((1, 8), dtype=mx.int32), mx.array([8]), 0.125, use_kernel=True)
+    assert [(name.rsplit("_", 1)[0], name) for name, _, _ in built] == [
+        ("unikern_q4_gemv", kernel_name("unikern_q4_gemv", quantized._GEMV_SOURCE, "")),
+        ("unikern_q4_mma", kernel_name("unikern_q4_mma", quantized._MMA_SOURCE, quantized.MMA_HEADER)),
+        ("unikern_paged_decode_group", kernel_name("unikern_paged_decode_group", paged_attention._GROUP_SOURCE)),
+    ]

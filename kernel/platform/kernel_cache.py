@@ -3,6 +3,7 @@ directory, so that a second start finds them instead of compiling them again."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from importlib import metadata
 from pathlib import Path
@@ -33,3 +34,13 @@ def configure(environ: os._Environ[str] | dict[str, str] = os.environ) -> str:
     path = default_dir(environ)
     environ[PTX_CACHE_VARIABLE] = str(path)
     return str(path)
+
+
+def kernel_name(base: str, *sources: str) -> str:
+    """`base` and a digest of the kernel's source (and header): the name to hand
+    `mx.fast.cuda_kernel`. MLX's CUDA backend keys a compiled kernel, in the process and
+    in the PTX cache above, by its name and template arguments alone; that cache outlives
+    an upgrade of unikern, so a kernel whose source changed under its old name would load
+    the old code."""
+    digest = hashlib.sha256("\0".join(sources).encode()).hexdigest()[:12]
+    return f"{base}_{digest}"

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from unikern.platform.kernel_cache import kernel_name
+
 WARPS = 8  # per block: positions are dealt round-robin to the warps
 
 _HEAD_SOURCE = """
@@ -200,7 +202,7 @@ def decode(q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, len
     name, source, constants, blocks = launch(B, H, Hk, D)
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(
-            name=f"unikern_paged_decode_{name}",
+            name=kernel_name(f"unikern_paged_decode_{name}", source),
             input_names=["q", "k_pool", "v_pool", "slots", "lengths", "scale"],
             output_names=["out"],
             source=source,

@@ -13,6 +13,8 @@ from mlx.nn.layers.distributed import (
     sum_gradients,
 )
 
+from unikern.platform.kernel_cache import kernel_name
+
 # Rows from which a step multiplies dequantized weights (None: never), by backend. MLX's
 # CPU and CUDA quantized matmuls cost about one row's time per row (CPU, 4096x4096 4-bit:
 # 15.8 ms per row against 120 ms for 64 rows dequantized first; an H200 at the 8B shape
@@ -154,7 +156,8 @@ def _run_kernel(name: str, source: str, header: str, launch: Any, warps: int, x:
     """One of the 4-bit kernels (built at first use) over x [..., K] -> [..., N]: `launch`
     gives its template constants and block count, blocks of `warps` warps."""
     if name not in _kernels:
-        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=["x", "w", "scales", "biases"],
+        _kernels[name] = mx.fast.cuda_kernel(name=kernel_name(name, source, header),
+                                             input_names=["x", "w", "scales", "biases"],
                                              output_names=["out"], source=source, header=header)
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
