@@ -3,10 +3,12 @@ directory, so that a second start finds them instead of compiling them again."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 # MLX's CUDA backend compiles its kernels with NVRTC on first use and reads this variable
 # once; left unset it caches under the temporary directory (/tmp/mlx/<version>/ptx),
@@ -44,3 +46,13 @@ def kernel_name(base: str, *sources: str) -> str:
     the old code."""
     digest = hashlib.sha256("\0".join(sources).encode()).hexdigest()[:12]
     return f"{base}_{digest}"
+
+
+@functools.cache
+def cuda_kernel(base: str, input_names: tuple[str, ...], source: str, header: str = "") -> Any:
+    """`mx.fast.cuda_kernel` with one output, `out`, built once per source and named by
+    `kernel_name` (so its compiled code is never another source's)."""
+    import mlx.core as mx
+
+    return mx.fast.cuda_kernel(name=kernel_name(base, source, header), input_names=list(input_names),
+                               output_names=["out"], source=source, header=header)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from unikern.platform.kernel_cache import kernel_name
+from unikern.platform.kernel_cache import cuda_kernel
 
 WARPS = 8  # per block: positions are dealt round-robin to the warps
 
@@ -163,7 +163,6 @@ _GROUP_SOURCE = """
 KERNEL = "group"
 GROUP_SHARED_BYTES = 32 << 10  # the group kernel's per-warp partials live in shared memory
 
-_kernels: dict[str, object] = {}
 _scales: dict[float, mx.array] = {}
 
 
@@ -200,16 +199,11 @@ def decode(q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, len
     if not use_kernel or T != 1 or not supports(D, H, Hk) or pool_k.dtype != q.dtype:
         return reference(q, pool_k, pool_v, slots, lengths, scale)
     name, source, constants, blocks = launch(B, H, Hk, D)
-    if name not in _kernels:
-        _kernels[name] = mx.fast.cuda_kernel(
-            name=kernel_name(f"unikern_paged_decode_{name}", source),
-            input_names=["q", "k_pool", "v_pool", "slots", "lengths", "scale"],
-            output_names=["out"],
-            source=source,
-        )
+    kernel = cuda_kernel(f"unikern_paged_decode_{name}", ("q", "k_pool", "v_pool", "slots", "lengths", "scale"),
+                         source)
     if scale not in _scales:
         _scales[scale] = mx.array([scale], dtype=mx.float32)
-    (out,) = _kernels[name](
+    (out,) = kernel(
         inputs=[q, pool_k, pool_v, slots.astype(mx.int32), lengths.astype(mx.int32), _scales[scale]],
         template=[("T", q.dtype), *constants.items()],
         grid=(blocks * WARPS * 32, 1, 1),

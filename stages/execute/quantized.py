@@ -13,7 +13,7 @@ from mlx.nn.layers.distributed import (
     sum_gradients,
 )
 
-from unikern.platform.kernel_cache import kernel_name
+from unikern.platform.kernel_cache import cuda_kernel
 
 # Rows from which a step multiplies dequantized weights (None: never), by backend. MLX's
 # CPU and CUDA quantized matmuls cost about one row's time per row (CPU, 4096x4096 4-bit:
@@ -133,13 +133,19 @@ def gemv_launch(rows: int, n: int, k: int, group_size: int) -> tuple[dict[str, i
     return constants, -(-rows // per_pass) * -(-n // GEMV_FEATURES)
 
 
+def _affine_4bit(layer: nn.Module, x: mx.array, features_multiple: int) -> bool:
+    """What both 4-bit kernels take: 4-bit affine weights with biases, scale groups of a
+    multiple of 32 that divide k, output features a multiple of `features_multiple`, x
+    not empty and in the scales' dtype."""
+    return (layer.bits == 4 and layer.mode == "affine" and layer.group_size % 32 == 0
+            and x.shape[-1] % layer.group_size == 0 and layer["weight"].shape[0] % features_multiple == 0
+            and x.size > 0 and x.dtype == layer["scales"].dtype and "biases" in layer)
+
+
 def gemv_applies(layer: nn.Module, x: mx.array) -> bool:
-    """Shapes and formats the GEMV kernel takes: 4-bit affine weights with scale groups of
-    a multiple of 32, output features a multiple of GEMV_FEATURES, x in the scales' dtype."""
-    k = x.shape[-1]
-    return (layer.bits == 4 and layer.mode == "affine" and layer.group_size % 32 == 0 and k % layer.group_size == 0
-            and layer["weight"].shape[0] % GEMV_FEATURES == 0 and x.size > 0 and x.dtype == layer["scales"].dtype
-            and "biases" in layer)
+    """Shapes and formats the GEMV kernel takes: those of _affine_4bit, output features a
+    multiple of GEMV_FEATURES."""
+    return _affine_4bit(layer, x, GEMV_FEATURES)
 
 
 def gemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
@@ -148,21 +154,14 @@ def gemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_siz
                        group_size)
 
 
-_kernels: dict[str, Any] = {}
-
-
 def _run_kernel(name: str, source: str, header: str, launch: Any, warps: int, x: mx.array, w: mx.array,
                 scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
-    """One of the 4-bit kernels (built at first use) over x [..., K] -> [..., N]: `launch`
-    gives its template constants and block count, blocks of `warps` warps."""
-    if name not in _kernels:
-        _kernels[name] = mx.fast.cuda_kernel(name=kernel_name(name, source, header),
-                                             input_names=["x", "w", "scales", "biases"],
-                                             output_names=["out"], source=source, header=header)
+    """One of the 4-bit kernels over x [..., K] -> [..., N]: `launch` gives its template
+    constants and block count, blocks of `warps` warps."""
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
     constants, blocks = launch(rows, n, k, group_size)
-    (out,) = _kernels[name](
+    (out,) = cuda_kernel(name, ("x", "w", "scales", "biases"), source, header)(
         inputs=[x.reshape(rows, k), w, scales, biases],
         template=[("T", x.dtype), *constants.items()],
         grid=(blocks * warps * 32, 1, 1),
@@ -318,14 +317,10 @@ def mma_launch(rows: int, n: int, k: int, group_size: int, split: bool = False) 
 
 
 def mma_applies(layer: nn.Module, x: mx.array) -> bool:
-    """What the tensor-core kernel takes: 4-bit affine weights with scale groups of a
-    multiple of 32, k a multiple of 64, output features a multiple of the block's (8 per
-    tile), bfloat16 rows."""
-    k = x.shape[-1]
-    return (layer.bits == 4 and layer.mode == "affine" and layer.group_size % 32 == 0 and k % 64 == 0
-            and k % layer.group_size == 0 and layer["weight"].shape[0] % (8 * MMA_SHAPES[MMA_SHAPE][1]) == 0
-            and x.size > 0
-            and x.dtype == mx.bfloat16 and layer["scales"].dtype == mx.bfloat16 and "biases" in layer)
+    """What the tensor-core kernel takes: those of _affine_4bit, output features a
+    multiple of the block's (8 per tile), k a multiple of 64, bfloat16 rows."""
+    return (_affine_4bit(layer, x, 8 * MMA_SHAPES[MMA_SHAPE][1]) and x.shape[-1] % 64 == 0
+            and x.dtype == mx.bfloat16)
 
 
 def mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
