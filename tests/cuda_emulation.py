@@ -22,6 +22,7 @@ _PRELUDE = r"""
 #include <cstdio>
 #include <memory>
 #include <thread>
+#include <cstring>
 #include <vector>
 using std::min;
 using std::max;
@@ -44,6 +45,9 @@ static float exchange_lanes(float v, int from) {
 }
 static float __shfl_xor_sync(unsigned, float v, int mask) { return exchange_lanes(v, (threadIdx.x % 32) ^ mask); }
 static float __shfl_sync(unsigned, float v, int lane) { return exchange_lanes(v, lane); }
+static int __shfl_sync(unsigned, int v, int lane) {  // through the float buffer, bit for bit
+    float f; std::memcpy(&f, &v, 4); f = exchange_lanes(f, lane); int r; std::memcpy(&r, &f, 4); return r;
+}
 static void __syncthreads() { block_bar->arrive_and_wait(); }
 """
 

@@ -9,9 +9,11 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
+from unikern.platform import cuda_is_default
 from unikern.stages.execute import cpu_kernels
 from unikern.stages.execute.fused import HandedProjection, fallback_calls, fuse_projections
 from unikern.stages.execute.quantized import route_quantized_layers
+from unikern.stages.execute.ranks import fuses_quantized
 from unikern.testing.modelgen import cached_model
 
 TOKENS = mx.array([[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20]])
@@ -132,3 +134,28 @@ def test_quantized_layers_stay_separate_unless_asked():
     nn.quantize(model, group_size=32, bits=4)
     assert fuse_projections(model, quantized=False) == 0
     assert fuse_projections(model, quantized=True) == 2 * len(model.model.layers)
+
+
+def test_auto_fuses_quantized_layers_where_unikerns_kernels_run_them():
+    assert fuses_quantized("always", own_kernels=False) and fuses_quantized("auto", own_kernels=True)
+    assert not fuses_quantized("auto", own_kernels=False) and not fuses_quantized("never", own_kernels=True)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 70])
+def test_fused_quantized_layers_give_the_separate_layers_logits_through_the_routed_kernels(rows):
+    """Joined 4-bit projections, routed as the engine routes them (unikern's GEMV and
+    tensor-core kernels on CUDA, MLX's quantized kernel or dequantized weights elsewhere),
+    give the logits of the separate layers."""
+    cuda = cuda_is_default()
+    separate, _ = load(str(cached_model("llama-5m")))
+    nn.quantize(separate, group_size=32, bits=4)
+    joined, _ = load(str(cached_model("llama-5m")))
+    nn.quantize(joined, group_size=32, bits=4)
+    assert fuse_projections(joined, quantized=True) == 2 * len(joined.model.layers)
+    for model in (separate, joined):
+        route_quantized_layers(model, 65 if cuda else 8, gemv=cuda, mma=cuda)
+    tokens = mx.array([[(5 * j) % 200 + 3 for j in range(rows)]])
+    want = separate(tokens, cache=make_prompt_cache(separate)).astype(mx.float32)
+    got = joined(tokens, cache=make_prompt_cache(joined)).astype(mx.float32)
+    assert fallback_calls(joined) == 0
+    assert mx.allclose(got, want, rtol=1e-3, atol=1e-3 * float(mx.abs(want).max())).item()

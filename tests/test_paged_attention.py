@@ -50,20 +50,24 @@ def test_the_reference_is_softmax_attention_over_each_rows_slots(shape):
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
-@pytest.mark.parametrize("kernel", ["head", "group"])
-@pytest.mark.parametrize("shape", [(3, 8, 2, 64, 96, 40), (2, 4, 4, 128, 64, 17), (2, 8, 1, 32, 80, 70)])
+@pytest.mark.parametrize("kernel", ["head", "group", "group-few-blocks"])
+@pytest.mark.parametrize("shape", [(3, 8, 2, 64, 96, 40), (2, 4, 4, 128, 64, 17), (2, 8, 1, 32, 80, 70),
+                                   (1, 4, 2, 32, 1200, 1100)])
 def test_the_kernel_source_computes_the_attention_in_an_emulation(shape, kernel, monkeypatch):
     """Each CUDA kernel's source, run on the CPU with a thread per lane: the same outputs
-    as the softmax written out above, for grouped and plain heads and short rows."""
+    as the softmax written out above, for grouped and plain heads, short rows and rows of
+    more positions than a block's warps take in one round of slot loads (32 per warp)."""
     B, H, Hk, D, S, L = shape
-    monkeypatch.setattr(paged_attention, "KERNEL", kernel)
+    monkeypatch.setattr(paged_attention, "KERNEL", kernel.removesuffix("-few-blocks"))
+    monkeypatch.setattr(paged_attention, "FEW_BLOCKS", 1 << 30 if kernel.endswith("few-blocks") else 0)
     name, source, constants, blocks = paged_attention.launch(B, H, Hk, D)
-    assert name == kernel
+    assert name == kernel.removesuffix("-few-blocks")
+    assert constants["NW"] == (paged_attention.FEW_BLOCKS_WARPS if kernel.endswith("few-blocks") else 8)
     (q, pool_k, pool_v, slots, lengths), _ = case(B, H, Hk, D, S, L, mx.float32, seed=D)
     scale = D**-0.5
     inputs = {"q": q, "k_pool": pool_k, "v_pool": pool_v, "slots": slots, "lengths": lengths,
               "scale": np.array([scale], dtype=np.float32)}
-    got = cuda_emulation.run_kernel(source, inputs, constants, blocks, paged_attention.WARPS * 32, (B, H, 1, D))
+    got = cuda_emulation.run_kernel(source, inputs, constants, blocks, constants["NW"] * 32, (B, H, 1, D))
     np.testing.assert_allclose(got, expected(q, pool_k, pool_v, slots, lengths, scale), rtol=1e-4, atol=1e-5)
 
 

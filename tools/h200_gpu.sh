@@ -51,10 +51,11 @@ step() {  # NAME DONE_FILE COMMAND...: runs it unless DONE_FILE exists, time is 
   if [ -e "$done_file" ] || ! want "$name"; then return 0; fi
   if [ "$(left)" -lt 30 ]; then say "SKIPPED $name: $(left) s left"; return 1; fi
   local t0=$SECONDS
-  timeout $(($(left) - 10)) "$@" > "$RES/$name.log" 2>&1
+  local log="$RES/${LOG:-$name}.log"  # LOG: another name, for a step run more than once
+  timeout $(($(left) - 10)) "$@" > "$log" 2>&1
   local rc=$?
-  say "$name: rc=$rc in $((SECONDS - t0)) s"
-  grep -vE "^\s*$|\[(info|debug|warning)|it/s\]|s/it\]" "$RES/$name.log" | tail -${TAIL:-4} | tee -a "$RES/summary.txt"
+  say "${LOG:-$name}: rc=$rc in $((SECONDS - t0)) s"
+  grep -vE "^\s*$|\[(info|debug|warning)|it/s\]|s/it\]" "$log" | tail -${TAIL:-4} | tee -a "$RES/summary.txt"
   save
   return $rc
 }
@@ -65,6 +66,22 @@ say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total --format
 say "bytecode: PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}, transformers' cached modules: $(python3 -c \
   'import importlib.util, pathlib; p = pathlib.Path(importlib.util.find_spec("transformers").origin).parent / "__pycache__"; print(len(list(p.glob("*.pyc"))) if p.exists() else 0)' 2>&1 | tail -1)"
 M=$G/models
+# That machine runs Python with PYTHONDONTWRITEBYTECODE=1 and its transformers came
+# without bytecode (61 cached modules, session 9), so every process compiled transformers
+# from source: 15-19 s per import. Step bytecode writes it once, as pip does at install.
+if named bytecode; then
+  step bytecode $RES/bytecode.log.done bash -c "python3 -m compileall -q -j 16 \$(python3 -c \
+    'import importlib.util as u, pathlib as p; print(*(p.Path(u.find_spec(m).origin).parent for m in (\"transformers\", \"torch\", \"huggingface_hub\", \"tokenizers\", \"jinja2\", \"safetensors\")))') \
+    > /dev/null; touch $RES/bytecode.log.done"
+fi
+# the warm start's import (issue 17): the same import three times in fresh processes; a
+# first run much slower than the next says bytecode was being written
+if named importtime; then
+  TAIL=8 step importtime $RES/importtime.txt bash -c 'TIMEFORMAT="import: %R s"; for i in 1 2 3; do \
+    time python3 -c "import unikern.frontends.worker, mlx_lm.utils"; done; \
+    python3 -X importtime -c "import unikern.frontends.worker, mlx_lm.utils" 2> '"$RES"'/importtime.txt; \
+    sort -t"|" -k2 -n '"$RES"'/importtime.txt | tail -4'
+fi
 step models-1b $M/llama-1b/config.json python3 "$REPO/tools/bench_gpu.py" models --out $M --shapes 1b --quantize
 # float32 parity is asked with TF32 off (issue 17); session 7's run a, with TF32 on, failed
 # three float32 families at margins of 0.006-0.2
@@ -113,7 +130,7 @@ TAIL=40 step probe-1b $RES/probe-1b.json python3 "$REPO/tools/probe_cuda.py" --m
   --json $RES/probe-1b.json
 # the engine's own decode (ModelRunner windows) with and without paged attention, one row and 64
 for rows in ${PROBE_ENGINE_ROWS:-1 64}; do
-  TAIL=30 step probe-engine "$RES/probe-engine-1b-rows$rows.json" python3 "$REPO/tools/probe_cuda.py" \
+  LOG=probe-engine-1b-rows$rows TAIL=30 step probe-engine "$RES/probe-engine-1b-rows$rows.json" python3 "$REPO/tools/probe_cuda.py" \
     --model $M/llama-1b --rows "$rows" --variants ${PROBE_ENGINE_VARIANTS:-engine engine-paged engine-paged-group} --repeats 3 \
     --json "$RES/probe-engine-1b-rows$rows.json"
 done
@@ -125,7 +142,7 @@ TAIL=6 step gaps-1b "$RES/gaps-1b.json" python3 "$REPO/tools/step_gaps.py" --mod
 for rows in ${PROBE_8B_ROWS:-1}; do
   variants=${PROBE_8B_ROW1_VARIANTS:-default qgemv engine-paged engine-paged-qgemv}
   [ "$rows" -gt 1 ] && variants=${PROBE_8B_VARIANTS:-engine-paged engine-paged-qgemv-all engine-paged-qmma}
-  TAIL=30 step probe-8b-q4 "$RES/probe-8b-q4-rows$rows.json" python3 "$REPO/tools/probe_cuda.py" --model $M/llama-8b-q4 \
+  LOG=probe-8b-q4-rows$rows TAIL=30 step probe-8b-q4 "$RES/probe-8b-q4-rows$rows.json" python3 "$REPO/tools/probe_cuda.py" --model $M/llama-8b-q4 \
     --rows "$rows" --variants $variants --repeats 3 --json "$RES/probe-8b-q4-rows$rows.json"
 done
 for v in ${BENCH_ENV_VARIANTS:-}; do  # e.g. "MLX_USE_CUDA_GRAPHS=0": the 1B bench with that setting

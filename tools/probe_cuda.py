@@ -37,6 +37,12 @@ Variants:
                16-byte weight loads (quantized.GEMV_WIDE_LOADS)
   engine-paged-qmma-wide  engine-paged-qmma with the tensor-core kernel's wide blocks
                (quantized.MMA_SHAPE = "wide": 8 warps, 16 features per warp)
+  engine-paged-q  4-bit models as the engine runs them on CUDA since session 9: the GEMV
+               (16-byte loads) to 8 rows, the wide tensor-core kernel to 64, quantized
+               q/k/v and gate/up fused (execute.fuse_projections=auto with those kernels)
+  engine-paged-q-unfused  the same, quantized projections separate
+  engine-paged-8warps  engine-paged with 8 warps per paged-attention block at any row
+               count (paged_attention.FEW_BLOCKS = 0; 16 below 128 blocks by default)
 """
 
 from __future__ import annotations
@@ -72,6 +78,11 @@ VARIANTS = {
     "qgemv-wide": ({}, ["qgemv", "wide"]),
     "engine-paged-qgemv-wide": ({}, ["fused", "engine", "paged", "traced", "qgemv", "wide"]),
     "engine-paged-qmma-wide": ({}, ["fused", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma", "mma-wide"]),
+    "engine-paged-q": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma", "wide",
+                            "mma-wide"]),
+    "engine-paged-q-unfused": ({}, ["fused", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma", "wide",
+                                    "mma-wide"]),
+    "engine-paged-8warps": ({}, ["fused", "engine", "paged", "traced", "8warps"]),
 }
 
 
@@ -111,7 +122,8 @@ def child(args) -> None:
     if "fused" in features:  # the engine's own (execute.fuse_projections)
         from unikern.stages.execute.fused import fuse_projections
 
-        notes["fused_groups"] = fuse_projections(model, quantized=False)  # as "auto" does
+        # as "auto" does: quantized layers too where unikern's 4-bit kernels run them
+        notes["fused_groups"] = fuse_projections(model, quantized="fused-q" in features)
     if "qgemv" in features:  # as execute.quantized_gemv does, with dequantize_rows' 8 (or 65)
         from unikern.stages.execute import quantized
         from unikern.stages.execute.quantized import route_quantized_layers
@@ -181,6 +193,10 @@ def engine_run(model, args, features: list[str], notes: dict):
         from unikern.stages.execute import paged_attention
 
         paged_attention.KERNEL = "group" if "group" in features else "head"
+    if "8warps" in features:
+        from unikern.stages.execute import paged_attention
+
+        paged_attention.FEW_BLOCKS = 0
     geo = ModelGeometry(model)
     block_size, window = 16, 32
     blocks = -(-(args.prompt + args.tokens + window + 1) // block_size)

@@ -23,6 +23,11 @@ import mlx.core as mx
 from unikern.platform.kernel_cache import cuda_kernel
 
 WARPS = 8  # per block: positions are dealt round-robin to the warps
+# With fewer blocks than this (a one-row step has one per KV head: 8 of an H200's 132
+# SMs busy), the group kernel's blocks take FEW_BLOCKS_WARPS warps where their partials
+# fit in shared memory: more positions in flight per block
+FEW_BLOCKS = 128
+FEW_BLOCKS_WARPS = 16
 
 _HEAD_SOURCE = """
     const int bh = blockIdx.x;  // one block per (row, query head)
@@ -106,29 +111,43 @@ _GROUP_SOURCE = """
         m[g] = -INFINITY;
         l[g] = 0.f;
     }
-    for (int t = warp; t < len; t += NW) {
-        const size_t base = ((size_t)kvh * S + (size_t)slots[(size_t)b * L + t]) * D + lane * E;
-        float kf[E];
-        float vf[E];
-        for (int e = 0; e < E; ++e) {
-            kf[e] = static_cast<float>(k_pool[base + e]);
-            vf[e] = static_cast<float>(v_pool[base + e]);
-        }
-        float s[G];
-        for (int g = 0; g < G; ++g) {
-            s[g] = 0.f;
-            for (int e = 0; e < E; ++e) s[g] += qv[g][e] * kf[e];
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            for (int g = 0; g < G; ++g) s[g] += __shfl_xor_sync(0xffffffff, s[g], o);
-        }
-        for (int g = 0; g < G; ++g) {
-            const float m_new = fmaxf(m[g], s[g]);
-            const float corr = expf(m[g] - m_new);
-            const float p = expf(s[g] - m_new);
-            l[g] = l[g] * corr + p;
-            for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * corr + p * vf[e];
-            m[g] = m_new;
+    // positions warp, warp + NW, ...: lane i of the warp loads the slot of the warp's
+    // i-th next position, handed out by shuffles, so a key's load waits on no other
+    // load; two positions' keys and values are loaded before either is used
+    for (int t0 = warp; t0 < len; t0 += 32 * NW) {
+        const int mine = t0 + lane * NW;
+        const int my_slot = mine < len ? slots[(size_t)b * L + mine] : 0;
+        const int count = min(32, (len - t0 + NW - 1) / NW);  // the warp's positions this round
+        for (int j = 0; j < count; j += 2) {
+            const int pair = j + 1 < count ? 2 : 1;  // the same in every lane
+            float kf[2][E];
+            float vf[2][E];
+            for (int u = 0; u < 2; ++u) {
+                const int slot = __shfl_sync(0xffffffff, my_slot, u < pair ? j + u : j);
+                const size_t base = ((size_t)kvh * S + (size_t)slot) * D + lane * E;
+                for (int e = 0; e < E; ++e) {
+                    kf[u][e] = static_cast<float>(k_pool[base + e]);
+                    vf[u][e] = static_cast<float>(v_pool[base + e]);
+                }
+            }
+            for (int u = 0; u < pair; ++u) {
+                float s[G];
+                for (int g = 0; g < G; ++g) {
+                    s[g] = 0.f;
+                    for (int e = 0; e < E; ++e) s[g] += qv[g][e] * kf[u][e];
+                }
+                for (int o = 16; o > 0; o >>= 1) {
+                    for (int g = 0; g < G; ++g) s[g] += __shfl_xor_sync(0xffffffff, s[g], o);
+                }
+                for (int g = 0; g < G; ++g) {
+                    const float m_new = fmaxf(m[g], s[g]);
+                    const float corr = expf(m[g] - m_new);
+                    const float p = expf(s[g] - m_new);
+                    l[g] = l[g] * corr + p;
+                    for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * corr + p * vf[u][e];
+                    m[g] = m_new;
+                }
+            }
         }
     }
     __shared__ float s_m[NW][G];
@@ -183,10 +202,13 @@ def reference(q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, 
 
 def launch(B: int, H: int, Hk: int, D: int) -> tuple[str, str, dict[str, int], int]:
     """The kernel KERNEL selects for these shapes (the group kernel where its partials fit
-    in shared memory): its name, source, integer template parameters and block count."""
+    in shared memory): its name, source, integer template parameters (NW: warps per
+    block) and block count."""
     constants = {"D": D, "E": D // 32, "H": H, "HK": Hk, "NW": WARPS}
     group = H // Hk
     if KERNEL == "group" and WARPS * group * D * 4 <= GROUP_SHARED_BYTES:
+        if B * Hk < FEW_BLOCKS and FEW_BLOCKS_WARPS * group * D * 4 <= GROUP_SHARED_BYTES:
+            constants["NW"] = FEW_BLOCKS_WARPS
         return "group", _GROUP_SOURCE, {**constants, "G": group}, B * Hk
     return "head", _HEAD_SOURCE, constants, B * H
 
@@ -206,8 +228,8 @@ def decode(q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, len
     (out,) = kernel(
         inputs=[q, pool_k, pool_v, slots.astype(mx.int32), lengths.astype(mx.int32), _scales[scale]],
         template=[("T", q.dtype), *constants.items()],
-        grid=(blocks * WARPS * 32, 1, 1),
-        threadgroup=(WARPS * 32, 1, 1),
+        grid=(blocks * constants["NW"] * 32, 1, 1),
+        threadgroup=(constants["NW"] * 32, 1, 1),
         output_shapes=[(B, H, 1, D)],
         output_dtypes=[q.dtype],
     )

@@ -117,11 +117,11 @@ _GEMV_SOURCE = """
 GEMV_WARPS = 4  # warps per block, splitting K between them
 GEMV_FEATURES = 4  # output features per block, each weight word read once for all rows
 GEMV_PASS_ROWS = 16  # rows per pass at most (registers: a thread keeps rows x features sums)
-# each thread's weight loads: 4 bytes (one word) per feature, as measured in session 8 (at
-# one row the 8B shape's weights came at ~1.4 TB/s: too few bytes in flight per SM), or,
-# with GEMV_WIDE_LOADS, 16 bytes (32 weights) per feature and load: written after the
-# machine went back, to be measured (tools/probe_cuda.py variants qgemv-wide)
-GEMV_WIDE_LOADS = False
+# each thread's weight loads: 16 bytes (32 weights) per feature and load, or 4 (one word)
+# without GEMV_WIDE_LOADS. One 8B-shape 4-bit token on an H200 (CUPTI, the engine's
+# runner): the GEMV's 4096-wide calls 2,490 -> 2,162 us, 14336-wide 749 -> 595 us, the
+# token's GPU time 5.43 -> 4.96 ms (tools/results/gpu/session9/a-kernels)
+GEMV_WIDE_LOADS = True
 
 
 def gemv_launch(rows: int, n: int, k: int, group_size: int) -> tuple[dict[str, int], int]:
@@ -295,14 +295,13 @@ _MMA_SOURCE = """
     }
 """
 MMA_PASS_TILES = 4  # 16-row tiles per pass at most (64 rows), sharing each B fragment
-# the block's shape, (warps splitting K, tiles of 8 output features per warp): (4, 1) as
-# measured in session 8, where a 64-row step's 4096-wide calls took 65 us each: every
-# block reads all of x from L2 (512 KB at 64 rows; 512 blocks), ~270 MB per call, about
-# the L2's bandwidth for that time. (8, 2) reads x once per 16 features, half of that,
-# with as many warps in flight: written after the machine went back, to be measured
-# (tools/probe_cuda.py variant engine-paged-qmma-wide)
+# the block's shape, (warps splitting K, tiles of 8 output features per warp). "narrow"
+# (4, 1): a 64-row step's 4096-wide calls took 65 us each, every block reading all of x
+# from L2 (512 KB at 64 rows; 512 blocks), ~270 MB per call. "wide" (8, 2) reads x once
+# per 16 features, with as many warps in flight: on an H200, a 64-row step of the 8B
+# shape 14.6 -> 11.3 ms, its 4096-wide calls 12.6 -> 8.1 ms (session9/a-kernels)
 MMA_SHAPES = {"narrow": (4, 1), "wide": (8, 2)}
-MMA_SHAPE = "narrow"
+MMA_SHAPE = "wide"
 GEMV_ROWS = 8  # with both kernels on, the GEMV keeps steps of up to this many rows
 
 

@@ -70,13 +70,16 @@ class MLXExecuteParams(StageParams, frozen=True):
     quantized_mma: Literal["auto", "always", "never"] = "auto"
     # the tensor-core kernel's weights: "bfloat16" (each dequantized weight rounded to
     # bf16, as the dequantized-weights path does) or "split" (two bf16 halves through two
-    # MMAs: as exact as the float32 weights of MLX's one-row kernel; its speed is not
-    # measured yet)
+    # MMAs: as exact as the float32 weights of MLX's one-row kernel). On an H200 the split
+    # cost 5% of a 64-row step of the 8B 4-bit shape and did not bring its greedy tokens
+    # nearer mlx-lm's (9 mismatches of 16 either way: tools/results/gpu/session9/a-kernels)
     quantized_mma_weights: Literal["bfloat16", "split"] = "bfloat16"
     # multiply each attention's q/k/v and each MLP's gate/up projections through one
     # concatenated weight (stages/execute/fused.py): fewer, wider matmuls. "auto": on
     # CUDA, unquantized layers, where it was measured (a one-row step's GEMV time 970 ->
-    # 624 us at the 1B shape; 16 and 64 requests 9-18% faster); "always": quantized too
+    # 624 us at the 1B shape; 16 and 64 requests 9-18% faster), and quantized layers
+    # where unikern's 4-bit kernels run them (ranks.fuses_quantized); "always": quantized
+    # layers too whatever multiplies them
     fuse_projections: Literal["auto", "always", "never"] = "auto"
     # decode steps of full-attention layers read keys and values straight from the pool
     # by each row's slot table and length (stages/execute/paged_attention.py): one CUDA
