@@ -128,8 +128,8 @@ def test_the_cpu_swiglu_runs_on_the_fused_halves():
 
 
 def test_quantized_layers_stay_separate_unless_asked():
-    """execute.fuse_projections "auto" joins unquantized layers only (the 4-bit 8B shape
-    did not gain on the H200); "always" joins quantized ones too."""
+    """fuse_projections joins quantized layers only when asked (execute.fuse_projections
+    "always", or "auto" where unikern's 4-bit kernels run them: below)."""
     model, _ = load(str(cached_model("llama-5m")))
     nn.quantize(model, group_size=32, bits=4)
     assert fuse_projections(model, quantized=False) == 0

@@ -5,8 +5,9 @@ A one-row decode step on an H200 spent 970 us per token of the 1B shape in MLX's
 kernel over 113 matrices, and 624 us over the 65 that fusing leaves: the narrow k/v
 projections (2048 -> 512) run far from the memory's speed, and every kernel costs a
 launch (tools/probe_cuda.py, tools/results/gpu/H200-issue17.md, session 6). The engine
-at 16 and 64 requests gained 9-18% there; the 4-bit 8B shape did not gain (-5%, one
-run), so "auto" leaves quantized layers separate.
+at 16 and 64 requests gained 9-18% there; the 4-bit 8B shape did not gain through MLX's
+quantized kernels (-5%, one run), so "auto" joins quantized layers only where unikern's
+own 4-bit kernels multiply them (stages/execute/ranks.py, fuses_quantized).
 
 mlx-lm's model code stays as it is: the fused module's class gains a `__call__` that
 multiplies once and hands each projection its slice of the output, then runs the
