@@ -128,11 +128,13 @@ TAIL=6 step bench-8b-q4-never $RES/bench-gpu-8b-q4-never.json python3 "$REPO/too
 # GPU kernels) under MLX's CUDA settings, then the engines under the settings that matter
 TAIL=40 step probe-1b $RES/probe-1b.json python3 "$REPO/tools/probe_cuda.py" --model $M/llama-1b \
   --json $RES/probe-1b.json
-# the engine's own decode (ModelRunner windows) with and without paged attention, one row and 64
+# the engine's own decode (ModelRunner windows) with and without paged attention, one row and 64;
+# PROBE_PROMPT: the prompt's length (64 by default; longer for the attention at long contexts)
 for rows in ${PROBE_ENGINE_ROWS:-1 64}; do
-  LOG=probe-engine-1b-rows$rows TAIL=30 step probe-engine "$RES/probe-engine-1b-rows$rows.json" python3 "$REPO/tools/probe_cuda.py" \
-    --model $M/llama-1b --rows "$rows" --variants ${PROBE_ENGINE_VARIANTS:-engine engine-paged engine-paged-group} --repeats 3 \
-    --json "$RES/probe-engine-1b-rows$rows.json"
+  n=rows$rows; [ -n "${PROBE_PROMPT:-}" ] && n=$n-prompt$PROBE_PROMPT
+  LOG=probe-engine-1b-$n TAIL=30 step probe-engine "$RES/probe-engine-1b-$n.json" python3 "$REPO/tools/probe_cuda.py" \
+    --model $M/llama-1b --rows "$rows" --prompt "${PROBE_PROMPT:-64}" \
+    --variants ${PROBE_ENGINE_VARIANTS:-engine engine-paged engine-paged-group} --repeats 3 --json "$RES/probe-engine-1b-$n.json"
 done
 # the engine's run split into time inside the model thread's steps and the gaps between them
 TAIL=6 step gaps-1b "$RES/gaps-1b.json" python3 "$REPO/tools/step_gaps.py" --model $M/llama-1b \
