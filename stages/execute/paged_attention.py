@@ -29,7 +29,9 @@ WARPS = 8  # per block: positions are dealt round-robin to the warps
 # shape on an H200 (CUPTI, 16 layers): 170 us with 16 warps, 210 with 8; the kernel
 # before the slot prefetch below took 227 (session 8). The 8B shape's 32 layers: 376 us,
 # 578 before (tools/results/gpu/session9/). Each block still walks its row's positions
-# alone, so one row's time grows with its context (no split across blocks yet).
+# alone, so one row's time grows with its context: at 4,000 positions, 211 us per layer
+# of the 1B shape, where mlx-lm's attention took 12 (session9/c-long-context). A split
+# of the positions across blocks, merged after, is not written yet.
 FEW_BLOCKS = 128
 FEW_BLOCKS_WARPS = 16
 
