@@ -57,7 +57,6 @@ static void __syncthreads() { block_bar->arrive_and_wait(); }
 # nearest even, the low half first) and mma.sync m16n8k16 computed by the warp's lanes
 # from each other's fragments, with the fragment layouts of PTX's documentation.
 TENSOR_CORE_HEADER = r"""
-#include <cstring>
 static unsigned mma_a[64][32][4];
 static unsigned mma_b[64][32][2];
 static unsigned bf16_bits(float f) { unsigned u; std::memcpy(&u, &f, 4); u += 0x7fffu + ((u >> 16) & 1u); return u >> 16; }

@@ -66,16 +66,16 @@ say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total --format
 say "bytecode: PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}, transformers' cached modules: $(python3 -c \
   'import importlib.util, pathlib; p = pathlib.Path(importlib.util.find_spec("transformers").origin).parent / "__pycache__"; print(len(list(p.glob("*.pyc"))) if p.exists() else 0)' 2>&1 | tail -1)"
 M=$G/models
-# That machine runs Python with PYTHONDONTWRITEBYTECODE=1 and its transformers came
-# without bytecode (61 cached modules, session 9), so every process compiled transformers
-# from source: 15-19 s per import. Step bytecode writes it once, as pip does at install.
+# That machine runs Python with PYTHONDONTWRITEBYTECODE=1. Step bytecode compiles the
+# packages the import pulls in once, as pip does at install; in session 9 it wrote
+# nothing new (they carried their bytecode), so bytecode is not why the import is slow.
 if named bytecode; then
   step bytecode $RES/bytecode.log.done bash -c "python3 -m compileall -q -j 16 \$(python3 -c \
     'import importlib.util as u, pathlib as p; print(*(p.Path(u.find_spec(m).origin).parent for m in (\"transformers\", \"torch\", \"huggingface_hub\", \"tokenizers\", \"jinja2\", \"safetensors\")))') \
     > /dev/null; touch $RES/bytecode.log.done"
 fi
-# the warm start's import (issue 17): the same import three times in fresh processes; a
-# first run much slower than the next says bytecode was being written
+# the warm start's import (issue 17): the same import three times in fresh processes,
+# then where its time goes (-X importtime)
 if named importtime; then
   TAIL=8 step importtime $RES/importtime.txt bash -c 'TIMEFORMAT="import: %R s"; for i in 1 2 3; do \
     time python3 -c "import unikern.frontends.worker, mlx_lm.utils"; done; \

@@ -25,7 +25,9 @@ Variants:
   engine-paged-head   engine-paged with paged_attention.KERNEL = "head" (the default is
                "group" since session 8)
   qgemv        4-bit models: mlx-lm's loop with the quantized layers through unikern's GEMV
-               kernel (execute.quantized_gemv) instead of MLX's quantized matmul
+               kernel (execute.quantized_gemv) instead of MLX's quantized matmul; the
+               qgemv and qmma variants below run session 8's 4-byte loads and narrow
+               tensor-core blocks unless named -wide (the defaults since session 9)
   engine-paged-qgemv  engine-paged with that GEMV (steps of fewer than 8 rows, as
                execute.dequantize_rows=auto leaves it)
   engine-paged-qgemv-all  the GEMV for every step of up to 64 rows (dequantize_rows=65)
@@ -185,17 +187,14 @@ def engine_run(model, args, features: list[str], notes: dict):
     """A run(n) over unikern's ModelRunner: a prefill, then lookahead windows of 32, for
     --rows requests decoding together (ms_per_token is per step: a token of every row)."""
     from unikern import messages as m
+    from unikern.stages.execute import paged_attention
     from unikern.stages.execute.model import ModelGeometry
     from unikern.stages.execute.runner import ModelRunner
     from unikern.stages.kv.pool import KVPool
 
     if "group" in features or "head" in features:
-        from unikern.stages.execute import paged_attention
-
         paged_attention.KERNEL = "group" if "group" in features else "head"
     if "8warps" in features:
-        from unikern.stages.execute import paged_attention
-
         paged_attention.FEW_BLOCKS = 0
     geo = ModelGeometry(model)
     block_size, window = 16, 32
