@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import msgspec
 import structlog
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from unikern.errors import ConfigError, StageError
@@ -44,6 +44,9 @@ class Router:
             params = msgspec.convert(stage_spec.params, cls.Params)
             self.stages[name] = cls(name, params)
         self.order = start_order(classes)
+        providers = {key: name for name, cls in classes.items() for key in cls.provides}
+        # what each member waits for before its start: the providers of what it requires
+        self._after = {name: {providers[key] for key in cls.requires} for name, cls in classes.items()}
         self.resources: dict[str, Any] = {}
         self._on_fault = on_fault
         self.egress = egress
@@ -73,19 +76,41 @@ class Router:
         self._route(message).send_nowait(message)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Start stages in resource order; returns when cancelled or when a stage fails."""
+        """Start each stage once the providers of what it requires have started, those
+        that wait on none of each other at the same time (tokenize's tokenizer load beside
+        execute's model load and warm-up); returns when cancelled or when a stage fails."""
         try:
             with anyio.CancelScope() as scope:
                 self._scope = scope
                 async with anyio.create_task_group() as tg:
-                    for name in self.order:
-                        await tg.start(self._run_stage, name)
+                    await self._start_all(tg)
                     self.all_started.set()
                     log.debug("pipeline started", pipeline=self.spec.name, order=self.order)
                     task_status.started()
         finally:
             for stream in [*self._senders, *self._inboxes.values()]:
                 stream.close()
+
+    async def _start_all(self, tg: TaskGroup) -> None:
+        started = {name: anyio.Event() for name in self.order}
+        failed: list[BaseException] = []
+
+        async def start(name: str) -> None:
+            for before in self._after[name]:
+                await started[before].wait()
+            try:
+                await tg.start(self._run_stage, name)
+            except Exception as exc:  # the first failure is the start's error, as it was one by one
+                failed.append(exc)
+                starting.cancel_scope.cancel()
+                return
+            started[name].set()
+
+        async with anyio.create_task_group() as starting:
+            for name in self.order:
+                starting.start_soon(start, name)
+        if failed:
+            raise failed[0]
 
     def stop(self) -> None:
         if self._scope is not None:

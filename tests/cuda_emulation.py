@@ -30,6 +30,7 @@ struct dim3 { unsigned x, y, z; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 static dim3 blockIdx;
 static dim3 blockDim;
+static dim3 gridDim;
 static thread_local dim3 threadIdx;
 static std::vector<std::unique_ptr<std::barrier<>>> warp_bars;
 static std::unique_ptr<std::barrier<>> block_bar;
@@ -129,6 +130,7 @@ int main() {{
     for (int w = 0; w < {threads // 32}; ++w) warp_bars.emplace_back(new std::barrier<>(32));
     block_bar.reset(new std::barrier<>({threads}));
     blockDim.x = {threads};
+    gridDim.x = {blocks};
     for (unsigned b = 0; b < {blocks}; ++b) {{
         blockIdx.x = b;
         std::vector<std::thread> pool;

@@ -49,6 +49,18 @@ def test_the_reference_is_softmax_attention_over_each_rows_slots(shape):
     np.testing.assert_allclose(np.array(got), expected(*host, scale), rtol=1e-4, atol=1e-5)
 
 
+def emulate(B, H, Hk, D, P, inputs):
+    """decode()'s launches run in the emulation: the kernel launch() picks, and with P > 1
+    the partial kernel's float32 partials through merge_launch()'s kernel."""
+    name, source, constants, blocks = paged_attention.launch(B, H, Hk, D, P)
+    threads = constants["NW"] * 32
+    if P == 1:
+        return cuda_emulation.run_kernel(source, inputs, constants, blocks, threads, (B, H, 1, D))
+    parts = cuda_emulation.run_kernel(source, inputs, constants, blocks, threads, (blocks, H // Hk, D + 2))
+    source, constants, blocks, threads = paged_attention.merge_launch(B, H, Hk, D)
+    return cuda_emulation.run_kernel(source, {"parts": parts}, constants, blocks, threads, (B, H, 1, D))
+
+
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
 @pytest.mark.parametrize("kernel", ["head", "group", "group-few-blocks"])
 @pytest.mark.parametrize("shape", [(3, 8, 2, 64, 96, 40), (2, 4, 4, 128, 64, 17), (2, 8, 1, 32, 80, 70),
@@ -60,22 +72,83 @@ def test_the_kernel_source_computes_the_attention_in_an_emulation(shape, kernel,
     B, H, Hk, D, S, L = shape
     monkeypatch.setattr(paged_attention, "KERNEL", kernel.removesuffix("-few-blocks"))
     monkeypatch.setattr(paged_attention, "FEW_BLOCKS", 1 << 30 if kernel.endswith("few-blocks") else 0)
-    name, source, constants, blocks = paged_attention.launch(B, H, Hk, D)
+    name, _, constants, _ = paged_attention.launch(B, H, Hk, D)
     assert name == kernel.removesuffix("-few-blocks")
     assert constants["NW"] == (paged_attention.FEW_BLOCKS_WARPS if kernel.endswith("few-blocks") else 8)
     (q, pool_k, pool_v, slots, lengths), _ = case(B, H, Hk, D, S, L, mx.float32, seed=D)
     scale = D**-0.5
     inputs = {"q": q, "k_pool": pool_k, "v_pool": pool_v, "slots": slots, "lengths": lengths,
               "scale": np.array([scale], dtype=np.float32)}
-    got = cuda_emulation.run_kernel(source, inputs, constants, blocks, constants["NW"] * 32, (B, H, 1, D))
+    got = emulate(B, H, Hk, D, 1, inputs)
     np.testing.assert_allclose(got, expected(q, pool_k, pool_v, slots, lengths, scale), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+@pytest.mark.parametrize("P", [2, 7])
+@pytest.mark.parametrize("shape", [(3, 8, 2, 64, 96, 40), (1, 4, 2, 32, 1200, 1100), (2, 8, 1, 32, 80, 70)])
+def test_the_split_kernels_compute_the_attention_in_an_emulation(shape, P):
+    """The split (flash-decoding): each row's positions over P blocks, then the merge of
+    their partials. Rows of every length, one of a single position (so some of its
+    partitions hold none), the 16-warp shape for few blocks and the 8-warp one."""
+    B, H, Hk, D, S, L = shape
+    (q, pool_k, pool_v, slots, lengths), _ = case(B, H, Hk, D, S, L, mx.float32, seed=P)
+    lengths[-1] = 1 if B > 1 else lengths[-1]
+    scale = D**-0.5
+    inputs = {"q": q, "k_pool": pool_k, "v_pool": pool_v, "slots": slots, "lengths": lengths,
+              "scale": np.array([scale], dtype=np.float32)}
+    got = emulate(B, H, Hk, D, P, inputs)
+    np.testing.assert_allclose(got, expected(q, pool_k, pool_v, slots, lengths, scale), rtol=1e-4, atol=1e-5)
+
+
+def test_rows_are_split_where_few_blocks_would_walk_long_tables():
+    """partitions(): one row of a long table spreads over about SPLIT_BLOCKS blocks, no
+    partition shorter than SPLIT_MIN_POSITIONS table positions; short tables and full
+    batches stay whole; decode() splits only where the group kernel runs."""
+    assert paged_attention.partitions(1, 8, 4000) == 4000 // paged_attention.SPLIT_MIN_POSITIONS
+    assert paged_attention.partitions(1, 8, 1 << 16) == paged_attention.SPLIT_BLOCKS // 8
+    assert paged_attention.partitions(1, 8, 192) == 1
+    assert paged_attention.partitions(64, 8, 4000) == 1
+    assert paged_attention.partitions(16, 8, 4000) == 2
+
+
+@pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+@pytest.mark.parametrize("L", [40, 600])
+def test_decode_launches_the_split_and_its_merge(L, monkeypatch):
+    """decode() as a CUDA machine runs it, each mx.fast.cuda_kernel launch run in the
+    emulation instead: at a long table its own choice of partitions, grids and output
+    shapes through the partial kernel and the merge; whole at a short one."""
+    launched = []
+
+    def emulated_kernel(base, input_names, source, header=""):
+        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            launched.append(base)
+            arrays = {n: np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
+                      for n, a in zip(input_names, inputs)}
+            constants = {k: v for k, v in template if k != "T"}
+            out = cuda_emulation.run_kernel(source, arrays, constants, grid[0] // threadgroup[0], threadgroup[0],
+                                            output_shapes[0])
+            return [mx.array(out).astype(output_dtypes[0])]
+        return launch
+
+    monkeypatch.setattr(paged_attention, "cuda_kernel", emulated_kernel)
+    monkeypatch.setattr(paged_attention, "SPLIT_MIN_POSITIONS", 128)
+    B, H, Hk, D, S = 1, 8, 2, 32, 700
+    (q, pool_k, pool_v, slots, lengths), dev = case(B, H, Hk, D, S, L, mx.float32, seed=L)
+    got = paged_attention.decode(*dev, D**-0.5, use_kernel=True)
+    P = paged_attention.partitions(B, Hk, L)
+    assert P == (1 if L < 128 else L // 128)
+    assert launched == (["unikern_paged_decode_group"] if P == 1 else
+                        ["unikern_paged_decode_group_parts", "unikern_paged_decode_merge"])
+    np.testing.assert_allclose(np.array(got), expected(q, pool_k, pool_v, slots, lengths, D**-0.5), rtol=1e-4,
+                               atol=1e-5)
 
 
 @pytest.mark.skipif(not cuda_is_default(), reason="the kernel runs on a CUDA GPU")
 @pytest.mark.parametrize("kernel", ["head", "group"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("shape", [(5, 32, 8, 64, 700, 300), (1, 32, 8, 64, 256, 129), (3, 16, 16, 128, 512, 70),
-                                   (64, 32, 8, 64, 2048, 128)])
+                                   (64, 32, 8, 64, 2048, 128), (1, 32, 8, 64, 4096, 4000),
+                                   (2, 32, 8, 128, 3000, 1500)])
 def test_the_cuda_kernel_gives_the_reference(shape, dtype, kernel, monkeypatch):
     B, H, Hk, D, S, L = shape
     monkeypatch.setattr(paged_attention, "KERNEL", kernel)

@@ -105,6 +105,15 @@ TAIL=6 step bench-8b-q4 $RES/bench-gpu-8b-q4.json python3 "$REPO/tools/bench_gpu
   --json $RES/bench-gpu-8b-q4.json
 step ready-1b $RES/ready-1b.json python3 "$REPO/tools/first_request.py" --model $M/llama-1b --cold-warm \
   --json $RES/ready-1b.json
+# the warm start with the transformers release that pip installs beside unikern today
+# (5.24.0; the image has 5.17.0, whose import pulls in generation, scikit-learn and
+# torch.distributed): its wheel in /tmp/tfwhl, installed apart, first on the path
+if named ready-1b-tf && ls /tmp/tfwhl/transformers-*.whl > /dev/null 2>&1; then
+  [ -d /tmp/tf/transformers ] || python3 -m pip install -q --no-index --no-deps --target /tmp/tf \
+    /tmp/tfwhl/transformers-*.whl 2>&1 | tail -2
+  step ready-1b-tf $RES/ready-1b-tf.json env PYTHONPATH=/tmp/tf:$PYTHONPATH python3 "$REPO/tools/first_request.py" \
+    --model $M/llama-1b --cold-warm --json $RES/ready-1b-tf.json
+fi
 TAIL=12 step parity-1b $RES/parity-1b.json python3 "$REPO/tools/parity_check.py" --model $M/llama-1b --prompts 16 \
   --max-tokens 32 --json $RES/parity-1b.json
 # the 8B 4-bit model's greedy tokens against mlx-lm's with PARITY_8B_SETS (e.g. the

@@ -45,6 +45,9 @@ Variants:
   engine-paged-q-unfused  the same, quantized projections separate
   engine-paged-8warps  engine-paged with 8 warps per paged-attention block at any row
                count (paged_attention.FEW_BLOCKS = 0; 16 below 128 blocks by default)
+  engine-paged-nosplit  engine-paged with each row's positions in one block per KV head
+               (paged_attention.SPLIT_BLOCKS = 0: session 9's kernel; the default splits
+               long tables at few rows over several blocks and merges them)
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ VARIANTS = {
     "engine-paged-q-unfused": ({}, ["fused", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma", "wide",
                                     "mma-wide"]),
     "engine-paged-8warps": ({}, ["fused", "engine", "paged", "traced", "8warps"]),
+    "engine-paged-nosplit": ({}, ["fused", "engine", "paged", "traced", "nosplit"]),
 }
 
 
@@ -196,6 +200,8 @@ def engine_run(model, args, features: list[str], notes: dict):
         paged_attention.KERNEL = "group" if "group" in features else "head"
     if "8warps" in features:
         paged_attention.FEW_BLOCKS = 0
+    if "nosplit" in features:
+        paged_attention.SPLIT_BLOCKS = 0
     geo = ModelGeometry(model)
     block_size, window = 16, 32
     blocks = -(-(args.prompt + args.tokens + window + 1) // block_size)

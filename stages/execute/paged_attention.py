@@ -28,12 +28,20 @@ WARPS = 8  # per block: positions are dealt round-robin to the warps
 # fit in shared memory: more positions in flight per block. A one-row token of the 1B
 # shape on an H200 (CUPTI, 16 layers): 170 us with 16 warps, 210 with 8; the kernel
 # before the slot prefetch below took 227 (session 8). The 8B shape's 32 layers: 376 us,
-# 578 before (tools/results/gpu/session9/). Each block still walks its row's positions
-# alone, so one row's time grows with its context: at 4,000 positions, 211 us per layer
-# of the 1B shape, where mlx-lm's attention took 12 (session9/c-long-context). A split
-# of the positions across blocks, merged after, is not written yet.
+# 578 before (tools/results/gpu/session9/).
 FEW_BLOCKS = 128
 FEW_BLOCKS_WARPS = 16
+
+# A block still walks its share of a row's positions alone, so with few blocks one row's
+# time grows with its context: at 4,000 positions the unsplit kernel took 211 us per
+# layer of the 1B shape on an H200, where mlx-lm's attention took 12 (one row,
+# tools/results/gpu/session9/c-long-context). So where few blocks would run and the slot
+# table is long, the group kernel splits each row's positions over P blocks
+# (`partitions`), each writing its unnormalized partial softmax (its sum of exp-weighted
+# values, its max and its sum of weights) in float32, and a second kernel merges a row's
+# P partials per query head (flash-decoding).
+SPLIT_BLOCKS = 256  # aim: about this many blocks of the partial kernel
+SPLIT_MIN_POSITIONS = 256  # table positions per partition at least: shorter rows stay whole
 
 _HEAD_SOURCE = """
     const int bh = blockIdx.x;  // one block per (row, query head)
@@ -96,7 +104,9 @@ _HEAD_SOURCE = """
 # 4 query heads each) it took 227 / 587 / 598 us per step at 1 / 16 / 64 rows against the
 # head kernel's 238 / 703 / 616 (CUPTI, tools/results/gpu/session8/a-gemv/probe-engine*).
 _GROUP_SOURCE = """
-    const int bk = blockIdx.x;  // one block per (row, KV head)
+    const int P = gridDim.x / (lengths_shape[0] * HK);  // blocks per (row, KV head): 1 unsplit
+    const int bk = blockIdx.x / P;
+    const int part = blockIdx.x % P;
     const int b = bk / HK;
     const int kvh = bk % HK;
     const int warp = threadIdx.x / 32;
@@ -104,6 +114,9 @@ _GROUP_SOURCE = """
     const int L = slots_shape[1];
     const size_t S = k_pool_shape[1];
     const int len = min(lengths[b], L);
+    const int chunk = (len + P - 1) / P;  // this block's positions: [lo, hi)
+    const int lo = min(len, part * chunk);
+    const int hi = min(len, lo + chunk);
     float qv[G][E];
     float acc[G][E];
     float m[G];
@@ -120,10 +133,10 @@ _GROUP_SOURCE = """
     // positions warp, warp + NW, ...: lane i of the warp loads the slot of the warp's
     // i-th next position, handed out by shuffles, so a key's load waits on no other
     // load; two positions' keys and values are loaded before either is used
-    for (int t0 = warp; t0 < len; t0 += 32 * NW) {
+    for (int t0 = lo + warp; t0 < hi; t0 += 32 * NW) {
         const int mine = t0 + lane * NW;
-        const int my_slot = mine < len ? slots[(size_t)b * L + mine] : 0;
-        const int count = min(32, (len - t0 + NW - 1) / NW);  // the warp's positions this round
+        const int my_slot = mine < hi ? slots[(size_t)b * L + mine] : 0;
+        const int count = min(32, (hi - t0 + NW - 1) / NW);  // the warp's positions this round
         for (int j = 0; j < count; j += 2) {
             const int pair = j + 1 < count ? 2 : 1;  // the same in every lane
             float kf[2][E];
@@ -178,9 +191,46 @@ _GROUP_SOURCE = """
             total += s_l[w][g] * c;
             for (int e = 0; e < E; ++e) o[e] += s_acc[w][g][lane * E + e] * c;
         }
+"""
+
+_GROUP_OUT = """
         const size_t row = ((size_t)b * H + (size_t)kvh * G + g) * D + lane * E;
         for (int e = 0; e < E; ++e) out[row + e] = static_cast<T>(o[e] / total);
     }
+"""
+
+# the split's partial kernel: per (block, head of the group) D + 2 floats, the weighted
+# sum of values, then the max and the sum of the weights (-inf and 0 for no positions)
+_GROUP_PARTS = """
+        const size_t at = ((size_t)blockIdx.x * G + g) * (D + 2);
+        for (int e = 0; e < E; ++e) out[at + lane * E + e] = o[e];
+        if (lane == 0) {
+            out[at + D] = top;
+            out[at + D + 1] = total;
+        }
+    }
+"""
+
+# the split's merge: a warp per (row, query head) over the row's P partials
+_MERGE_SOURCE = """
+    const int bh = blockIdx.x;
+    const int b = bh / H;
+    const int h = bh % H;
+    const int lane = threadIdx.x;
+    const int P = parts_shape[0] / (gridDim.x / H * HK);  // partials per (row, KV head)
+    const size_t first = (((size_t)b * HK + h / G) * P * G + h % G) * (D + 2);  // partial 0
+    float top = -INFINITY;
+    for (int p = 0; p < P; ++p) top = fmaxf(top, parts[first + (size_t)p * G * (D + 2) + D]);
+    float total = 0.f;
+    float o[E];
+    for (int e = 0; e < E; ++e) o[e] = 0.f;
+    for (int p = 0; p < P; ++p) {
+        const size_t at = first + (size_t)p * G * (D + 2);
+        const float c = parts[at + D] == -INFINITY ? 0.f : expf(parts[at + D] - top);
+        total += parts[at + D + 1] * c;
+        for (int e = 0; e < E; ++e) o[e] += parts[at + lane * E + e] * c;
+    }
+    for (int e = 0; e < E; ++e) out[(size_t)bh * D + lane * E + e] = static_cast<T>(o[e] / total);
 """
 
 # which kernel decode() runs: "group" (above) or "head" (a block per row and query head;
@@ -206,17 +256,39 @@ def reference(q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, 
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask[:, None, None, :])
 
 
-def launch(B: int, H: int, Hk: int, D: int) -> tuple[str, str, dict[str, int], int]:
+def partitions(B: int, Hk: int, L: int) -> int:
+    """Blocks the group kernel splits each (row, KV head) over, for B rows of a slot
+    table L positions wide: up to SPLIT_BLOCKS blocks in all, SPLIT_MIN_POSITIONS table
+    positions each at least; 1 (no split) for short tables and full batches."""
+    return max(1, min(SPLIT_BLOCKS // (B * Hk), L // SPLIT_MIN_POSITIONS))
+
+
+def launch(B: int, H: int, Hk: int, D: int, P: int = 1) -> tuple[str, str, dict[str, int], int]:
     """The kernel KERNEL selects for these shapes (the group kernel where its partials fit
     in shared memory): its name, source, integer template parameters (NW: warps per
-    block) and block count."""
+    block) and block count. P > 1 (the group kernel only): the split's partial kernel,
+    P blocks per (row, KV head), whose output `merge_launch`'s kernel reduces."""
     constants = {"D": D, "E": D // 32, "H": H, "HK": Hk, "NW": WARPS}
+    if not uses_group_kernel(H, Hk, D):
+        assert P == 1, "only the group kernel splits a row's positions"
+        return "head", _HEAD_SOURCE, constants, B * H
     group = H // Hk
-    if KERNEL == "group" and WARPS * group * D * 4 <= GROUP_SHARED_BYTES:
-        if B * Hk < FEW_BLOCKS and FEW_BLOCKS_WARPS * group * D * 4 <= GROUP_SHARED_BYTES:
-            constants["NW"] = FEW_BLOCKS_WARPS
-        return "group", _GROUP_SOURCE, {**constants, "G": group}, B * Hk
-    return "head", _HEAD_SOURCE, constants, B * H
+    if B * Hk * P < FEW_BLOCKS and FEW_BLOCKS_WARPS * group * D * 4 <= GROUP_SHARED_BYTES:
+        constants["NW"] = FEW_BLOCKS_WARPS
+    if P > 1:
+        return "group_parts", _GROUP_SOURCE + _GROUP_PARTS, {**constants, "G": group}, B * Hk * P
+    return "group", _GROUP_SOURCE + _GROUP_OUT, {**constants, "G": group}, B * Hk
+
+
+def merge_launch(B: int, H: int, Hk: int, D: int) -> tuple[str, dict[str, int], int, int]:
+    """The split's merge (it reads P from its input's shape): its source, template
+    parameters, block count and threads per block (a warp per row and query head)."""
+    return _MERGE_SOURCE, {"D": D, "E": D // 32, "H": H, "HK": Hk, "G": H // Hk}, B * H, 32
+
+
+def uses_group_kernel(H: int, Hk: int, D: int) -> bool:
+    """KERNEL is the group kernel and its per-warp partials fit in shared memory."""
+    return KERNEL == "group" and WARPS * (H // Hk) * D * 4 <= GROUP_SHARED_BYTES
 
 
 def decode(q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, lengths: mx.array,
@@ -226,7 +298,8 @@ def decode(q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, len
     Hk = pool_k.shape[0]
     if not use_kernel or T != 1 or not supports(D, H, Hk) or pool_k.dtype != q.dtype:
         return reference(q, pool_k, pool_v, slots, lengths, scale)
-    name, source, constants, blocks = launch(B, H, Hk, D)
+    P = partitions(B, Hk, slots.shape[1]) if uses_group_kernel(H, Hk, D) else 1
+    name, source, constants, blocks = launch(B, H, Hk, D, P)
     kernel = cuda_kernel(f"unikern_paged_decode_{name}", ("q", "k_pool", "v_pool", "slots", "lengths", "scale"),
                          source)
     if scale not in _scales:
@@ -236,7 +309,13 @@ def decode(q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, len
         template=[("T", q.dtype), *constants.items()],
         grid=(blocks * constants["NW"] * 32, 1, 1),
         threadgroup=(constants["NW"] * 32, 1, 1),
-        output_shapes=[(B, H, 1, D)],
-        output_dtypes=[q.dtype],
+        output_shapes=[(B, H, 1, D) if P == 1 else (blocks, H // Hk, D + 2)],
+        output_dtypes=[q.dtype if P == 1 else mx.float32],
     )
+    if P == 1:
+        return out
+    source, constants, blocks, threads = merge_launch(B, H, Hk, D)
+    merge = cuda_kernel("unikern_paged_decode_merge", ("parts",), source)
+    (out,) = merge(inputs=[out], template=[("T", q.dtype), *constants.items()], grid=(blocks * threads, 1, 1),
+                   threadgroup=(threads, 1, 1), output_shapes=[(B, H, 1, D)], output_dtypes=[q.dtype])
     return out
