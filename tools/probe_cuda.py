@@ -48,6 +48,9 @@ Variants:
   engine-paged-nosplit  engine-paged with each row's positions in one block per KV head
                (paged_attention.SPLIT_BLOCKS = 0: session 9's kernel; the default splits
                long tables at few rows over several blocks and merges them)
+  engine-paged-split512, engine-paged-split1024  the split aiming at 512 blocks of at
+               least 128 table positions, or 1,024 of at least 64 (SPLIT_BLOCKS and
+               SPLIT_MIN_POSITIONS; the defaults are 256 and 256)
 """
 
 from __future__ import annotations
@@ -89,6 +92,8 @@ VARIANTS = {
                                     "mma-wide"]),
     "engine-paged-8warps": ({}, ["fused", "engine", "paged", "traced", "8warps"]),
     "engine-paged-nosplit": ({}, ["fused", "engine", "paged", "traced", "nosplit"]),
+    "engine-paged-split512": ({}, ["fused", "engine", "paged", "traced", "split-blocks=512", "split-min=128"]),
+    "engine-paged-split1024": ({}, ["fused", "engine", "paged", "traced", "split-blocks=1024", "split-min=64"]),
 }
 
 
@@ -202,6 +207,11 @@ def engine_run(model, args, features: list[str], notes: dict):
         paged_attention.FEW_BLOCKS = 0
     if "nosplit" in features:
         paged_attention.SPLIT_BLOCKS = 0
+    for f in features:
+        if f.startswith("split-blocks="):
+            paged_attention.SPLIT_BLOCKS = int(f.split("=")[1])
+        if f.startswith("split-min="):
+            paged_attention.SPLIT_MIN_POSITIONS = int(f.split("=")[1])
     geo = ModelGeometry(model)
     block_size, window = 16, 32
     blocks = -(-(args.prompt + args.tokens + window + 1) // block_size)
