@@ -58,12 +58,14 @@ def prompts(vocab: int = 1024) -> list[list[int]]:
 # "always": q/k/v and gate/up through one weight (each family's own attention and MLP
 # code handed the slices); decode attention read from the pool by slot table and
 # length (MLX's ops here, the CUDA kernel on a GPU), one-row windows traced as well
+# (unikern's 4-bit kernels off but in the gemv variant below: on CUDA both default on)
+OWN_KERNELS_OFF = {"quantized_gemv": "never", "quantized_mma": "never"}
 VARIANTS = {
-    "plain": {"fuse_projections": "never", "paged_attention": "never", "quantized_gemv": "never"},
-    "fused": {"fuse_projections": "always", "paged_attention": "never", "quantized_gemv": "never"},
+    "plain": {"fuse_projections": "never", "paged_attention": "never", **OWN_KERNELS_OFF},
+    "fused": {"fuse_projections": "always", "paged_attention": "never", **OWN_KERNELS_OFF},
     "paged": {"fuse_projections": "always", "paged_attention": "always", "compile_decode": "always",
               "compile_one_row": "always", "cpu_kernels": False,  # CPU kernels: no traced steps
-              "quantized_gemv": "never"},
+              **OWN_KERNELS_OFF},
 }
 # the 4-bit family on CUDA: decode steps of up to 64 rows through unikern's GEMV kernel
 # (the tensor-core kernel takes bfloat16 rows: tests/test_quantized_rows.py holds it to
