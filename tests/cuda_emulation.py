@@ -50,6 +50,7 @@ static int __shfl_sync(unsigned, int v, int lane) {  // through the float buffer
     float f; std::memcpy(&f, &v, 4); f = exchange_lanes(f, lane); int r; std::memcpy(&r, &f, 4); return r;
 }
 static void __syncthreads() { block_bar->arrive_and_wait(); }
+static float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 """
 
 

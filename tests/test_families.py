@@ -71,6 +71,10 @@ VARIANTS = {
 # (the tensor-core kernel takes bfloat16 rows: tests/test_quantized_rows.py holds it to
 # MLX's kernel)
 VARIANTS["gemv"] = {**VARIANTS["paged"], "quantized_gemv": "always", "dequantize_rows": 65}
+# the residual adds run with the norms after them (stages/execute/residual.py): the
+# families whose blocks it takes; the others run as they are
+VARIANTS["norms"] = {**VARIANTS["paged"], "fuse_norms": "always"}
+NORM_FAMILIES = ("llama", "qwen3", "llama-4bit", "llama-8bit")
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -88,11 +92,14 @@ async def test_family_greedy_parity(family, variant, paged_decode_calls):
         assert stats["kv"]["blocks_used"] == 0
     quantized = stats["model"]["quantized"]
     assert (quantized["gemv"], quantized["mma"]) == (variant == "gemv", False)
+    norms = stats["model"]["fused_norms"]
+    fused_norms = variant == "norms" and family in NORM_FAMILIES
+    assert (norms["blocks"] > 0, norms["handed"] > 0, norms["misses"]) == (fused_norms, fused_norms, 0), norms
     fused = stats["model"]["fused_projections"]
     assert fused["fallback_calls"] == 0  # every projection was handed its slice
     assert (fused["groups"] > 0) == (variant != "plain" and family != "mamba2"), fused
     # nemotron-h's attention calls MLX's SDPA itself (and mamba2 has none): nothing to route
-    paged = variant in ("paged", "gemv") and family not in ("mamba2", "nemotron-h")
+    paged = variant in ("paged", "gemv", "norms") and family not in ("mamba2", "nemotron-h")
     assert stats["paged_attention"]["enabled"] == paged, stats["paged_attention"]
     # decode steps read the pool through paged_attention.decode, except in layers it does
     # not take: gpt-oss's attention sinks, step3p5-swa's windows (every layer sliding)

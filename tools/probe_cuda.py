@@ -51,6 +51,9 @@ Variants:
   engine-paged-split512, engine-paged-split1024  the split aiming at 512 blocks of at
                least 128 table positions, or 1,024 of at least 64 (SPLIT_BLOCKS and
                SPLIT_MIN_POSITIONS; the defaults are 256 and 256)
+  engine-paged-norms, engine-paged-q-norms  engine-paged and engine-paged-q with each
+               block's residual adds run with the norms after them (execute.fuse_norms:
+               stages/execute/residual.py)
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ VARIANTS = {
     "engine-paged-nosplit": ({}, ["fused", "engine", "paged", "traced", "nosplit"]),
     "engine-paged-split512": ({}, ["fused", "engine", "paged", "traced", "split-blocks=512", "split-min=128"]),
     "engine-paged-split1024": ({}, ["fused", "engine", "paged", "traced", "split-blocks=1024", "split-min=64"]),
+    "engine-paged-norms": ({}, ["fused", "engine", "paged", "traced", "norms"]),
+    "engine-paged-q-norms": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma",
+                                  "wide", "mma-wide", "norms"]),
 }
 
 
@@ -135,6 +141,10 @@ def child(args) -> None:
 
         # as "auto" does: quantized layers too where unikern's 4-bit kernels run them
         notes["fused_groups"] = fuse_projections(model, quantized="fused-q" in features)
+    if "norms" in features:  # execute.fuse_norms=always
+        from unikern.stages.execute.residual import fuse_residual_norms
+
+        notes["norm_blocks"] = fuse_residual_norms(model)
     if "qgemv" in features:  # as execute.quantized_gemv does, with dequantize_rows' 8 (or 65)
         from unikern.stages.execute import quantized
         from unikern.stages.execute.quantized import route_quantized_layers

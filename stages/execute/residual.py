@@ -1,0 +1,179 @@
+"""A residual add and the RMS norm that reads its sum as one kernel (execute.fuse_norms).
+
+A pre-norm decoder block adds each sublayer's output to the residual stream and
+normalizes the sum for the next sublayer: an add kernel and a norm kernel, twice per
+block. One decode token of the 1B shape on an H200 ran 33 adds and 34 norms among its
+242 kernels (CUPTI, tools/results/gpu/session9/b-final/probe-engine-1b-rows1.json), at a
+token that MLX's replay of the traced step, not the GPU, paces. Here one kernel gives
+both the sum (rounded to the model's dtype, as MLX's add rounds it) and its norm (as
+MLX's CUDA rms_norm computes it: float32 sum of squares, the normalized value rounded to
+the dtype, then times the weight in the dtype). Elsewhere the two are MLX's own ops, so
+on a CPU the fused blocks compute bit for bit what the family's code does.
+
+mlx-lm's blocks of the families in BLOCKS all run the same four lines (attention on the
+input's norm, add, MLP on the sum's norm, add); the fused block runs them with the two
+adds fused into the norms after them. Its second add's norm belongs to the next block
+(its input norm) or, after the last block, to the model (its final norm): those norms
+are handed their output with the input it is for (the pattern of fused.py's
+projections), and compute it themselves for any other input. Not measured on a GPU yet,
+so off by default."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from unikern.platform import cuda_is_default
+from unikern.platform.kernel_cache import cuda_kernel
+
+# block classes (module, name) whose __call__ is the four lines fused below; a test holds
+# mlx-lm's source to that (tests/test_residual_norms.py)
+BLOCKS = {
+    ("mlx_lm.models.llama", "TransformerBlock"),
+    ("mlx_lm.models.qwen2", "TransformerBlock"),
+    ("mlx_lm.models.qwen3", "TransformerBlock"),
+    ("mlx_lm.models.phi3", "TransformerBlock"),
+}
+
+# one block per row; each thread keeps PER elements of the row (D = THREADS * PER); the
+# output holds the sum at [0] and its norm at [1]
+_ADD_NORM_SOURCE = """
+    const size_t row = blockIdx.x;
+    const int t = threadIdx.x;
+    const size_t rows = x_shape[0];
+    float hv[PER];
+    float squares = 0.f;
+    for (int i = 0; i < PER; ++i) {
+        const size_t at = row * D + (size_t)i * THREADS + t;
+        const T h = static_cast<T>(static_cast<float>(x[at]) + static_cast<float>(r[at]));
+        out[at] = h;
+        hv[i] = static_cast<float>(h);
+        squares += hv[i] * hv[i];
+    }
+    for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffff, squares, o);
+    __shared__ float warp_sums[THREADS / 32];
+    if (t % 32 == 0) warp_sums[t / 32] = squares;
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < THREADS / 32; ++w) total += warp_sums[w];
+    const float normalizer = rsqrtf(total / D + eps[0]);
+    for (int i = 0; i < PER; ++i) {
+        const size_t at = row * D + (size_t)i * THREADS + t;
+        out[rows * D + at] = weight[(size_t)i * THREADS + t] * static_cast<T>(hv[i] * normalizer);
+    }
+"""
+
+_eps: dict[float, mx.array] = {}
+
+
+def threads_for(D: int) -> int | None:
+    """Threads per row for a row of D elements (256 where they divide it, at most 32
+    elements each), or None where the kernel does not take D."""
+    for threads in (256, 512, 1024, 128, 64, 32):
+        if D % threads == 0 and D // threads <= 32:
+            return threads
+    return None
+
+
+def add_rms_norm(x: mx.array, r: mx.array, norm: nn.RMSNorm, use_kernel: bool) -> tuple[mx.array, mx.array]:
+    """(x + r, norm(x + r)), through one kernel where `use_kernel` and the shapes allow."""
+    D = x.shape[-1]
+    threads = threads_for(D)
+    weight = norm["weight"]
+    if not use_kernel or threads is None or r.shape != x.shape or r.dtype != x.dtype or weight.dtype != x.dtype:
+        h = x + r
+        return h, mx.fast.rms_norm(h, weight, norm.eps)
+    if norm.eps not in _eps:
+        _eps[norm.eps] = mx.array([norm.eps], dtype=mx.float32)
+    rows = x.size // D
+    kernel = cuda_kernel("unikern_add_rms_norm", ("x", "r", "weight", "eps"), _ADD_NORM_SOURCE)
+    (out,) = kernel(
+        inputs=[x.reshape(rows, D), r.reshape(rows, D), weight, _eps[norm.eps]],
+        template=[("T", x.dtype), ("D", D), ("THREADS", threads), ("PER", D // threads)],
+        grid=(rows * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(2, *x.shape)],
+        output_dtypes=[x.dtype],
+    )
+    return out[0], out[1]
+
+
+class HandedRMSNorm(nn.RMSNorm):
+    """An nn.RMSNorm that may be handed its output for one input (computed with the add
+    that made the input); any other input it normalizes itself."""
+
+    def hand(self, x: mx.array, out: mx.array) -> None:
+        self.__dict__.update(_x=x, _out=out)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        d = self.__dict__
+        out, handed = d.get("_out"), d.get("_x")
+        d.update(_x=None, _out=None)
+        if out is not None and x is handed:
+            d["handed"] = d.get("handed", 0) + 1
+            return out
+        if out is not None:
+            d["misses"] = d.get("misses", 0) + 1
+        return super().__call__(x)
+
+
+class FusedNormBlock:
+    """The fused block's __call__, mixed into the family's class (see the module's notes)."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        use_kernel = self.__dict__["_use_kernel"]
+        r = self.self_attn(self.input_layernorm(x), mask, cache)
+        h, n = add_rms_norm(x, r, self.post_attention_layernorm, use_kernel)
+        r = self.mlp(n)
+        following = self.__dict__["_next_norm"]
+        if following is None:
+            return h + r
+        out, n = add_rms_norm(h, r, following, use_kernel)
+        following.hand(out, n)
+        return out
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _handed(norm: Any) -> bool:
+    """Make `norm` a HandedRMSNorm if it is exactly an nn.RMSNorm (or already handed)."""
+    if type(norm) is nn.RMSNorm:
+        norm.__class__ = HandedRMSNorm
+    return type(norm) is HandedRMSNorm
+
+
+def fuse_residual_norms(model: Any, use_kernel: bool | None = None) -> int:
+    """Fuse the residual adds of `model`'s blocks into the norms after them where the
+    family is in BLOCKS; returns how many blocks were fused (0: the model as it was).
+    `use_kernel`: the CUDA kernel (default: where MLX's default device is CUDA)."""
+    stack = getattr(model, "model", None)
+    layers = getattr(stack, "layers", None)
+    final = getattr(stack, "norm", None)
+    if not layers or final is None:
+        return 0
+    if any((type(b).__module__, type(b).__name__) not in BLOCKS for b in layers):
+        return 0
+    norms = [b.get("input_layernorm") for b in layers] + [b.get("post_attention_layernorm") for b in layers]
+    if any(type(n) is not nn.RMSNorm for n in [*norms, final]):
+        return 0
+    use_kernel = cuda_is_default() if use_kernel is None else use_kernel
+    following = [b["input_layernorm"] for b in layers[1:]] + [final]
+    for block, after in zip(layers, following, strict=True):
+        _handed(after)
+        cls = type(block)
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"FusedNorm{cls.__name__}", (FusedNormBlock, cls), {})
+        block.__class__ = _CLASSES[cls]
+        block.__dict__.update(_next_norm=after, _use_kernel=use_kernel)
+    return len(layers)
+
+
+def handed_counts(model: Any) -> dict[str, int]:
+    """How often the fused norms used the output handed to them, and how often they were
+    handed one for another input than theirs (0 in the families of BLOCKS)."""
+    norms = [m for _, m in model.named_modules() if isinstance(m, HandedRMSNorm)]
+    return {"handed": sum(n.__dict__.get("handed", 0) for n in norms),
+            "misses": sum(n.__dict__.get("misses", 0) for n in norms)}

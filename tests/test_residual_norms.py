@@ -1,0 +1,88 @@
+"""A residual add and the RMS norm after it as one kernel (stages/execute/residual.py):
+the kernel's CUDA source in the thread-per-lane emulation against the two ops written
+out, add_rms_norm's launch against MLX's own ops, and mlx-lm's block code still the four
+lines the fused block repeats. Greedy parity through the engine: tests/test_families.py
+(variant "norms")."""
+
+import importlib
+import inspect
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from tests import cuda_emulation
+from unikern.stages.execute import residual
+
+emulation = pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+
+
+def rms_norm(h, w, eps):
+    return w * (h / np.sqrt((h * h).mean(axis=-1, keepdims=True) + eps))
+
+
+@emulation
+@pytest.mark.parametrize("D", [64, 256, 2048])
+def test_the_kernel_source_adds_and_normalizes_in_an_emulation(D):
+    rng = np.random.default_rng(D)
+    rows, eps = 3, 1e-5
+    x, r = (rng.standard_normal((rows, D)).astype(np.float32) for _ in range(2))
+    w = rng.standard_normal(D).astype(np.float32)
+    threads = residual.threads_for(D)
+    constants = {"D": D, "THREADS": threads, "PER": D // threads}
+    inputs = {"x": x, "r": r, "weight": w, "eps": np.array([eps], dtype=np.float32)}
+    out = cuda_emulation.run_kernel(residual._ADD_NORM_SOURCE, inputs, constants, rows, threads, (2, rows, D))
+    np.testing.assert_allclose(out[0], x + r, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out[1], rms_norm(x + r, w, eps), rtol=1e-4, atol=1e-5)
+
+
+def test_threads_per_row():
+    assert residual.threads_for(2048) == 256 and residual.threads_for(4096) == 256
+    assert residual.threads_for(16384) == 512 and residual.threads_for(64) == 64
+    assert residual.threads_for(100) is None
+
+
+@emulation
+def test_the_launch_gives_mlxs_add_and_norm(monkeypatch):
+    """add_rms_norm as a CUDA machine runs it, the launch run in the emulation: the
+    rows of a [B, T, D] input flattened, the sum and the norm read back as two views."""
+    def emulated_kernel(base, input_names, source, header=""):
+        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            arrays = {n: np.array(a) for n, a in zip(input_names, inputs, strict=True)}
+            constants = {k: v for k, v in template if k != "T"}
+            out = cuda_emulation.run_kernel(source, arrays, constants, grid[0] // threadgroup[0], threadgroup[0],
+                                            output_shapes[0])
+            return [mx.array(out).astype(output_dtypes[0])]
+        return launch
+
+    monkeypatch.setattr(residual, "cuda_kernel", emulated_kernel)
+    norm = nn.RMSNorm(128, eps=1e-6)
+    norm.weight = mx.random.normal((128,), key=mx.random.key(1))
+    x, r = mx.random.normal((2, 3, 128), key=mx.random.key(2)), mx.random.normal((2, 3, 128), key=mx.random.key(3))
+    h, n = residual.add_rms_norm(x, r, norm, use_kernel=True)
+    want_h, want_n = residual.add_rms_norm(x, r, norm, use_kernel=False)
+    assert h.shape == n.shape == x.shape
+    np.testing.assert_allclose(np.array(h), np.array(want_h), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.array(n), np.array(want_n), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("module, name", sorted(residual.BLOCKS))
+def test_mlx_lms_blocks_are_still_the_four_lines_fused(module, name):
+    """The fused block repeats these families' __call__ with the adds fused: if mlx-lm
+    changes one, it must leave BLOCKS until the fused block follows."""
+    source = inspect.getsource(getattr(importlib.import_module(module), name).__call__)
+    body = [line.strip() for line in source.split(") -> mx.array:", 1)[1].splitlines() if line.strip()]
+    assert body == ["r = self.self_attn(self.input_layernorm(x), mask, cache)", "h = x + r",
+                    "r = self.mlp(self.post_attention_layernorm(h))", "out = h + r", "return out"]
+
+
+def test_a_handed_norm_normalizes_any_other_input_itself():
+    norm = nn.RMSNorm(8)
+    assert residual._handed(norm)
+    x, other = mx.ones((1, 8)), mx.full((1, 8), 2.0)
+    norm.hand(x, mx.zeros((1, 8)))
+    assert np.array(norm(x)).sum() == 0  # the handed output, for the input it was handed with
+    norm.hand(x, mx.zeros((1, 8)))
+    np.testing.assert_allclose(np.array(norm(other)), np.ones((1, 8)), rtol=1e-5)  # not x: its own
+    assert residual.handed_counts(norm) == {"handed": 1, "misses": 1}
