@@ -140,10 +140,11 @@ def test_unikerns_cuda_kernels_are_named_by_their_source(monkeypatch):
     and template arguments alone: each of unikern's kernels is built under a name that
     carries a digest of its source, so a changed source never loads the old code."""
     import mlx.core as mx
+    import mlx.nn as nn
 
     from unikern.platform import kernel_cache
     from unikern.platform.kernel_cache import kernel_name
-    from unikern.stages.execute import paged_attention, quantized
+    from unikern.stages.execute import paged_attention, quantized, residual
 
     assert kernel_name("k", "a") != kernel_name("k", "b") and kernel_name("k", "a").startswith("k_")
     assert kernel_name("k", "a", "") != kernel_name("k", "a", "header")
@@ -162,9 +163,20 @@ def test_unikerns_cuda_kernels_are_named_by_their_source(monkeypatch):
     quantized.mma(x, w, scales, biases, 64)
     q, pool = mx.zeros((1, 4, 1, 64)), mx.zeros((2, 32, 64))
     paged_attention.decode(q, pool, pool, mx.zeros((1, 8), dtype=mx.int32), mx.array([8]), 0.125, use_kernel=True)
+    long = mx.zeros((1, 4 * paged_attention.SPLIT_MIN_POSITIONS), dtype=mx.int32)  # split: partials and merge
+    paged_attention.decode(q, pool, pool, long, mx.array([8]), 0.125, use_kernel=True)
+    norm = nn.RMSNorm(128)
+    norm.weight = norm.weight.astype(mx.bfloat16)  # as a bf16 model's
+    residual.add_rms_norm(x, x, norm, use_kernel=True)
+    group = paged_attention._GROUP_SOURCE
     assert [(name.rsplit("_", 1)[0], name) for name, _, _ in built] == [
         ("unikern_q4_gemv", kernel_name("unikern_q4_gemv", quantized._GEMV_SOURCE, "")),
         ("unikern_q4_mma", kernel_name("unikern_q4_mma", quantized._MMA_SOURCE, quantized.MMA_HEADER)),
-        ("unikern_paged_decode_group", kernel_name("unikern_paged_decode_group", paged_attention._GROUP_SOURCE, "")),
+        ("unikern_paged_decode_group",
+         kernel_name("unikern_paged_decode_group", group + paged_attention._GROUP_OUT, "")),
+        ("unikern_paged_decode_group_parts",
+         kernel_name("unikern_paged_decode_group_parts", group + paged_attention._GROUP_PARTS, "")),
+        ("unikern_paged_decode_merge", kernel_name("unikern_paged_decode_merge", paged_attention._MERGE_SOURCE, "")),
+        ("unikern_add_rms_norm", kernel_name("unikern_add_rms_norm", residual._ADD_NORM_SOURCE, "")),
     ]
     kernel_cache.cuda_kernel.cache_clear()  # the fakes stay in this test
