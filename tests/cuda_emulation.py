@@ -150,3 +150,24 @@ int main() {{
         data = b"".join(np.ascontiguousarray(a).tobytes() for a in inputs.values())
         done = subprocess.run([str(exe)], input=data, capture_output=True, check=True)
     return np.frombuffer(done.stdout, dtype=np.float32).reshape(output_shape)
+
+
+def emulated_cuda_kernels(launched: list[str] | None = None):
+    """A stand-in for unikern's `cuda_kernel(base, input_names, source, header)` whose
+    kernels run in this emulation (float32 arrays; the launch's grid, threads, template
+    integers and output shape as the caller gives them); each launch's base name is
+    appended to `launched`."""
+    import mlx.core as mx
+
+    def build(base: str, input_names: tuple[str, ...], source: str, header: str = ""):
+        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            if launched is not None:
+                launched.append(base)
+            arrays = {n: np.array(a) for n, a in zip(input_names, inputs, strict=True)}
+            constants = {k: v for k, v in template if k != "T"}
+            out = run_kernel(source, arrays, constants, grid[0] // threadgroup[0], threadgroup[0], output_shapes[0],
+                             header)
+            return [mx.array(out).astype(output_dtypes[0])]
+        return launch
+
+    return build

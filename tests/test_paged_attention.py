@@ -118,18 +118,7 @@ def test_decode_launches_the_split_and_its_merge(L, monkeypatch):
     emulation instead: at a long table its own choice of partitions, grids and output
     shapes through the partial kernel and the merge; whole at a short one."""
     launched = []
-
-    def emulated_kernel(base, input_names, source, header=""):
-        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            launched.append(base)
-            arrays = {n: np.array(a) for n, a in zip(input_names, inputs, strict=True)}
-            constants = {k: v for k, v in template if k != "T"}
-            out = cuda_emulation.run_kernel(source, arrays, constants, grid[0] // threadgroup[0], threadgroup[0],
-                                            output_shapes[0])
-            return [mx.array(out).astype(output_dtypes[0])]
-        return launch
-
-    monkeypatch.setattr(paged_attention, "cuda_kernel", emulated_kernel)
+    monkeypatch.setattr(paged_attention, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
     monkeypatch.setattr(paged_attention, "SPLIT_MIN_POSITIONS", 128)
     B, H, Hk, D, S = 1, 8, 2, 32, 700
     (q, pool_k, pool_v, slots, lengths), dev = case(B, H, Hk, D, S, L, mx.float32, seed=L)

@@ -47,16 +47,7 @@ def test_threads_per_row():
 def test_the_launch_gives_mlxs_add_and_norm(monkeypatch):
     """add_rms_norm as a CUDA machine runs it, the launch run in the emulation: the
     rows of a [B, T, D] input flattened, the sum and the norm read back as two views."""
-    def emulated_kernel(base, input_names, source, header=""):
-        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            arrays = {n: np.array(a) for n, a in zip(input_names, inputs, strict=True)}
-            constants = {k: v for k, v in template if k != "T"}
-            out = cuda_emulation.run_kernel(source, arrays, constants, grid[0] // threadgroup[0], threadgroup[0],
-                                            output_shapes[0])
-            return [mx.array(out).astype(output_dtypes[0])]
-        return launch
-
-    monkeypatch.setattr(residual, "cuda_kernel", emulated_kernel)
+    monkeypatch.setattr(residual, "cuda_kernel", cuda_emulation.emulated_cuda_kernels())
     norm = nn.RMSNorm(128, eps=1e-6)
     norm.weight = mx.random.normal((128,), key=mx.random.key(1))
     x, r = mx.random.normal((2, 3, 128), key=mx.random.key(2)), mx.random.normal((2, 3, 128), key=mx.random.key(3))
