@@ -16,7 +16,7 @@ def needs_history(seq: Sequence) -> bool:
     return bool(seq.processors) or penalized
 
 
-@dataclass
+@dataclass(eq=False)  # an entity: compared by identity (membership tests run per row per step)
 class Sequence:
     request_id: str
     tokens: list[int]  # prompt, then generated tokens
