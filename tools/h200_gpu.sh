@@ -146,8 +146,9 @@ for rows in ${PROBE_ENGINE_ROWS:-1 64}; do
     --variants ${PROBE_ENGINE_VARIANTS:-engine engine-paged engine-paged-group} --repeats 3 --json "$RES/probe-engine-1b-$n.json"
 done
 # the engine's run split into time inside the model thread's steps and the gaps between them
-TAIL=6 step gaps-1b "$RES/gaps-1b.json" python3 "$REPO/tools/step_gaps.py" --model $M/llama-1b \
-  --concurrency 1 16 64 --json "$RES/gaps-1b.json"
+# (GAPS_ARGS, e.g. "--switch-interval 0.2": the GIL handed over sooner to the model thread)
+TAIL=6 step gaps-1b "$RES/gaps-1b${GAPS_LABEL:-}.json" python3 "$REPO/tools/step_gaps.py" --model $M/llama-1b \
+  --concurrency 1 16 64 ${GAPS_ARGS:-} --json "$RES/gaps-1b${GAPS_LABEL:-}.json"
 # the 8B 4-bit model's decode step: MLX's quantized matmul against unikern's GEMV and
 # tensor-core kernels, at one row and (PROBE_8B_ROWS) more
 for rows in ${PROBE_8B_ROWS:-1}; do

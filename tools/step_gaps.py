@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -28,8 +29,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--token-budget", type=int, default=4096, help="schedule.max_num_batched_tokens, as bench_gpu")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="stage.key=value")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="Python's GIL switch interval in ms for the run (sys.setswitchinterval; default 5): "
+                             "how long the model thread may wait for the GIL while the event loop detokenizes")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval / 1e3)
 
     import unikern  # first: the BLAS MLX's CPU backend should use
 
