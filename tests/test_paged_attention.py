@@ -84,6 +84,23 @@ def test_the_kernel_source_computes_the_attention_in_an_emulation(shape, kernel,
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+@pytest.mark.parametrize("U", [1, 3, 8])
+@pytest.mark.parametrize("shape", [(3, 8, 2, 64, 96, 40), (1, 4, 2, 32, 1200, 1100)])
+def test_the_group_kernel_takes_any_number_of_positions_in_flight(shape, U, monkeypatch):
+    """POSITIONS_IN_FLIGHT: a warp loads U positions' keys and values before using any;
+    rounds of slot loads whose count U does not divide leave a shorter last group."""
+    B, H, Hk, D, S, L = shape
+    monkeypatch.setattr(paged_attention, "POSITIONS_IN_FLIGHT", U)
+    (q, pool_k, pool_v, slots, lengths), _ = case(B, H, Hk, D, S, L, mx.float32, seed=U)
+    scale = D**-0.5
+    inputs = {"q": q, "k_pool": pool_k, "v_pool": pool_v, "slots": slots, "lengths": lengths,
+              "scale": np.array([scale], dtype=np.float32)}
+    assert paged_attention.launch(B, H, Hk, D)[2]["U"] == U
+    got = emulate(B, H, Hk, D, 1, inputs)
+    np.testing.assert_allclose(got, expected(q, pool_k, pool_v, slots, lengths, scale), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
 @pytest.mark.parametrize("P", [2, 7])
 @pytest.mark.parametrize("shape", [(3, 8, 2, 64, 96, 40), (1, 4, 2, 32, 1200, 1100), (2, 8, 1, 32, 80, 70)])
 def test_the_split_kernels_compute_the_attention_in_an_emulation(shape, P):

@@ -51,6 +51,9 @@ Variants:
   engine-paged-split512, engine-paged-split1024  the split aiming at 512 blocks of at
                least 128 table positions, or 1,024 of at least 64 (SPLIT_BLOCKS and
                SPLIT_MIN_POSITIONS; the defaults are 256 and 256)
+  engine-paged-u4, engine-paged-u8  engine-paged with each warp of the group kernel loading
+               4 or 8 positions' keys and values before using any
+               (paged_attention.POSITIONS_IN_FLIGHT; 2 by default)
   engine-paged-norms, engine-paged-q-norms  engine-paged and engine-paged-q with each
                block's residual adds run with the norms after them (execute.fuse_norms:
                stages/execute/residual.py)
@@ -98,6 +101,8 @@ VARIANTS = {
     "engine-paged-split512": ({}, ["fused", "engine", "paged", "traced", "split-blocks=512", "split-min=128"]),
     "engine-paged-split1024": ({}, ["fused", "engine", "paged", "traced", "split-blocks=1024", "split-min=64"]),
     "engine-paged-norms": ({}, ["fused", "engine", "paged", "traced", "norms"]),
+    "engine-paged-u4": ({}, ["fused", "engine", "paged", "traced", "in-flight=4"]),
+    "engine-paged-u8": ({}, ["fused", "engine", "paged", "traced", "in-flight=8"]),
     "engine-paged-q-norms": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma",
                                   "wide", "mma-wide", "norms"]),
 }
@@ -222,6 +227,8 @@ def engine_run(model, args, features: list[str], notes: dict):
             paged_attention.SPLIT_BLOCKS = int(f.split("=")[1])
         if f.startswith("split-min="):
             paged_attention.SPLIT_MIN_POSITIONS = int(f.split("=")[1])
+        if f.startswith("in-flight="):
+            paged_attention.POSITIONS_IN_FLIGHT = int(f.split("=")[1])
     geo = ModelGeometry(model)
     block_size, window = 16, 32
     blocks = -(-(args.prompt + args.tokens + window + 1) // block_size)

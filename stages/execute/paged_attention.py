@@ -46,6 +46,11 @@ FEW_BLOCKS_WARPS = 16
 # tokens (2 blocks each): 1.88 -> 1.21 ms per step. Aiming at 512 or 1,024 blocks gave
 # 0.75 and 0.70 ms, the merge growing as the partial kernel shrank: within 3% of the
 # token's GPU time (tools/results/gpu/session10/).
+# Positions whose keys and values a warp of the group kernel loads before using any
+# (loads in flight per warp: a block is bound by their latency, not by bandwidth). 2 was
+# measured (sessions 9 and 10); more is written for the next measurement
+# (tools/probe_cuda.py's engine-paged-u4 and -u8), not measured yet.
+POSITIONS_IN_FLIGHT = 2
 SPLIT_BLOCKS = 256  # aim: about this many blocks of the partial kernel
 SPLIT_MIN_POSITIONS = 256  # table positions per partition at least: shorter rows stay whole
 
@@ -138,16 +143,16 @@ _GROUP_SOURCE = """
     }
     // positions warp, warp + NW, ...: lane i of the warp loads the slot of the warp's
     // i-th next position, handed out by shuffles, so a key's load waits on no other
-    // load; two positions' keys and values are loaded before either is used
+    // load; U positions' keys and values are loaded before any is used
     for (int t0 = lo + warp; t0 < hi; t0 += 32 * NW) {
         const int mine = t0 + lane * NW;
         const int my_slot = mine < hi ? slots[(size_t)b * L + mine] : 0;
         const int count = min(32, (hi - t0 + NW - 1) / NW);  // the warp's positions this round
-        for (int j = 0; j < count; j += 2) {
-            const int pair = j + 1 < count ? 2 : 1;  // the same in every lane
-            float kf[2][E];
-            float vf[2][E];
-            for (int u = 0; u < 2; ++u) {
+        for (int j = 0; j < count; j += U) {
+            const int pair = min(U, count - j);  // the same in every lane
+            float kf[U][E];
+            float vf[U][E];
+            for (int u = 0; u < U; ++u) {
                 const int slot = __shfl_sync(0xffffffff, my_slot, u < pair ? j + u : j);
                 const size_t base = ((size_t)kvh * S + (size_t)slot) * D + lane * E;
                 for (int e = 0; e < E; ++e) {
@@ -281,6 +286,7 @@ def launch(B: int, H: int, Hk: int, D: int, P: int = 1) -> tuple[str, str, dict[
     group = H // Hk
     if B * Hk * P < FEW_BLOCKS and FEW_BLOCKS_WARPS * group * D * 4 <= GROUP_SHARED_BYTES:
         constants["NW"] = FEW_BLOCKS_WARPS
+    constants["U"] = POSITIONS_IN_FLIGHT
     if P > 1:
         return "group_parts", _GROUP_SOURCE + _GROUP_PARTS, {**constants, "G": group}, B * Hk * P
     return "group", _GROUP_SOURCE + _GROUP_OUT, {**constants, "G": group}, B * Hk
