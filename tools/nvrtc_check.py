@@ -1,0 +1,155 @@
+"""Compile unikern's CUDA kernels for an H200 (sm_90) with NVRTC on a machine without a
+GPU, so a kernel source changed since the last GPU run is known to build before device
+time is spent on it.
+
+Each kernel is launched as the engine launches it (paged attention whole, split and
+merged, at several positions in flight; the 4-bit GEMV and tensor-core kernels; the
+residual add and norm) with `mx.fast.cuda_kernel` replaced by a stand-in that records
+the call. The recorded source is wrapped as MLX's CUDA backend wraps a custom kernel
+(a `__global__` function whose parameters are the inputs, their shapes where the source
+reads them, and the outputs; template arguments as constants in its body) over a small
+prelude standing in for MLX's device header, and compiled.
+
+    pip install nvidia-cuda-nvrtc nvidia-cuda-runtime   # NVRTC and CUDA's headers
+    python tools/nvrtc_check.py [--arch sm_90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import os
+import sys
+from pathlib import Path
+
+# what MLX's device header gives a custom kernel that unikern's sources use
+PRELUDE = r"""
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+typedef int int32_t;
+typedef unsigned int uint32_t;
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+struct Shape { int v[10]; __device__ int operator[](int i) const { return v[i]; } };
+"""
+
+CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int32_t",
+              "uint32": "uint32_t"}
+
+
+def find_nvrtc() -> tuple[ctypes.CDLL, str]:
+    """libnvrtc and CUDA's include directory, from the pip wheels on sys.path."""
+    for base in sys.path:
+        for lib in sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libnvrtc.so*"))):
+            include = Path(lib).parent.parent / "include"
+            if (include / "cuda_bf16.h").exists():
+                return ctypes.CDLL(lib), str(include)
+    raise SystemExit("NVRTC not found: pip install nvidia-cuda-nvrtc nvidia-cuda-runtime")
+
+
+def compile_source(nvrtc: ctypes.CDLL, include: str, name: str, source: str, arch: str) -> str | None:
+    """None if it compiles, else NVRTC's log."""
+    prog = ctypes.c_void_p()
+    if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None):
+        return "nvrtcCreateProgram failed"
+    options = [f"--gpu-architecture={arch}", "-std=c++17", f"-I{include}", "-default-device"]
+    array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+    status = nvrtc.nvrtcCompileProgram(prog, len(options), array)
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+    return None if status == 0 else log.value.decode(errors="replace")
+
+
+def wrap(name: str, source: str, header: str, inputs: list[tuple[str, str, int]], outputs: list[tuple[str, str]],
+         template: list[tuple[str, object]]) -> str:
+    """`source` as MLX's CUDA backend builds a custom kernel around it."""
+    params = []
+    for arg, dtype, ndim in inputs:
+        params.append(f"const {CUDA_TYPES[dtype]}* {arg}")
+        if ndim > 0 and f"{arg}_shape" in source:
+            params.append(f"const __grid_constant__ Shape {arg}_shape")
+    params += [f"{CUDA_TYPES[dtype]}* {arg}" for arg, dtype in outputs]
+    constants = "".join(f"  using {k} = {CUDA_TYPES[v]};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
+                        for k, v in template)
+    return (f"{PRELUDE}\n{header}\nnamespace unikern_check {{\n__global__ void {name}(\n    "
+            + ",\n    ".join(params) + f") {{\n{constants}\n{source}\n}}\n}}\n")
+
+
+def record_launches() -> list[tuple[str, str]]:
+    """(label, wrapped source) of every kernel the engine's paths launch here."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from unikern.platform import kernel_cache
+    from unikern.stages.execute import paged_attention, quantized, residual
+
+    wrapped: list[tuple[str, str]] = []
+
+    def fake_cuda_kernel(*, name, input_names, output_names, source, header="", **_):
+        def launch(*, inputs, template, output_shapes, output_dtypes, **__):
+            dtypes = [str(a.dtype).removeprefix("mlx.core.") for a in inputs]
+            ins = [(n, d, a.ndim) for n, d, a in zip(input_names, dtypes, inputs, strict=True)]
+            outs = [(n, str(d).removeprefix("mlx.core.")) for n, d in zip(output_names, output_dtypes, strict=True)]
+            tmpl = [(k, str(v).removeprefix("mlx.core.") if isinstance(v, mx.Dtype) else v) for k, v in template]
+            label = name + "".join(f"_{k}{v}" for k, v in tmpl)
+            wrapped.append((label, wrap(name, source, header, ins, outs, tmpl)))
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+        return launch
+
+    mx.fast.cuda_kernel = fake_cuda_kernel
+    kernel_cache.cuda_kernel.cache_clear()
+    for dtype in (mx.bfloat16, mx.float32):
+        for D, H, Hk in ((64, 32, 8), (128, 32, 8)):  # the 1B and 8B shapes
+            q = mx.zeros((1, H, 1, D), dtype=dtype)
+            pool = mx.zeros((Hk, 64, D), dtype=dtype)
+            for width in (8, 4096):  # whole, then split (partials and merge)
+                for in_flight in (2, 4, 8):
+                    paged_attention.POSITIONS_IN_FLIGHT = in_flight
+                    kernel_cache.cuda_kernel.cache_clear()
+                    paged_attention.decode(q, pool, pool, mx.zeros((1, width), dtype=mx.int32), mx.array([8]),
+                                           D**-0.5, use_kernel=True)
+        for hidden in (2048, 4096):
+            norm = nn.RMSNorm(hidden)
+            norm.weight = norm.weight.astype(dtype)
+            x = mx.zeros((3, hidden), dtype=dtype)
+            residual.add_rms_norm(x, x, norm, use_kernel=True)
+    paged_attention.POSITIONS_IN_FLIGHT = 2
+    w, scales, biases = mx.quantize(mx.zeros((64, 4096), dtype=mx.bfloat16), group_size=64, bits=4)
+    for wide in (True, False):  # the defaults, then session 8's 4-byte loads and narrow blocks
+        quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = wide, "wide" if wide else "narrow"
+        kernel_cache.cuda_kernel.cache_clear()
+        for rows in (1, 9, 64):
+            x = mx.zeros((rows, 4096), dtype=mx.bfloat16)
+            quantized.gemv(x, w, scales, biases, 64)
+            for split in (False, True):
+                quantized.mma(x, w, scales, biases, 64, split=split)
+    return wrapped
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="sm_90")
+    args = parser.parse_args()
+    nvrtc, include = find_nvrtc()
+    seen: set[str] = set()
+    failed = 0
+    for label, source in record_launches():
+        if source in seen:
+            continue
+        seen.add(source)
+        log = compile_source(nvrtc, include, label.split("_")[0], source, args.arch)
+        print(f"{'ok  ' if log is None else 'FAIL'} {label}", flush=True)
+        if log is not None:
+            failed += 1
+            print(log[-3000:])
+    print(f"{len(seen) - failed} of {len(seen)} kernel builds compiled for {args.arch}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
