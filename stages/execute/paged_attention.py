@@ -160,7 +160,9 @@ _GROUP_SOURCE = """
                     vf[u][e] = static_cast<float>(v_pool[base + e]);
                 }
             }
-            for (int u = 0; u < pair; ++u) {
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {  // unrolled: kf and vf stay in registers
+                if (u >= pair) break;  // the same in every lane: the shuffles below see the whole warp
                 float s[G];
                 for (int g = 0; g < G; ++g) {
                     s[g] = 0.f;
