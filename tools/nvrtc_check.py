@@ -11,7 +11,7 @@ reads them, and the outputs; template arguments as constants in its body) over a
 prelude standing in for MLX's device header, and compiled.
 
     pip install nvidia-cuda-nvrtc nvidia-cuda-runtime   # NVRTC and CUDA's headers
-    python tools/nvrtc_check.py [--arch sm_90]
+    python tools/nvrtc_check.py [--arch sm_90] [--ptxas]
 """
 
 from __future__ import annotations
@@ -49,12 +49,14 @@ def find_nvrtc() -> tuple[ctypes.CDLL, str]:
     raise SystemExit("NVRTC not found: pip install nvidia-cuda-nvrtc nvidia-cuda-runtime")
 
 
-def compile_source(nvrtc: ctypes.CDLL, include: str, name: str, source: str, arch: str) -> str | None:
-    """None if it compiles, else NVRTC's log."""
+def compile_source(nvrtc: ctypes.CDLL, include: str, name: str, source: str, arch: str,
+                   ptxas: bool = False) -> tuple[bool, str]:
+    """Whether it compiles, and NVRTC's log (with ptxas' resource use if `ptxas`)."""
     prog = ctypes.c_void_p()
     if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None):
-        return "nvrtcCreateProgram failed"
+        return False, "nvrtcCreateProgram failed"
     options = [f"--gpu-architecture={arch}", "-std=c++17", f"-I{include}", "-default-device"]
+    options += ["--ptxas-options=--verbose"] if ptxas else []
     array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
     status = nvrtc.nvrtcCompileProgram(prog, len(options), array)
     size = ctypes.c_size_t()
@@ -62,7 +64,7 @@ def compile_source(nvrtc: ctypes.CDLL, include: str, name: str, source: str, arc
     log = ctypes.create_string_buffer(size.value)
     nvrtc.nvrtcGetProgramLog(prog, log)
     nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
-    return None if status == 0 else log.value.decode(errors="replace")
+    return status == 0, log.value.decode(errors="replace")
 
 
 def wrap(name: str, source: str, header: str, inputs: list[tuple[str, str, int]], outputs: list[tuple[str, str]],
@@ -134,6 +136,7 @@ def record_launches() -> list[tuple[str, str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--ptxas", action="store_true", help="print each build's registers, stack and shared memory")
     args = parser.parse_args()
     nvrtc, include = find_nvrtc()
     seen: set[str] = set()
@@ -142,9 +145,13 @@ def main() -> None:
         if source in seen:
             continue
         seen.add(source)
-        log = compile_source(nvrtc, include, label.split("_")[0], source, args.arch)
-        print(f"{'ok  ' if log is None else 'FAIL'} {label}", flush=True)
-        if log is not None:
+        ok, log = compile_source(nvrtc, include, label.split("_")[0], source, args.arch, args.ptxas)
+        usage = ""
+        if ok and args.ptxas:  # ptxas' lines: "... N bytes stack frame ...", "Used N registers, ..."
+            usage = " | " + "; ".join(line.split(":", 1)[-1].strip().lstrip(". ") for line in log.splitlines()
+                                      if "stack frame" in line or "registers" in line)
+        print(f"{'ok  ' if ok else 'FAIL'} {label}{usage}", flush=True)
+        if not ok:
             failed += 1
             print(log[-3000:])
     print(f"{len(seen) - failed} of {len(seen)} kernel builds compiled for {args.arch}")
