@@ -20,6 +20,7 @@ import argparse
 import ctypes
 import glob
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -148,8 +149,7 @@ def main() -> None:
         ok, log = compile_source(nvrtc, include, label.split("_")[0], source, args.arch, args.ptxas)
         usage = ""
         if ok and args.ptxas:  # ptxas' lines: "... N bytes stack frame ...", "Used N registers, ..."
-            usage = " | " + "; ".join(line.split(":", 1)[-1].strip().lstrip(". ") for line in log.splitlines()
-                                      if "stack frame" in line or "registers" in line)
+            usage = " | " + "; ".join(re.findall(r"\d+ bytes stack frame[^\n]*|Used \d+ registers[^\n]*", log))
         print(f"{'ok  ' if ok else 'FAIL'} {label}{usage}", flush=True)
         if not ok:
             failed += 1
