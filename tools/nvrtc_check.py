@@ -47,7 +47,7 @@ def find_nvrtc() -> tuple[ctypes.CDLL, str]:
             include = Path(lib).parent.parent / "include"
             if (include / "cuda_bf16.h").exists():
                 return ctypes.CDLL(lib), str(include)
-    raise SystemExit("NVRTC not found: pip install nvidia-cuda-nvrtc nvidia-cuda-runtime")
+    raise FileNotFoundError("NVRTC and CUDA's headers not found: pip install nvidia-cuda-nvrtc nvidia-cuda-runtime")
 
 
 def compile_source(nvrtc: ctypes.CDLL, include: str, name: str, source: str, arch: str,
@@ -104,33 +104,37 @@ def record_launches() -> list[tuple[str, str]]:
             return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
         return launch
 
+    saved = (mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE)
     mx.fast.cuda_kernel = fake_cuda_kernel
     kernel_cache.cuda_kernel.cache_clear()
-    for dtype in (mx.bfloat16, mx.float32):
-        for D, H, Hk in ((64, 32, 8), (128, 32, 8)):  # the 1B and 8B shapes
-            q = mx.zeros((1, H, 1, D), dtype=dtype)
-            pool = mx.zeros((Hk, 64, D), dtype=dtype)
-            for width in (8, 4096):  # whole, then split (partials and merge)
-                for in_flight in (2, 4, 8):
-                    paged_attention.POSITIONS_IN_FLIGHT = in_flight
-                    kernel_cache.cuda_kernel.cache_clear()
-                    paged_attention.decode(q, pool, pool, mx.zeros((1, width), dtype=mx.int32), mx.array([8]),
-                                           D**-0.5, use_kernel=True)
-        for hidden in (2048, 4096):
-            norm = nn.RMSNorm(hidden)
-            norm.weight = norm.weight.astype(dtype)
-            x = mx.zeros((3, hidden), dtype=dtype)
-            residual.add_rms_norm(x, x, norm, use_kernel=True)
-    paged_attention.POSITIONS_IN_FLIGHT = 2
-    w, scales, biases = mx.quantize(mx.zeros((64, 4096), dtype=mx.bfloat16), group_size=64, bits=4)
-    for wide in (True, False):  # the defaults, then session 8's 4-byte loads and narrow blocks
-        quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = wide, "wide" if wide else "narrow"
+    try:
+        for dtype in (mx.bfloat16, mx.float32):
+            for D, H, Hk in ((64, 32, 8), (128, 32, 8)):  # the 1B and 8B shapes
+                q = mx.zeros((1, H, 1, D), dtype=dtype)
+                pool = mx.zeros((Hk, 64, D), dtype=dtype)
+                for width in (8, 4096):  # whole, then split (partials and merge)
+                    for in_flight in (2, 4, 8):
+                        paged_attention.POSITIONS_IN_FLIGHT = in_flight
+                        kernel_cache.cuda_kernel.cache_clear()
+                        paged_attention.decode(q, pool, pool, mx.zeros((1, width), dtype=mx.int32), mx.array([8]),
+                                               D**-0.5, use_kernel=True)
+            for hidden in (2048, 4096):
+                norm = nn.RMSNorm(hidden)
+                norm.weight = norm.weight.astype(dtype)
+                x = mx.zeros((3, hidden), dtype=dtype)
+                residual.add_rms_norm(x, x, norm, use_kernel=True)
+        w, scales, biases = mx.quantize(mx.zeros((64, 4096), dtype=mx.bfloat16), group_size=64, bits=4)
+        for wide in (True, False):  # the defaults, then session 8's 4-byte loads and narrow blocks
+            quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = wide, "wide" if wide else "narrow"
+            kernel_cache.cuda_kernel.cache_clear()
+            for rows in (1, 9, 64):
+                x = mx.zeros((rows, 4096), dtype=mx.bfloat16)
+                quantized.gemv(x, w, scales, biases, 64)
+                for split in (False, True):
+                    quantized.mma(x, w, scales, biases, 64, split=split)
+    finally:  # the stand-in and its kernels go: a test process goes on with the real ones
+        mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = saved
         kernel_cache.cuda_kernel.cache_clear()
-        for rows in (1, 9, 64):
-            x = mx.zeros((rows, 4096), dtype=mx.bfloat16)
-            quantized.gemv(x, w, scales, biases, 64)
-            for split in (False, True):
-                quantized.mma(x, w, scales, biases, 64, split=split)
     return wrapped
 
 
@@ -139,7 +143,10 @@ def main() -> None:
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--ptxas", action="store_true", help="print each build's registers, stack and shared memory")
     args = parser.parse_args()
-    nvrtc, include = find_nvrtc()
+    try:
+        nvrtc, include = find_nvrtc()
+    except FileNotFoundError as exc:
+        raise SystemExit(str(exc)) from None
     seen: set[str] = set()
     failed = 0
     for label, source in record_launches():

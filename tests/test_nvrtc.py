@@ -1,0 +1,36 @@
+"""Every CUDA kernel the engine's paths launch compiles for an H200 (sm_90) with NVRTC,
+on a machine without a GPU (tools/nvrtc_check.py: the sources wrapped as MLX's CUDA
+backend wraps a custom kernel). NVRTC and CUDA's headers come from the test extras'
+`nvidia-cuda-nvrtc` and `nvidia-cuda-runtime` wheels (Linux x86_64)."""
+
+import pytest
+
+from tools import nvrtc_check
+
+
+def test_every_kernel_compiles_for_sm90():
+    try:
+        nvrtc, include = nvrtc_check.find_nvrtc()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    builds = dict((source, label) for label, source in nvrtc_check.record_launches())
+    labels = " ".join(builds.values())
+    for name in ("paged_decode_group_", "paged_decode_group_parts_", "paged_decode_merge_", "add_rms_norm_",
+                 "q4_gemv_", "q4_mma_"):
+        assert f"unikern_{name}" in labels, name  # every kernel was reached
+    failures = {}
+    for source, label in builds.items():
+        ok, log = nvrtc_check.compile_source(nvrtc, include, "unikern", source, "sm_90")
+        if not ok:
+            failures[label] = log[-1500:]
+    assert not failures, failures
+
+
+def test_a_broken_source_does_not_compile():
+    try:
+        nvrtc, include = nvrtc_check.find_nvrtc()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    source = nvrtc_check.wrap("k", "out[0] = undefined_name;", "", [("x", "float32", 1)], [("out", "float32")], [])
+    ok, log = nvrtc_check.compile_source(nvrtc, include, "k", source, "sm_90")
+    assert not ok and "undefined_name" in log
