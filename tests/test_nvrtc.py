@@ -1,5 +1,6 @@
 """Every CUDA kernel the engine's paths launch compiles for an H200 (sm_90) with NVRTC,
-without spilling registers to local memory, on a machine without a GPU (tools/nvrtc_check.py: the sources wrapped as MLX's CUDA
+without spilling registers to local memory and within an SM's registers at its block
+size, on a machine without a GPU (tools/nvrtc_check.py: the sources wrapped as MLX's CUDA
 backend wraps a custom kernel). NVRTC and CUDA's headers come from the test extras'
 `nvidia-cuda-nvrtc` and `nvidia-cuda-runtime` wheels (Linux x86_64)."""
 
@@ -13,20 +14,24 @@ def test_every_kernel_compiles_for_sm90():
         nvrtc, include = nvrtc_check.find_nvrtc()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    builds = dict((source, label) for label, source in nvrtc_check.record_launches())
-    labels = " ".join(builds.values())
+    builds = {source: (label, threads) for label, source, threads in nvrtc_check.record_launches()}
+    labels = " ".join(label for label, _ in builds.values())
     for name in ("paged_decode_group_", "paged_decode_group_parts_", "paged_decode_merge_", "add_rms_norm_",
                  "q4_gemv_", "q4_mma_"):
         assert f"unikern_{name}" in labels, name  # every kernel was reached
-    failures, spills = {}, {}
-    for source, label in builds.items():
+    failures, spills, too_big = {}, {}, {}
+    for source, (label, threads) in builds.items():
         ok, log = nvrtc_check.compile_source(nvrtc, include, "unikern", source, "sm_90", ptxas=True)
         if not ok:
             failures[label] = log[-1500:]
-        elif "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" not in log:
+            continue
+        if "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" not in log:
             spills[label] = log[-500:]  # registers spilled to local memory: a slower kernel
+        if nvrtc_check.registers(log) * threads > 65536:  # an SM's register file: the launch would fail
+            too_big[label] = (nvrtc_check.registers(log), threads)
     assert not failures, failures
     assert not spills, spills
+    assert not too_big, too_big
 
 
 def test_a_broken_source_does_not_compile():

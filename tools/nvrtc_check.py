@@ -68,6 +68,12 @@ def compile_source(nvrtc: ctypes.CDLL, include: str, name: str, source: str, arc
     return status == 0, log.value.decode(errors="replace")
 
 
+def registers(log: str) -> int | None:
+    """The registers per thread in ptxas' verbose log."""
+    found = re.search(r"Used (\d+) registers", log)
+    return int(found.group(1)) if found else None
+
+
 def wrap(name: str, source: str, header: str, inputs: list[tuple[str, str, int]], outputs: list[tuple[str, str]],
          template: list[tuple[str, object]]) -> str:
     """`source` as MLX's CUDA backend builds a custom kernel around it."""
@@ -83,24 +89,25 @@ def wrap(name: str, source: str, header: str, inputs: list[tuple[str, str, int]]
             + ",\n    ".join(params) + f") {{\n{constants}\n{source}\n}}\n}}\n")
 
 
-def record_launches() -> list[tuple[str, str]]:
-    """(label, wrapped source) of every kernel the engine's paths launch here."""
+def record_launches() -> list[tuple[str, str, int]]:
+    """(label, wrapped source, threads per block) of every kernel the engine's paths
+    launch here."""
     import mlx.core as mx
     import mlx.nn as nn
 
     from unikern.platform import kernel_cache
     from unikern.stages.execute import paged_attention, quantized, residual
 
-    wrapped: list[tuple[str, str]] = []
+    wrapped: list[tuple[str, str, int]] = []
 
     def fake_cuda_kernel(*, name, input_names, output_names, source, header="", **_):
-        def launch(*, inputs, template, output_shapes, output_dtypes, **__):
+        def launch(*, inputs, template, threadgroup, output_shapes, output_dtypes, **__):
             dtypes = [str(a.dtype).removeprefix("mlx.core.") for a in inputs]
             ins = [(n, d, a.ndim) for n, d, a in zip(input_names, dtypes, inputs, strict=True)]
             outs = [(n, str(d).removeprefix("mlx.core.")) for n, d in zip(output_names, output_dtypes, strict=True)]
             tmpl = [(k, str(v).removeprefix("mlx.core.") if isinstance(v, mx.Dtype) else v) for k, v in template]
             label = name + "".join(f"_{k}{v}" for k, v in tmpl)
-            wrapped.append((label, wrap(name, source, header, ins, outs, tmpl)))
+            wrapped.append((label, wrap(name, source, header, ins, outs, tmpl), threadgroup[0]))
             return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
         return launch
 
@@ -149,7 +156,7 @@ def main() -> None:
         raise SystemExit(str(exc)) from None
     seen: set[str] = set()
     failed = 0
-    for label, source in record_launches():
+    for label, source, _ in record_launches():
         if source in seen:
             continue
         seen.add(source)
