@@ -117,11 +117,12 @@ fi
 TAIL=12 step parity-1b $RES/parity-1b.json python3 "$REPO/tools/parity_check.py" --model $M/llama-1b --prompts 16 \
   --max-tokens 32 --json $RES/parity-1b.json
 # the 8B 4-bit model's greedy tokens against mlx-lm's with PARITY_8B_SETS (e.g. the
-# tensor-core kernel: "execute.quantized_mma=always"); runs only when GPU_STEPS names it
+# tensor-core kernel: "execute.quantized_mma=always") and PARITY_8B_ARGS (e.g.
+# "--mlx-lm-batch": how far mlx-lm's own batch_generate strays); runs only when GPU_STEPS names it
 if named parity-8b-q4; then
   sets=(); for p in ${PARITY_8B_SETS:-}; do sets+=(--set "$p"); done
   TAIL=12 step parity-8b-q4 $RES/parity-8b-q4.json python3 "$REPO/tools/parity_check.py" --model $M/llama-8b-q4 \
-    --prompts 16 --max-tokens 32 "${sets[@]}" --json $RES/parity-8b-q4.json
+    --prompts 16 --max-tokens 32 "${sets[@]}" ${PARITY_8B_ARGS:-} --json $RES/parity-8b-q4.json
 fi
 TAIL=12 step profile-decode-1b $RES/profile-decode-1b.json python3 "$REPO/tools/profile_decode.py" \
   --model $M/llama-1b --tokens 64 --repeats 5 --json $RES/profile-decode-1b.json
