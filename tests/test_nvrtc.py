@@ -14,7 +14,7 @@ def test_every_kernel_compiles_for_sm90():
         nvrtc, include = nvrtc_check.find_nvrtc()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    builds = {source: (label, threads) for label, source, threads in nvrtc_check.record_launches()}
+    builds = {b.wrapped(): (b.label, b.threads) for b in nvrtc_check.record_launches()}
     labels = " ".join(label for label, _ in builds.values())
     for name in ("paged_decode_group_", "paged_decode_group_parts_", "paged_decode_merge_", "add_rms_norm_",
                  "q4_gemv_", "q4_mma_"):

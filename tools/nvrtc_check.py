@@ -22,6 +22,7 @@ import glob
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 # what MLX's device header gives a custom kernel that unikern's sources use
@@ -38,6 +39,29 @@ struct Shape { int v[10]; __device__ int operator[](int i) const { return v[i]; 
 
 CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int32_t",
               "uint32": "uint32_t"}
+
+
+@dataclass(frozen=True)
+class Build:
+    """One kernel build as the engine asked MLX for it: the kernel's name (carrying its
+    source's digest, platform/kernel_cache.py), source and header, its inputs (name,
+    dtype, ndim), outputs (name, dtype), template arguments and threads per block."""
+
+    name: str
+    source: str
+    header: str
+    inputs: tuple[tuple[str, str, int], ...]
+    outputs: tuple[tuple[str, str], ...]
+    template: tuple[tuple[str, object], ...]
+    threads: int
+
+    @property
+    def label(self) -> str:
+        return self.name + "".join(f"_{k}{v}" for k, v in self.template)
+
+    def wrapped(self) -> str:
+        """The source as MLX's CUDA backend builds a custom kernel around it."""
+        return wrap(self.name, self.source, self.header, list(self.inputs), list(self.outputs), list(self.template))
 
 
 def find_nvrtc() -> tuple[ctypes.CDLL, str]:
@@ -89,25 +113,27 @@ def wrap(name: str, source: str, header: str, inputs: list[tuple[str, str, int]]
             + ",\n    ".join(params) + f") {{\n{constants}\n{source}\n}}\n}}\n")
 
 
-def record_launches() -> list[tuple[str, str, int]]:
-    """(label, wrapped source, threads per block) of every kernel the engine's paths
-    launch here."""
+def record_launches() -> list[Build]:
+    """Every kernel build the engine's paths launch here, in launch order."""
     import mlx.core as mx
     import mlx.nn as nn
 
     from unikern.platform import kernel_cache
     from unikern.stages.execute import paged_attention, quantized, residual
 
-    wrapped: list[tuple[str, str, int]] = []
+    builds: list[Build] = []
 
     def fake_cuda_kernel(*, name, input_names, output_names, source, header="", **_):
         def launch(*, inputs, template, threadgroup, output_shapes, output_dtypes, **__):
-            dtypes = [str(a.dtype).removeprefix("mlx.core.") for a in inputs]
-            ins = [(n, d, a.ndim) for n, d, a in zip(input_names, dtypes, inputs, strict=True)]
-            outs = [(n, str(d).removeprefix("mlx.core.")) for n, d in zip(output_names, output_dtypes, strict=True)]
-            tmpl = [(k, str(v).removeprefix("mlx.core.") if isinstance(v, mx.Dtype) else v) for k, v in template]
-            label = name + "".join(f"_{k}{v}" for k, v in tmpl)
-            wrapped.append((label, wrap(name, source, header, ins, outs, tmpl), threadgroup[0]))
+            def dtype(d: mx.Dtype) -> str:
+                return str(d).removeprefix("mlx.core.")
+
+            builds.append(Build(
+                name, source, header,
+                tuple((n, dtype(a.dtype), a.ndim) for n, a in zip(input_names, inputs, strict=True)),
+                tuple((n, dtype(d)) for n, d in zip(output_names, output_dtypes, strict=True)),
+                tuple((k, dtype(v) if isinstance(v, mx.Dtype) else v) for k, v in template),
+                threadgroup[0]))
             return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
         return launch
 
@@ -142,7 +168,7 @@ def record_launches() -> list[tuple[str, str, int]]:
     finally:  # the stand-in and its kernels go: a test process goes on with the real ones
         mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = saved
         kernel_cache.cuda_kernel.cache_clear()
-    return wrapped
+    return builds
 
 
 def main() -> None:
@@ -156,11 +182,12 @@ def main() -> None:
         raise SystemExit(str(exc)) from None
     seen: set[str] = set()
     failed = 0
-    for label, source, _ in record_launches():
+    for build in record_launches():
+        source, label = build.wrapped(), build.label
         if source in seen:
             continue
         seen.add(source)
-        ok, log = compile_source(nvrtc, include, label.split("_")[0], source, args.arch, args.ptxas)
+        ok, log = compile_source(nvrtc, include, "unikern", source, args.arch, args.ptxas)
         usage = ""
         if ok and args.ptxas:  # ptxas' lines: "... N bytes stack frame ...", "Used N registers, ..."
             usage = " | " + "; ".join(re.findall(r"\d+ bytes stack frame[^\n]*|Used \d+ registers[^\n]*", log))
