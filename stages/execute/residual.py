@@ -173,7 +173,8 @@ def fuse_residual_norms(model: Any, use_kernel: bool | None = None) -> int:
 
 def handed_counts(model: Any) -> dict[str, int]:
     """How often the fused norms used the output handed to them, and how often they were
-    handed one for another input than theirs (0 in the families of BLOCKS)."""
-    norms = [m for _, m in model.named_modules() if isinstance(m, HandedRMSNorm)]
+    handed one for another input than theirs (0 in the families of BLOCKS); zeros for
+    None (no blocks fused: nothing to walk)."""
+    norms = [m for _, m in model.named_modules() if isinstance(m, HandedRMSNorm)] if model is not None else []
     return {"handed": sum(n.__dict__.get("handed", 0) for n in norms),
             "misses": sum(n.__dict__.get("misses", 0) for n in norms)}

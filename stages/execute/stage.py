@@ -263,12 +263,12 @@ class MLXExecuteStage(StageBase):
         compiled = runner.compiled if runner else None
         return {
             "model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes,
-                      "quantized": getattr(self, "quantized", {"dequantize_rows": None, "routed_layers": 0, "gemv": False,
-                                                                "mma": False, "mma_weights": None}),
-                      "startup": getattr(self, "startup", None) or {},
+                      "quantized": self.quantized,  # set with self.loaded
+                      "startup": self.startup or {},
                       "fused_projections": {"groups": loaded.fused_groups,
                                             "fallback_calls": fallback_calls(loaded.model) if loaded.fused_groups else 0},
-                      "fused_norms": {"blocks": loaded.norm_blocks, **handed_counts(loaded.model)}},
+                      "fused_norms": {"blocks": loaded.norm_blocks,
+                                      **handed_counts(loaded.model if loaded.norm_blocks else None)}},
             "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
             "kernels": runner.kernels if runner else {"enabled": False, "reason": "no step run yet"},
             "paged_attention": {**runner.paged_report, "one_row_compiled": runner.compile_one_row}
