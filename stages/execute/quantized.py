@@ -349,42 +349,36 @@ def _matmul(layer: nn.Module, x: mx.array) -> mx.array:
                              dtype=x.dtype).T
 
 
-class RowRoutedQuantizedLinear(nn.QuantizedLinear):
-    """An affine `nn.QuantizedLinear` that, for inputs of at least `dequantize_rows` rows,
-    expands its weights to the activations' dtype (a transient array, one layer at a
-    time) and runs a plain matmul; fewer rows keep MLX's quantized kernel. The parameters
-    are the same arrays, so pinning, identity and memory use do not change."""
+class RowRouting:
+    """The settings route_quantized_layers gives each routed layer (read by _matmul)."""
 
     dequantize_rows: int
     gemv: bool = False  # steps of few rows through the GEMV kernel above
     mma: bool = False  # and of more than GEMV_ROWS through the tensor-core kernel
     mma_split: bool = False  # its weights as two bf16 halves each (float32-exact)
 
+
+class RowRoutedQuantizedLinear(RowRouting, nn.QuantizedLinear):
+    """An affine `nn.QuantizedLinear` that, for inputs of at least `dequantize_rows` rows,
+    expands its weights to the activations' dtype (a transient array, one layer at a
+    time) and runs a plain matmul; fewer rows keep MLX's quantized kernel. The parameters
+    are the same arrays, so pinning, identity and memory use do not change."""
+
     def __call__(self, x: mx.array) -> mx.array:
         y = _matmul(self, x)
         return y + self["bias"] if "bias" in self else y
 
 
-class RowRoutedAllToSharded(QuantizedAllToShardedLinear):
+class RowRoutedAllToSharded(RowRouting, QuantizedAllToShardedLinear):
     """mlx-lm's tensor-parallel shard of a quantized layer (columns), routed the same way."""
-
-    dequantize_rows: int
-    gemv: bool = False
-    mma: bool = False
-    mma_split: bool = False
 
     def __call__(self, x: mx.array) -> mx.array:
         y = _matmul(self, sum_gradients(self.group)(x))
         return y + self["bias"] if "bias" in self else y
 
 
-class RowRoutedShardedToAll(QuantizedShardedToAllLinear):
+class RowRoutedShardedToAll(RowRouting, QuantizedShardedToAllLinear):
     """mlx-lm's tensor-parallel shard of a quantized layer (rows, summed across ranks)."""
-
-    dequantize_rows: int
-    gemv: bool = False
-    mma: bool = False
-    mma_split: bool = False
 
     def __call__(self, x: mx.array) -> mx.array:
         y = mx.distributed.all_sum(_matmul(self, x), group=self.group)
