@@ -12,10 +12,11 @@ with an online softmax in float32, the warps merged at the end; a long row at fe
 is split over several blocks and merged by a second kernel (`partitions`). (A version
 with a lane per position for q.k, one warp-wide max and sum per 32 positions, measured
 slower on an H200: 248 against 220 us per token over the 16 layers of the 1B shape at
-one row, 990 against 744 at 64 rows; tools/results/gpu/H200-issue17.md.) Elsewhere (and for head sizes the kernel does not take)
-`reference` computes the same thing with MLX's own ops; the CPU tests run the routing
-through it, run the kernels' CUDA source in a thread-per-lane emulation
-(tests/cuda_emulation.py), and a GPU test holds the kernels to it."""
+one row, 990 against 744 at 64 rows; tools/results/gpu/H200-issue17.md.) Elsewhere (and
+for head sizes the kernel does not take) `reference` computes the same thing with MLX's
+own ops; the CPU tests run the routing through it, run the kernels' CUDA source in a
+thread-per-lane emulation (tests/cuda_emulation.py), and a GPU test holds the kernels
+to it."""
 
 from __future__ import annotations
 
@@ -46,13 +47,15 @@ FEW_BLOCKS_WARPS = 16
 # tokens (2 blocks each): 1.88 -> 1.21 ms per step. Aiming at 512 or 1,024 blocks gave
 # 0.75 and 0.70 ms, the merge growing as the partial kernel shrank: within 3% of the
 # token's GPU time (tools/results/gpu/session10/).
-# Positions whose keys and values a warp of the group kernel loads before using any
-# (loads in flight per warp: a block is bound by their latency, not by bandwidth). 2 was
-# measured (sessions 9 and 10); more is written for the next measurement
-# (tools/probe_cuda.py's engine-paged-u4 and -u8), not measured yet.
-POSITIONS_IN_FLIGHT = 2
 SPLIT_BLOCKS = 256  # aim: about this many blocks of the partial kernel
 SPLIT_MIN_POSITIONS = 256  # table positions per partition at least: shorter rows stay whole
+
+# Positions whose keys and values a warp of the group kernel loads before using any: its
+# loads in flight (the partial kernel at one block per SM looks bound by their latency,
+# inferred from its 44-48 us per layer for 8 MB). 2 was measured (sessions 9 and 10);
+# more is written for the next measurement (tools/probe_cuda.py's engine-paged-u4 and
+# -u8), not measured yet.
+POSITIONS_IN_FLIGHT = 2
 
 _HEAD_SOURCE = """
     const int bh = blockIdx.x;  // one block per (row, query head)
