@@ -49,9 +49,13 @@ def test_the_reference_is_softmax_attention_over_each_rows_slots(shape):
     np.testing.assert_allclose(np.array(got), expected(*host, scale), rtol=1e-4, atol=1e-5)
 
 
-def emulate(B, H, Hk, D, P, inputs):
-    """decode()'s launches run in the emulation: the kernel launch() picks, and with P > 1
-    the partial kernel's float32 partials through merge_launch()'s kernel."""
+def emulate(B, H, Hk, D, P, host, scale):
+    """decode()'s launches run in the emulation on case()'s host arrays: the kernel
+    launch() picks, and with P > 1 the partial kernel's float32 partials through
+    merge_launch()'s kernel."""
+    q, pool_k, pool_v, slots, lengths = host
+    inputs = {"q": q, "k_pool": pool_k, "v_pool": pool_v, "slots": slots, "lengths": lengths,
+              "scale": np.array([scale], dtype=np.float32)}
     name, source, constants, blocks = paged_attention.launch(B, H, Hk, D, P)
     threads = constants["NW"] * 32
     if P == 1:
@@ -75,12 +79,10 @@ def test_the_kernel_source_computes_the_attention_in_an_emulation(shape, kernel,
     name, _, constants, _ = paged_attention.launch(B, H, Hk, D)
     assert name == kernel.removesuffix("-few-blocks")
     assert constants["NW"] == (paged_attention.FEW_BLOCKS_WARPS if kernel.endswith("few-blocks") else 8)
-    (q, pool_k, pool_v, slots, lengths), _ = case(B, H, Hk, D, S, L, mx.float32, seed=D)
+    host, _ = case(B, H, Hk, D, S, L, mx.float32, seed=D)
     scale = D**-0.5
-    inputs = {"q": q, "k_pool": pool_k, "v_pool": pool_v, "slots": slots, "lengths": lengths,
-              "scale": np.array([scale], dtype=np.float32)}
-    got = emulate(B, H, Hk, D, 1, inputs)
-    np.testing.assert_allclose(got, expected(q, pool_k, pool_v, slots, lengths, scale), rtol=1e-4, atol=1e-5)
+    got = emulate(B, H, Hk, D, 1, host, scale)
+    np.testing.assert_allclose(got, expected(*host, scale), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
@@ -91,13 +93,11 @@ def test_the_group_kernel_takes_any_number_of_positions_in_flight(shape, U, monk
     rounds of slot loads whose count U does not divide leave a shorter last group."""
     B, H, Hk, D, S, L = shape
     monkeypatch.setattr(paged_attention, "POSITIONS_IN_FLIGHT", U)
-    (q, pool_k, pool_v, slots, lengths), _ = case(B, H, Hk, D, S, L, mx.float32, seed=U)
+    host, _ = case(B, H, Hk, D, S, L, mx.float32, seed=U)
     scale = D**-0.5
-    inputs = {"q": q, "k_pool": pool_k, "v_pool": pool_v, "slots": slots, "lengths": lengths,
-              "scale": np.array([scale], dtype=np.float32)}
     assert paged_attention.launch(B, H, Hk, D)[2]["U"] == U
-    got = emulate(B, H, Hk, D, 1, inputs)
-    np.testing.assert_allclose(got, expected(q, pool_k, pool_v, slots, lengths, scale), rtol=1e-4, atol=1e-5)
+    got = emulate(B, H, Hk, D, 1, host, scale)
+    np.testing.assert_allclose(got, expected(*host, scale), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
@@ -108,13 +108,12 @@ def test_the_split_kernels_compute_the_attention_in_an_emulation(shape, P):
     their partials. Rows of every length, one of a single position (so some of its
     partitions hold none), the 16-warp shape for few blocks and the 8-warp one."""
     B, H, Hk, D, S, L = shape
-    (q, pool_k, pool_v, slots, lengths), _ = case(B, H, Hk, D, S, L, mx.float32, seed=P)
-    lengths[-1] = 1 if B > 1 else lengths[-1]
+    host, _ = case(B, H, Hk, D, S, L, mx.float32, seed=P)
+    if B > 1:
+        host[4][-1] = 1  # lengths: a row of one position
     scale = D**-0.5
-    inputs = {"q": q, "k_pool": pool_k, "v_pool": pool_v, "slots": slots, "lengths": lengths,
-              "scale": np.array([scale], dtype=np.float32)}
-    got = emulate(B, H, Hk, D, P, inputs)
-    np.testing.assert_allclose(got, expected(q, pool_k, pool_v, slots, lengths, scale), rtol=1e-4, atol=1e-5)
+    got = emulate(B, H, Hk, D, P, host, scale)
+    np.testing.assert_allclose(got, expected(*host, scale), rtol=1e-4, atol=1e-5)
 
 
 def test_rows_are_split_where_few_blocks_would_walk_long_tables():
@@ -138,14 +137,13 @@ def test_decode_launches_the_split_and_its_merge(L, monkeypatch):
     monkeypatch.setattr(paged_attention, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
     monkeypatch.setattr(paged_attention, "SPLIT_MIN_POSITIONS", 128)
     B, H, Hk, D, S = 1, 8, 2, 32, 700
-    (q, pool_k, pool_v, slots, lengths), dev = case(B, H, Hk, D, S, L, mx.float32, seed=L)
+    host, dev = case(B, H, Hk, D, S, L, mx.float32, seed=L)
     got = paged_attention.decode(*dev, D**-0.5, use_kernel=True)
     P = paged_attention.partitions(B, Hk, L)
     assert P == (1 if L < 128 else L // 128)
     assert launched == (["unikern_paged_decode_group"] if P == 1 else
                         ["unikern_paged_decode_group_parts", "unikern_paged_decode_merge"])
-    np.testing.assert_allclose(np.array(got), expected(q, pool_k, pool_v, slots, lengths, D**-0.5), rtol=1e-4,
-                               atol=1e-5)
+    np.testing.assert_allclose(np.array(got), expected(*host, D**-0.5), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(not cuda_is_default(), reason="the kernel runs on a CUDA GPU")
