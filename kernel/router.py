@@ -13,7 +13,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from unikern.errors import ConfigError, StageError
 from unikern.faults import planned_fault, wrap_inbox
-from unikern.spec import EGRESS_TYPES, PipelineSpec, start_order
+from unikern.spec import EGRESS_TYPES, PipelineSpec, providers, start_order
 from unikern.stage import StageContext
 
 log = structlog.get_logger("unikern")
@@ -44,9 +44,9 @@ class Router:
             params = msgspec.convert(stage_spec.params, cls.Params)
             self.stages[name] = cls(name, params)
         self.order = start_order(classes)
-        providers = {key: name for name, cls in classes.items() for key in cls.provides}
+        provided = providers(classes)
         # what each member waits for before its start: the providers of what it requires
-        self._after = {name: {providers[key] for key in cls.requires} for name, cls in classes.items()}
+        self._after = {name: {provided[key] for key in cls.requires} for name, cls in classes.items()}
         self.resources: dict[str, Any] = {}
         self._on_fault = on_fault
         self.egress = egress

@@ -263,7 +263,7 @@ def _check_graph(classes: dict[str, Any]) -> list[str]:
                 f"$.stages: {who} produces {t.__name__}, but no stage consumes it; "
                 f"stage types that do: {', '.join(_types_consuming(t)) or 'none'}"
             )
-    provided = {key: name for name, cls in classes.items() for key in cls.provides}
+    provided = providers(classes)
     for name, cls in classes.items():
         if getattr(cls, "kind", "stage") == "service" and (cls.consumes or cls.produces):
             problems.append(f"$.services.{name}: a service consumes and produces no messages")
@@ -292,9 +292,14 @@ def _types_consuming(message_type: type) -> list[str]:
     return found
 
 
+def providers(classes: dict[str, Any]) -> dict[str, str]:
+    """Each resource key -> the member that provides it."""
+    return {key: name for name, cls in classes.items() for key in cls.provides}
+
+
 def start_order(classes: dict[str, Any]) -> list[str]:
     """Stages ordered so that each starts after the providers of what it requires."""
-    provided = {key: name for name, cls in classes.items() for key in cls.provides}
+    provided = providers(classes)
     order: list[str] = []
     visiting: set[str] = set()
 
