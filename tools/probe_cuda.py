@@ -96,8 +96,8 @@ VARIANTS = {
                             "mma-wide"]),
     "engine-paged-q-unfused": ({}, ["fused", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma", "wide",
                                     "mma-wide"]),
-    "engine-paged-8warps": ({}, ["fused", "engine", "paged", "traced", "8warps"]),
-    "engine-paged-nosplit": ({}, ["fused", "engine", "paged", "traced", "nosplit"]),
+    "engine-paged-8warps": ({}, ["fused", "engine", "paged", "traced", "few-blocks=0"]),
+    "engine-paged-nosplit": ({}, ["fused", "engine", "paged", "traced", "split-blocks=0"]),
     "engine-paged-split512": ({}, ["fused", "engine", "paged", "traced", "split-blocks=512", "split-min=128"]),
     "engine-paged-split1024": ({}, ["fused", "engine", "paged", "traced", "split-blocks=1024", "split-min=64"]),
     "engine-paged-norms": ({}, ["fused", "engine", "paged", "traced", "norms"]),
@@ -106,6 +106,11 @@ VARIANTS = {
     "engine-paged-q-norms": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma",
                                   "wide", "mma-wide", "norms"]),
 }
+
+
+# engine features "name=value" set these of stages/execute/paged_attention.py
+PAGED_SETTINGS = {"few-blocks": "FEW_BLOCKS", "split-blocks": "SPLIT_BLOCKS", "split-min": "SPLIT_MIN_POSITIONS",
+                  "in-flight": "POSITIONS_IN_FLIGHT"}
 
 
 def compile_mlp_halves(model) -> int:
@@ -218,17 +223,10 @@ def engine_run(model, args, features: list[str], notes: dict):
 
     if "group" in features or "head" in features:
         paged_attention.KERNEL = "group" if "group" in features else "head"
-    if "8warps" in features:
-        paged_attention.FEW_BLOCKS = 0
-    if "nosplit" in features:
-        paged_attention.SPLIT_BLOCKS = 0
-    for f in features:
-        if f.startswith("split-blocks="):
-            paged_attention.SPLIT_BLOCKS = int(f.split("=")[1])
-        if f.startswith("split-min="):
-            paged_attention.SPLIT_MIN_POSITIONS = int(f.split("=")[1])
-        if f.startswith("in-flight="):
-            paged_attention.POSITIONS_IN_FLIGHT = int(f.split("=")[1])
+    for f in features:  # "name=value": one of the paged kernel's settings
+        key, _, value = f.partition("=")
+        if key in PAGED_SETTINGS:
+            setattr(paged_attention, PAGED_SETTINGS[key], int(value))
     geo = ModelGeometry(model)
     block_size, window = 16, 32
     blocks = -(-(args.prompt + args.tokens + window + 1) // block_size)
