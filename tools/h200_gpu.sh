@@ -62,9 +62,6 @@ step() {  # NAME DONE_FILE COMMAND...: runs it unless DONE_FILE exists, time is 
 
 if [ ! -x $BIN/llama-batched-bench ] && want llama; then build_llama & BUILD_PID=$!; fi
 say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader)"
-# the warm start's import time (issue 17): is Python writing and finding bytecode for transformers?
-say "bytecode: PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}, transformers' cached modules: $(python3 -c \
-  'import importlib.util, pathlib; p = pathlib.Path(importlib.util.find_spec("transformers").origin).parent / "__pycache__"; print(len(list(p.glob("*.pyc"))) if p.exists() else 0)' 2>&1 | tail -1)"
 M=$G/models
 # That machine runs Python with PYTHONDONTWRITEBYTECODE=1. Step bytecode compiles the
 # packages the import pulls in once, as pip does at install; in session 9 it wrote
