@@ -138,13 +138,6 @@ class FusedNormBlock:
 _CLASSES: dict[type, type] = {}
 
 
-def _handed(norm: Any) -> bool:
-    """Make `norm` a HandedRMSNorm if it is exactly an nn.RMSNorm (or already handed)."""
-    if type(norm) is nn.RMSNorm:
-        norm.__class__ = HandedRMSNorm
-    return type(norm) is HandedRMSNorm
-
-
 def fuse_residual_norms(model: Any, use_kernel: bool | None = None) -> int:
     """Fuse the residual adds of `model`'s blocks into the norms after them where the
     family is in BLOCKS; returns how many blocks were fused (0: the model as it was).
@@ -162,7 +155,7 @@ def fuse_residual_norms(model: Any, use_kernel: bool | None = None) -> int:
     use_kernel = cuda_is_default() if use_kernel is None else use_kernel
     following = [b["input_layernorm"] for b in layers[1:]] + [final]
     for block, after in zip(layers, following, strict=True):
-        _handed(after)
+        after.__class__ = HandedRMSNorm  # exactly an nn.RMSNorm, checked above
         cls = type(block)
         if cls not in _CLASSES:
             _CLASSES[cls] = type(f"FusedNorm{cls.__name__}", (FusedNormBlock, cls), {})
