@@ -6,7 +6,9 @@ machine without a GPU (tests/test_paged_attention.py)."""
 
 from __future__ import annotations
 
+import atexit
 import functools
+import hashlib
 import shutil
 import subprocess
 import tempfile
@@ -89,6 +91,15 @@ static void unikern_mma(float d[4], const unsigned a[4], const unsigned b[2]) {
 """
 
 
+# stages/execute/blocks.py's helpers for the emulation: 16 bytes of float32 as 4 floats;
+# sin and cos of pi x
+UNPACK_HEADER = r"""
+#define __align__(n) __attribute__((aligned(n)))
+template <typename U> static void unikern_unpack(const uint4& v, float* o) { std::memcpy(o, &v, 16); }
+static void sincospif(float x, float* s, float* c) { *s = std::sin(M_PI * x); *c = std::cos(M_PI * x); }
+"""
+
+
 @functools.cache
 def available() -> bool:
     """A C++20 compiler with std::barrier (g++ 11 or later) to build the emulation with."""
@@ -142,22 +153,41 @@ int main() {{
     fwrite(out.data(), 4, out.size(), stdout);
 }}
 """
-    with tempfile.TemporaryDirectory(prefix="cuda-emulation-") as tmp:
-        src, exe = Path(tmp) / "kernel.cpp", Path(tmp) / "kernel"
-        src.write_text(code)
-        subprocess.run(["g++", "-O1", "-std=c++20", "-pthread", "-o", str(exe), str(src)], check=True,
-                       capture_output=True, text=True)
-        data = b"".join(np.ascontiguousarray(a).tobytes() for a in inputs.values())
-        done = subprocess.run([str(exe)], input=data, capture_output=True, check=True)
+    data = b"".join(np.ascontiguousarray(a).tobytes() for a in inputs.values())
+    done = subprocess.run([_built(code)], input=data, capture_output=True, check=True)
     return np.frombuffer(done.stdout, dtype=np.float32).reshape(output_shape)
 
 
-def emulated_cuda_kernels(launched: list[str] | None = None):
+@functools.cache
+def _build_dir() -> str:
+    path = tempfile.mkdtemp(prefix="cuda-emulation-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+@functools.cache
+def _built(code: str) -> str:
+    """The program for `code`, compiled once per test process (a model's layers launch
+    the same kernel builds again and again)."""
+    exe = Path(_build_dir()) / f"kernel-{hashlib.sha256(code.encode()).hexdigest()[:16]}"
+    src = exe.with_suffix(".cpp")
+    src.write_text(code)
+    built = subprocess.run(["g++", "-O1", "-std=c++20", "-pthread", "-o", str(exe), str(src)], capture_output=True,
+                           text=True)
+    if built.returncode:
+        raise RuntimeError(f"the emulation of a kernel did not compile:\n{built.stderr[-3000:]}")
+    return str(exe)
+
+
+def emulated_cuda_kernels(launched: list[str] | None = None, header: str | None = None):
     """A stand-in for unikern's `cuda_kernel(base, input_names, source, header)` whose
     kernels run in this emulation (float32 arrays; the launch's grid, threads, template
     integers and output shape as the caller gives them); each launch's base name is
-    appended to `launched`."""
+    appended to `launched`. `header`: the emulation's own version of the kernels' CUDA
+    header (e.g. UNPACK_HEADER), in its place."""
     import mlx.core as mx
+
+    own_header = header
 
     def build(base: str, input_names: tuple[str, ...], source: str, header: str = ""):
         def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
@@ -166,7 +196,7 @@ def emulated_cuda_kernels(launched: list[str] | None = None):
             arrays = {n: np.array(a) for n, a in zip(input_names, inputs, strict=True)}
             constants = {k: v for k, v in template if k != "T"}
             out = run_kernel(source, arrays, constants, grid[0] // threadgroup[0], threadgroup[0], output_shapes[0],
-                             header)
+                             header if own_header is None else own_header)
             return [mx.array(out).astype(output_dtypes[0])]
         return launch
 

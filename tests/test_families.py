@@ -75,6 +75,10 @@ VARIANTS["gemv"] = {**VARIANTS["paged"], "quantized_gemv": "always", "dequantize
 # families whose blocks it takes; the others run as they are
 VARIANTS["norms"] = {**VARIANTS["paged"], "fuse_norms": "always"}
 NORM_FAMILIES = ("llama", "qwen3", "llama-4bit", "llama-8bit")
+# a block's decode steps as four GEMV kernels (stages/execute/blocks.py): llama's
+# unquantized blocks among these families; the others run as they are
+VARIANTS["blocks"] = {**VARIANTS["paged"], "fuse_blocks": "always"}
+BLOCK_FAMILIES = ("llama",)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -95,11 +99,14 @@ async def test_family_greedy_parity(family, variant, paged_decode_calls):
     norms = stats["model"]["fused_norms"]
     fused_norms = variant == "norms" and family in NORM_FAMILIES
     assert (norms["blocks"] > 0, norms["handed"] > 0, norms["misses"]) == (fused_norms, fused_norms, 0), norms
+    decode = stats["model"]["decode_blocks"]
+    fused_blocks = variant == "blocks" and family in BLOCK_FAMILIES
+    assert (decode["blocks"] > 0, decode["steps"] > 0) == (fused_blocks, fused_blocks), decode
     fused = stats["model"]["fused_projections"]
     assert fused["fallback_calls"] == 0  # every projection was handed its slice
     assert (fused["groups"] > 0) == (variant != "plain" and family != "mamba2"), fused
     # nemotron-h's attention calls MLX's SDPA itself (and mamba2 has none): nothing to route
-    paged = variant in ("paged", "gemv", "norms") and family not in ("mamba2", "nemotron-h")
+    paged = variant in ("paged", "gemv", "norms", "blocks") and family not in ("mamba2", "nemotron-h")
     assert stats["paged_attention"]["enabled"] == paged, stats["paged_attention"]
     # decode steps read the pool through paged_attention.decode, except in layers it does
     # not take: gpt-oss's attention sinks, step3p5-swa's windows (every layer sliding)

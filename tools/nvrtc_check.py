@@ -4,7 +4,7 @@ time is spent on it.
 
 Each kernel is launched as the engine launches it (paged attention whole, split and
 merged, at several positions in flight; the 4-bit GEMV and tensor-core kernels; the
-residual add and norm) with `mx.fast.cuda_kernel` replaced by a stand-in that records
+residual add and norm; a decoder block's GEMV kernels) with `mx.fast.cuda_kernel` replaced by a stand-in that records
 the call. The recorded source is wrapped as MLX's CUDA backend wraps a custom kernel
 (a `__global__` function whose parameters are the inputs, their shapes where the source
 reads them, and the outputs; template arguments as constants in its body) over a small
@@ -119,7 +119,7 @@ def record_launches() -> list[Build]:
     import mlx.nn as nn
 
     from unikern.platform import kernel_cache
-    from unikern.stages.execute import paged_attention, quantized, residual
+    from unikern.stages.execute import blocks, paged_attention, quantized, residual
 
     builds: list[Build] = []
 
@@ -156,6 +156,19 @@ def record_launches() -> list[Build]:
                 norm.weight = norm.weight.astype(dtype)
                 x = mx.zeros((3, hidden), dtype=dtype)
                 residual.add_rms_norm(x, x, norm, use_kernel=True)
+            # a decoder block's four GEMV kernels (blocks.py) at the 1B and 8B shapes
+            for hidden, H, Hk, D, inter in ((2048, 32, 8, 64, 8192), (4096, 32, 8, 128, 14336)):
+                for rows in (1, 2, 4)[: blocks.max_rows(hidden, dtype).bit_length()]:
+                    x, eps = mx.zeros((rows, hidden), dtype=dtype), mx.zeros((1,), dtype=mx.float32)
+                    norm = (mx.zeros((hidden,), dtype=dtype), eps)
+                    qkv = mx.zeros(((H + 2 * Hk) * D, hidden), dtype=dtype)
+                    blocks.gemv(x, qkv, blocks.ROPE, bias=qkv[:, 0], norm=norm, pos=mx.zeros((rows,), dtype=mx.int32),
+                                freq_pi=mx.zeros((D // 2,), dtype=mx.float32), head_dim=D, rope_pairs=(H + Hk) * D // 2)
+                    blocks.gemv(mx.zeros((rows, H * D), dtype=dtype), mx.zeros((hidden, H * D), dtype=dtype),
+                                blocks.RESIDUAL, res=x)
+                    blocks.gemv(x, mx.zeros((2 * inter, hidden), dtype=dtype), blocks.SWIGLU, norm=norm)
+                    blocks.gemv(mx.zeros((rows, inter), dtype=dtype), mx.zeros((hidden, inter), dtype=dtype),
+                                blocks.RESIDUAL, res=x)
         w, scales, biases = mx.quantize(mx.zeros((64, 4096), dtype=mx.bfloat16), group_size=64, bits=4)
         for wide in (True, False):  # the defaults, then session 8's 4-byte loads and narrow blocks
             quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = wide, "wide" if wide else "narrow"

@@ -57,6 +57,10 @@ Variants:
   engine-paged-norms, engine-paged-q-norms  engine-paged and engine-paged-q with each
                block's residual adds run with the norms after them (execute.fuse_norms:
                stages/execute/residual.py)
+  engine-paged-blocks  engine-paged with each block's decode steps of up to 4 rows as four
+               GEMV kernels (execute.fuse_blocks: stages/execute/blocks.py)
+  engine-paged-blocks-u4  the same, each lane with 4 instead of 8 of a weight row's
+               16-byte chunks in flight per pass (blocks.UNROLL)
 """
 
 from __future__ import annotations
@@ -101,6 +105,8 @@ VARIANTS = {
     "engine-paged-split512": ({}, ["fused", "engine", "paged", "traced", "split-blocks=512", "split-min=128"]),
     "engine-paged-split1024": ({}, ["fused", "engine", "paged", "traced", "split-blocks=1024", "split-min=64"]),
     "engine-paged-norms": ({}, ["fused", "engine", "paged", "traced", "norms"]),
+    "engine-paged-blocks": ({}, ["fused", "engine", "paged", "traced", "blocks"]),
+    "engine-paged-blocks-u4": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=4"]),
     "engine-paged-u4": ({}, ["fused", "engine", "paged", "traced", "in-flight=4"]),
     "engine-paged-u8": ({}, ["fused", "engine", "paged", "traced", "in-flight=8"]),
     "engine-paged-q-norms": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma",
@@ -155,6 +161,13 @@ def child(args) -> None:
         from unikern.stages.execute.residual import fuse_residual_norms
 
         notes["norm_blocks"] = fuse_residual_norms(model)
+    if "blocks" in features:  # execute.fuse_blocks=always
+        from unikern.stages.execute import blocks
+
+        for f in features:
+            if f.startswith("blocks-unroll="):
+                blocks.UNROLL = int(f.split("=")[1])
+        notes["decode_blocks"] = blocks.fuse_decode_blocks(model)
     if "qgemv" in features:  # as execute.quantized_gemv does, with dequantize_rows' 8 (or 65)
         from unikern.stages.execute import quantized
         from unikern.stages.execute.quantized import route_quantized_layers

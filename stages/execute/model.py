@@ -115,15 +115,17 @@ class LoadedModel:
     world: Any = None  # distributed.World | None
     fused_groups: int = 0  # q/k/v and gate/up groups multiplied as one (fused.py)
     norm_blocks: int = 0  # blocks whose residual adds run with the norms after them (residual.py)
+    decode_blocks: int = 0  # blocks whose decode steps of few rows run as four GEMV kernels (blocks.py)
 
 
 def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized: bool = False,
-               fuse_norms: bool = False) -> LoadedModel:
+               fuse_norms: bool = False, fuse_blocks: bool = False) -> LoadedModel:
     """Load with mlx-lm; with a world of several ranks, keep this rank's shard only
     (loaded lazily, so only the shard's weights are ever read). `fuse`: q/k/v and
     gate/up projections through one weight each (fused.py), quantized ones too if
     `fuse_quantized`. `fuse_norms`: each block's residual adds and the norms after them
-    as one kernel (residual.py; one rank only)."""
+    as one kernel (residual.py; one rank only). `fuse_blocks`: each block's decode steps of
+    few rows as four GEMV kernels (blocks.py; one rank, needs `fuse`)."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     path = resolve_model_path(name)
@@ -152,6 +154,11 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
         from unikern.stages.execute.residual import fuse_residual_norms
 
         norm_blocks = fuse_residual_norms(model)
+    decode_blocks = 0
+    if fuse_blocks and fused_groups and not sharded:
+        from unikern.stages.execute.blocks import fuse_decode_blocks
+
+        decode_blocks = fuse_decode_blocks(model)
     weights = [w for _, w in tree_flatten(model.parameters())]
     mx.eval(weights)
     geometry = ModelGeometry(model, family)
@@ -160,6 +167,7 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
     digest.update(str(geometry.dtype).encode())
     digest.update(b"fused" if fused_groups else b"")  # other rounding: its own cached KV
     digest.update(b"norms" if norm_blocks else b"")
+    digest.update(b"blocks" if decode_blocks else b"")
     for f in sorted(path.glob("*.safetensors")):
         st = f.stat()
         digest.update(f"{f.name}:{st.st_size}".encode())
@@ -178,4 +186,5 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
         world=world if sharded else None,
         fused_groups=fused_groups,
         norm_blocks=norm_blocks,
+        decode_blocks=decode_blocks,
     )

@@ -28,6 +28,14 @@ def _calls_sdpa(cls: type) -> bool:
     return code is not None and SDPA_NAME in code.co_names
 
 
+def sdpa_module(attn: Any) -> Any:
+    """The module whose `scaled_dot_product_attention` the attention module `attn` calls
+    (its family's own class: a subclass may wrap its __call__, as fused.py's Fused<...>),
+    or None."""
+    owner = next((cls for cls in type(attn).__mro__ if _calls_sdpa(cls)), None)
+    return None if owner is None else sys.modules[owner.__module__]
+
+
 def route_attention(layer: Any) -> bool:
     """Wrap the module-global `scaled_dot_product_attention` of `layer`'s attention module.
 
@@ -42,11 +50,9 @@ def route_attention(layer: Any) -> bool:
     attn = getattr(layer, "self_attn", None)
     if attn is None:
         return False
-    # the family's own class: a subclass may wrap its __call__ (fused.py's Fused<...>)
-    owner = next((cls for cls in type(attn).__mro__ if _calls_sdpa(cls)), None)
-    if owner is None:
+    module = sdpa_module(attn)
+    if module is None:
         return False
-    module = sys.modules[owner.__module__]
     original = getattr(module, SDPA_NAME, None)
     if original is None:
         return False

@@ -12,6 +12,7 @@ import structlog
 from unikern import messages as m
 from unikern.platform.pinning import WeightWiring
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
+from unikern.stages.execute.blocks import fused_steps
 from unikern.stages.execute.distributed import Init, RankLost
 from unikern.stages.execute.fused import fallback_calls
 from unikern.stages.execute.launch import connect, start_world
@@ -87,6 +88,13 @@ class MLXExecuteParams(StageParams, frozen=True):
     # blocks, one rank): 32 fewer kernels per token of the 1B shape. Not measured on a
     # GPU yet, so "never" by default; "always" turns it on
     fuse_norms: Literal["always", "never"] = "never"
+    # a decoder block's decode steps of up to 4 rows (fewer where the normalized rows
+    # outgrow a block's shared memory) as four GEMV kernels: the norms, RoPE, SwiGLU and
+    # residual adds run inside them, 7 kernels per block instead of 14
+    # (stages/execute/blocks.py; llama and qwen2 blocks, unquantized, with
+    # fuse_projections, one rank); MLX's own ops off CUDA. Not measured on a GPU yet, so
+    # "never" by default; "always" turns it on
+    fuse_blocks: Literal["always", "never"] = "never"
     # decode steps of full-attention layers read keys and values straight from the pool
     # by each row's slot table and length (stages/execute/paged_attention.py): one CUDA
     # kernel per layer instead of a gathered copy and a masked SDPA; elsewhere MLX's own
@@ -268,7 +276,9 @@ class MLXExecuteStage(StageBase):
                       "fused_projections": {"groups": loaded.fused_groups,
                                             "fallback_calls": fallback_calls(loaded.model) if loaded.fused_groups else 0},
                       "fused_norms": {"blocks": loaded.norm_blocks,
-                                      **handed_counts(loaded.model if loaded.norm_blocks else None)}},
+                                      **handed_counts(loaded.model if loaded.norm_blocks else None)},
+                      "decode_blocks": {"blocks": loaded.decode_blocks,
+                                        "steps": fused_steps(loaded.model) if loaded.decode_blocks else 0}},
             "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
             "kernels": runner.kernels if runner else {"enabled": False, "reason": "no step run yet"},
             "paged_attention": {**runner.paged_report, "one_row_compiled": runner.compile_one_row}

@@ -1,0 +1,225 @@
+"""A decoder block's decode step as four GEMV kernels (stages/execute/blocks.py): the
+kernel's CUDA source in the thread-per-lane emulation against numpy for each epilogue,
+RoPE's angles against mlx-lm's RoPE modules, whole fused blocks (kernels emulated, and
+MLX's ops) against the family's own block, and mlx-lm's code still what the fused steps
+repeat. Greedy parity through the engine: tests/test_families.py (variant "blocks")."""
+
+import importlib
+import inspect
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import llama, qwen2
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from tests import cuda_emulation
+from unikern.stages.execute import blocks
+from unikern.stages.execute.fused import fuse_projections
+
+emulation = pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+
+
+def run_source(x, w, mode, bias=None, norm=None, res=None, pos=None, freq_pi=None, head_dim=2, rope_pairs=0,
+               trad=False):
+    rows, K = x.shape
+    N = w.shape[0]
+    nout = N // 2 if mode == blocks.SWIGLU else N
+    one = np.zeros(1, np.float32)
+    inputs = {"x": x, "w": w, "bias": one if bias is None else bias, "norm_w": one if norm is None else norm[0],
+              "eps": np.array([norm[1] if norm else 0.0], np.float32), "res": one if res is None else res,
+              "pos": np.zeros(1, np.int32) if pos is None else pos, "freq_pi": one if freq_pi is None else freq_pi}
+    constants = {"K": K, "N": N, "NOUT": nout, "ROWS": 1 << (rows - 1).bit_length(), "WARPS": blocks.WARPS,
+                 "U": blocks.UNROLL, "NORM": int(norm is not None), "BIAS": int(bias is not None), "MODE": mode,
+                 "HD": head_dim, "ROPE_PAIRS": rope_pairs, "TRAD": int(trad)}
+    grid = -(-(N // 2) // blocks.WARPS)
+    return cuda_emulation.run_kernel(blocks._SOURCE, inputs, constants, grid, blocks.WARPS * 32, (rows, nout),
+                                     cuda_emulation.UNPACK_HEADER)
+
+
+def rms_norm(x, w, eps):
+    return w * (x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps))
+
+
+def rotate(y, pos, inv_freq, head_dim, heads, trad):
+    """numpy RoPE over the first `heads` heads of y [rows, N]."""
+    y = y.copy()
+    for r in range(y.shape[0]):
+        angle = pos[r] * inv_freq
+        c, s = np.cos(angle), np.sin(angle)
+        for h in range(heads):
+            head = y[r, h * head_dim : (h + 1) * head_dim]
+            a, b = (head[0::2].copy(), head[1::2].copy()) if trad else (head[: head_dim // 2].copy(),
+                                                                         head[head_dim // 2 :].copy())
+            lo, hi = a * c - b * s, b * c + a * s
+            if trad:
+                head[0::2], head[1::2] = lo, hi
+            else:
+                head[: head_dim // 2], head[head_dim // 2 :] = lo, hi
+    return y
+
+
+@emulation
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_kernel_source_gives_each_epilogue_in_an_emulation(rows):
+    """Plain, + residual, SwiGLU, with and without the norm and the bias; a K of 1,040
+    float32 (260 chunks of 16 bytes) takes a second, partial pass of the unrolled loads."""
+    rng = np.random.default_rng(rows)
+    K, N = 1040, 48
+    x = rng.standard_normal((rows, K)).astype(np.float32)
+    w = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    nw = rng.standard_normal(K).astype(np.float32)
+    res = rng.standard_normal((rows, N)).astype(np.float32)
+    close = {"rtol": 1e-4, "atol": 1e-4}
+    np.testing.assert_allclose(run_source(x, w, blocks.PLAIN), x @ w.T, **close)
+    np.testing.assert_allclose(run_source(x, w, blocks.RESIDUAL, bias=bias, res=res), x @ w.T + bias + res, **close)
+    n = rms_norm(x, nw, 1e-5)
+    y = n @ w.T
+    np.testing.assert_allclose(run_source(x, w, blocks.PLAIN, norm=(nw, 1e-5)), y, **close)
+    gate, up = y[:, : N // 2], y[:, N // 2 :]
+    want = gate / (1 + np.exp(-gate)) * up
+    np.testing.assert_allclose(run_source(x, w, blocks.SWIGLU, norm=(nw, 1e-5)), want, **close)
+
+
+@emulation
+@pytest.mark.parametrize("trad", [False, True])
+def test_the_kernel_rotates_q_and_k_and_leaves_v(trad):
+    """ROPE: heads of 16 features, 3 rotated heads (q and k) and 1 left (v), two rows
+    at their own positions, with the norm and a bias."""
+    rng = np.random.default_rng(7)
+    D, heads, K, rows = 16, 3, 64, 2
+    N = (heads + 1) * D
+    x = rng.standard_normal((rows, K)).astype(np.float32)
+    w = (rng.standard_normal((N, K)) / 8).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    nw = rng.standard_normal(K).astype(np.float32)
+    pos = np.array([5, 300], np.int32)
+    inv_freq = (10000.0 ** (-np.arange(0, D, 2) / D)).astype(np.float32)
+    out = run_source(x, w, blocks.ROPE, bias=bias, norm=(nw, 1e-6), pos=pos, freq_pi=inv_freq / np.pi, head_dim=D,
+                     rope_pairs=heads * D // 2, trad=trad)
+    y = rms_norm(x, nw, 1e-6) @ w.T + bias
+    np.testing.assert_allclose(out, rotate(y, pos, inv_freq, D, heads, trad), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scaling, trad", [(None, False), (None, True), ({"type": "linear", "factor": 2.0}, False),
+                                           ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, False)])
+def test_the_angles_are_mlx_lms_rope(scaling, trad):
+    """inverse_frequencies of nn.RoPE (its position scale folded in) and Llama3RoPE
+    rotate as the module does, at a far position too."""
+    D = 64
+    rope = initialize_rope(D, 500000.0, trad, scaling, 4096)
+    inv_freq, traditional = blocks.inverse_frequencies(rope, D)
+    assert traditional == trad
+    x = mx.random.normal((1, 2, 1, D), key=mx.random.key(0))
+    # an angle of 3,000 radians in float32 is good to about 2e-4 (its spacing there)
+    for pos, atol in ((3, 1e-5), (3000, 5e-4)):
+        want = np.array(rope(x, offset=pos))[0, :, 0]
+        got = rotate(np.array(x).reshape(1, 2 * D), [pos], np.array(inv_freq), D, 2, trad).reshape(2, D)
+        np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+    assert blocks.inverse_frequencies(nn.RoPE(D // 2), D) is None  # part of the head: not taken
+
+
+def tiny(family, **extra):
+    module = {"llama": llama, "qwen2": qwen2}[family]
+    args = dict(model_type=family, hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
+                num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=97, rope_theta=10000.0, tie_word_embeddings=False)
+    model = module.Model(module.ModelArgs(**{**args, **extra}))
+    mx.random.seed(3)
+    model.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.2, model.parameters()))
+    return model
+
+
+def decode_logits(model, prompt, steps):
+    cache = [KVCache() for _ in model.layers]
+    model(mx.array([prompt]), cache=cache)
+    token = mx.array([[prompt[-1]]])
+    out = []
+    for _ in range(steps):
+        logits = model(token, cache=cache)[:, -1]
+        out.append(np.array(logits))
+        token = mx.argmax(logits, axis=-1)[:, None]
+    return out
+
+
+@pytest.mark.parametrize("family, extra", [("llama", {}), ("qwen2", {}), ("llama", {"rope_traditional": True})])
+def test_fused_blocks_through_mlx_ops_are_the_familys_block(family, extra):
+    """Off CUDA the fused steps are the family's own ops: the same logits, bit for bit."""
+    model = tiny(family, **extra)
+    want = decode_logits(model, [5, 9, 11], 3)
+    fuse_projections(model)
+    assert blocks.fuse_decode_blocks(model, use_kernel=False) == 2
+    got = decode_logits(model, [5, 9, 11], 3)
+    assert blocks.fused_steps(model) == 2 * 3  # the prompt's forward ran the family's code
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@emulation
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_blocks_through_the_kernels_give_the_familys_logits(family, monkeypatch):
+    """The four kernel launches of a block as a CUDA machine runs them, in the emulation:
+    the decode steps' logits as the family's own block gives them (float32)."""
+    launched = []
+    monkeypatch.setattr(blocks, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched,
+                                                                                     cuda_emulation.UNPACK_HEADER))
+    model = tiny(family)
+    want = decode_logits(model, [5, 9, 11, 40], 2)
+    fuse_projections(model)
+    assert blocks.fuse_decode_blocks(model, use_kernel=True) == 2
+    got = decode_logits(model, [5, 9, 11, 40], 2)
+    assert launched.count("unikern_block_gemv") == 4 * 2 * 2
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_blocks_the_steps_do_not_take_stay_as_they_are():
+    model = tiny("llama")
+    assert blocks.fuse_decode_blocks(model, use_kernel=False) == 0  # q/k/v not fused
+    model = tiny("llama", rope_scaling={"type": "dynamic", "factor": 2.0})
+    fuse_projections(model)
+    assert blocks.fuse_decode_blocks(model, use_kernel=False) == 0  # a RoPE the kernel does not take
+    assert type(model.layers[0]) is llama.TransformerBlock
+
+
+def test_rows_that_fit_the_shared_memory():
+    assert blocks.max_rows(2048, mx.bfloat16) == 4 and blocks.max_rows(4096, mx.float32) == 2
+    assert blocks.max_rows(8192, mx.float32) == 1 and blocks.max_rows(16384, mx.float32) == 0
+    model = tiny("llama", hidden_size=8192, intermediate_size=64, num_attention_heads=64, num_key_value_heads=8,
+                 num_hidden_layers=1)
+    fuse_projections(model)
+    model.set_dtype(mx.bfloat16)
+    blocks.fuse_decode_blocks(model, use_kernel=False)
+    assert model.layers[0].__dict__["_block_plan"].max_rows == 2  # 2 x 8192 x 2 bytes of normalized rows
+
+
+# what the fused steps repeat of each family's code, statement by statement
+FAMILY_CODE = {
+    "TransformerBlock": ["r = self.self_attn(self.input_layernorm(x), mask, cache)", "h = x + r",
+                         "r = self.mlp(self.post_attention_layernorm(h))", "out = h + r", "return out"],
+    "MLP": ["return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))"],
+    "Attention": [
+        "B, L, D = x.shape", "queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)",
+        "queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)",
+        "keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)",
+        "values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)",
+        "if cache is not None:", "queries = self.rope(queries, offset=cache.offset)",
+        "keys = self.rope(keys, offset=cache.offset)", "keys, values = cache.update_and_fetch(keys, values)",
+        "else:", "queries = self.rope(queries)", "keys = self.rope(keys)",
+        "output = scaled_dot_product_attention(", "queries, keys, values, cache=cache, scale=self.scale, mask=mask",
+        ")", "output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)", "return self.o_proj(output)"],
+}
+
+
+@pytest.mark.parametrize("module", sorted({m for m, _ in blocks.BLOCKS}))
+@pytest.mark.parametrize("name", sorted(FAMILY_CODE))
+def test_mlx_lms_code_is_still_what_the_fused_steps_repeat(module, name):
+    """If mlx-lm changes one of these, the family must leave BLOCKS until the fused
+    steps follow."""
+    source = inspect.getsource(getattr(importlib.import_module(module), name).__call__)
+    body = source.split(":\n", 1)[1] if name == "MLP" else source.split(") -> mx.array:", 1)[1]
+    lines = [line.strip() for line in body.splitlines() if line.strip() and not line.strip().startswith("#")]
+    assert lines == FAMILY_CODE[name]
