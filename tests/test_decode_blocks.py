@@ -16,6 +16,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from tests import cuda_emulation
+from unikern.platform import cuda_is_default
 from unikern.stages.execute import blocks
 from unikern.stages.execute.fused import fuse_projections
 
@@ -174,6 +175,64 @@ def test_fused_blocks_through_the_kernels_give_the_familys_logits(family, monkey
     assert launched.count("unikern_block_gemv") == 4 * 2 * 2
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+cuda = pytest.mark.skipif(not cuda_is_default(), reason="the kernels run on a CUDA GPU")
+
+
+def relative_error(got, want):
+    got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_kernels_on_cuda_give_mlxs_ops(dtype, rows):
+    """Each epilogue at the 1B shape's widths against MLX's ops in float32 from the same
+    inputs (run with MLX_ENABLE_TF32=0): the kernel rounds as the ops do, so bfloat16
+    differs by its rounding only."""
+    keys = iter(mx.random.split(mx.random.key(rows), 12))
+
+    def rand(*shape, scale=1.0):
+        return (mx.random.normal(shape, key=next(keys)) * scale).astype(dtype)
+
+    f32 = lambda a: a.astype(mx.float32)  # noqa: E731
+    H, Hk, D, hidden, inter = 32, 8, 64, 2048, 8192
+    x, nw, eps = rand(rows, hidden), rand(hidden), mx.array([1e-5], dtype=mx.float32)
+    n = mx.fast.rms_norm(f32(x), f32(nw), 1e-5)
+    tol = 1e-4 if dtype == mx.float32 else 2e-2
+    w, bias = rand((H + 2 * Hk) * D, hidden, scale=hidden**-0.5), rand((H + 2 * Hk) * D)
+    pos = mx.array([7, 900, 3][:rows], dtype=mx.int32)
+    inv_freq, _ = blocks.inverse_frequencies(nn.RoPE(D, base=10000.0), D)
+    got = blocks.gemv(x, w, blocks.ROPE, bias=bias, norm=(nw, eps), pos=pos, freq_pi=inv_freq / np.pi, head_dim=D,
+                      rope_pairs=(H + Hk) * D // 2)
+    y = n @ f32(w).T + f32(bias)
+    parts = [mx.fast.rope(y[:, a:b].reshape(rows, -1, 1, D), D, traditional=False, base=10000.0, scale=1.0,
+                          offset=pos) for a, b in ((0, H * D), (H * D, (H + Hk) * D))]
+    want = mx.concatenate([p.reshape(rows, -1) for p in parts] + [y[:, (H + Hk) * D :]], axis=-1)
+    assert relative_error(got, want) < tol
+    o, w = rand(rows, H * D), rand(hidden, H * D, scale=(H * D) ** -0.5)
+    assert relative_error(blocks.gemv(o, w, blocks.RESIDUAL, res=x), f32(o) @ f32(w).T + f32(x)) < tol
+    w = rand(2 * inter, hidden, scale=hidden**-0.5)
+    gate, up = mx.split(n @ f32(w).T, 2, axis=-1)
+    assert relative_error(blocks.gemv(x, w, blocks.SWIGLU, norm=(nw, eps)), nn.silu(gate) * up) < tol
+    a, w = rand(rows, inter), rand(hidden, inter, scale=inter**-0.5)
+    assert relative_error(blocks.gemv(a, w, blocks.RESIDUAL, res=x), f32(a) @ f32(w).T + f32(x)) < tol
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_fused_blocks_on_cuda_give_the_familys_logits(dtype):
+    model = tiny("llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)
+    model.set_dtype(dtype)
+    want = decode_logits(model, [5, 9, 11, 40], 3)
+    fuse_projections(model)
+    assert blocks.fuse_decode_blocks(model) == 2  # the kernels: CUDA is the default device
+    got = decode_logits(model, [5, 9, 11, 40], 3)
+    assert blocks.fused_steps(model) == 2 * 3
+    for a, b in zip(got, want, strict=True):
+        assert relative_error(mx.array(a), mx.array(b)) < (1e-4 if dtype == mx.float32 else 3e-2)
 
 
 def test_blocks_the_steps_do_not_take_stay_as_they_are():

@@ -58,8 +58,9 @@ def prompts(vocab: int = 1024) -> list[list[int]]:
 # "always": q/k/v and gate/up through one weight (each family's own attention and MLP
 # code handed the slices); decode attention read from the pool by slot table and
 # length (MLX's ops here, the CUDA kernel on a GPU), one-row windows traced as well
-# (unikern's 4-bit kernels off but in the gemv variant below: on CUDA both default on)
-OWN_KERNELS_OFF = {"quantized_gemv": "never", "quantized_mma": "never"}
+# (unikern's 4-bit kernels and fused decode blocks off but in the gemv and blocks variants
+# below: on CUDA they default on)
+OWN_KERNELS_OFF = {"quantized_gemv": "never", "quantized_mma": "never", "fuse_blocks": "never"}
 VARIANTS = {
     "plain": {"fuse_projections": "never", "paged_attention": "never", **OWN_KERNELS_OFF},
     "fused": {"fuse_projections": "always", "paged_attention": "never", **OWN_KERNELS_OFF},

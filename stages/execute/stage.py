@@ -92,9 +92,8 @@ class MLXExecuteParams(StageParams, frozen=True):
     # outgrow a block's shared memory) as four GEMV kernels: the norms, RoPE, SwiGLU and
     # residual adds run inside them, 7 kernels per block instead of 14
     # (stages/execute/blocks.py; llama and qwen2 blocks, unquantized, with
-    # fuse_projections, one rank); MLX's own ops off CUDA. Not measured on a GPU yet, so
-    # "never" by default; "always" turns it on
-    fuse_blocks: Literal["always", "never"] = "never"
+    # fuse_projections, one rank); MLX's own ops off CUDA. "auto": on CUDA
+    fuse_blocks: Literal["auto", "always", "never"] = "auto"
     # decode steps of full-attention layers read keys and values straight from the pool
     # by each row's slot table and length (stages/execute/paged_attention.py): one CUDA
     # kernel per layer instead of a gathered copy and a masked SDPA; elsewhere MLX's own
