@@ -111,7 +111,8 @@ def available() -> bool:
 
 
 def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, int], blocks: int, threads: int,
-               output_shape: tuple[int, ...], header: str = "") -> np.ndarray:
+               output_shape: tuple[int, ...], header: str = "",
+               outputs: dict[str, tuple[int, ...]] | None = None) -> np.ndarray | dict[str, np.ndarray]:
     """`source` run over `blocks` blocks of `threads` threads: the inputs (float32, int32
     or uint32 arrays, each with its `<name>_shape`), `constants` as the kernel's
     template parameters (T is float), one float32 output `out` of `output_shape`, and
@@ -126,19 +127,22 @@ def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, 
         reads.append(f"std::vector<{ctype}> {name}_data({a.size}); "
                      f"fread({name}_data.data(), 4, {a.size}, stdin);")
     constant_lines = "".join(f"constexpr int {k} = {v};\n" for k, v in constants.items())
-    out_size = int(np.prod(output_shape))
-    call_args = ", ".join(f"{name}_data.data()" for name in inputs) + ", out.data()"
+    shapes_out = outputs or {"out": output_shape}
+    call_args = ", ".join([f"{name}_data.data()" for name in inputs] + [f"{name}.data()" for name in shapes_out])
+    out_params = "".join(f", T* {name}" for name in shapes_out)
+    out_vectors = " ".join(f"std::vector<float> {name}({int(np.prod(shape))});" for name, shape in shapes_out.items())
+    out_writes = " ".join(f"fwrite({name}.data(), 4, {name}.size(), stdout);" for name in shapes_out)
     code = f"""{_PRELUDE}
 {header}
 typedef float T;
 {constant_lines}
 {chr(10).join(shapes)}
-static void kernel({", ".join(params)}, T* out) {{
+static void kernel({", ".join(params)}{out_params}) {{
 {source}
 }}
 int main() {{
     {chr(10).join(reads)}
-    std::vector<float> out({out_size});
+    {out_vectors}
     for (int w = 0; w < {threads // 32}; ++w) warp_bars.emplace_back(new std::barrier<>(32));
     block_bar.reset(new std::barrier<>({threads}));
     blockDim.x = {threads};
@@ -150,12 +154,16 @@ int main() {{
             pool.emplace_back([&, t] {{ threadIdx.x = t; kernel({call_args}); }});
         for (auto& th : pool) th.join();
     }}
-    fwrite(out.data(), 4, out.size(), stdout);
+    {out_writes}
 }}
 """
     data = b"".join(np.ascontiguousarray(a).tobytes() for a in inputs.values())
     done = subprocess.run([_built(code)], input=data, capture_output=True, check=True)
-    return np.frombuffer(done.stdout, dtype=np.float32).reshape(output_shape)
+    flat, results = np.frombuffer(done.stdout, dtype=np.float32), {}
+    for name, shape in shapes_out.items():
+        size = int(np.prod(shape))
+        results[name], flat = flat[:size].reshape(shape), flat[size:]
+    return results if outputs else results["out"]
 
 
 @functools.cache
@@ -189,15 +197,16 @@ def emulated_cuda_kernels(launched: list[str] | None = None, header: str | None 
 
     own_header = header
 
-    def build(base: str, input_names: tuple[str, ...], source: str, header: str = ""):
+    def build(base: str, input_names: tuple[str, ...], source: str, header: str = "", outputs: tuple[str, ...] = ("out",)):
         def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
             if launched is not None:
                 launched.append(base)
             arrays = {n: np.array(a) for n, a in zip(input_names, inputs, strict=True)}
             constants = {k: v for k, v in template if k != "T"}
             out = run_kernel(source, arrays, constants, grid[0] // threadgroup[0], threadgroup[0], output_shapes[0],
-                             header if own_header is None else own_header)
-            return [mx.array(out).astype(output_dtypes[0])]
+                             header if own_header is None else own_header,
+                             dict(zip(outputs, output_shapes, strict=True)))
+            return [mx.array(out[n]).astype(d) for n, d in zip(outputs, output_dtypes, strict=True)]
         return launch
 
     return build

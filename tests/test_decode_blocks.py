@@ -24,20 +24,25 @@ emulation = pytest.mark.skipif(not cuda_emulation.available(), reason="the emula
 
 
 def run_source(x, w, mode, bias=None, norm=None, res=None, pos=None, freq_pi=None, head_dim=2, rope_pairs=0,
-               trad=False):
+               trad=False, q_features=0, split=None):
+    """The kernel's source over float32 arrays (ROPE: [q, k, v])."""
     rows, K = x.shape
     N = w.shape[0]
-    nout = N // 2 if mode == blocks.SWIGLU else N
+    nout = N // 2 if mode == blocks.SWIGLU else q_features if mode == blocks.ROPE else N
+    split = split or blocks.split_for(K, mx.float32)
     one = np.zeros(1, np.float32)
     inputs = {"x": x, "w": w, "bias": one if bias is None else bias, "norm_w": one if norm is None else norm[0],
               "eps": np.array([norm[1] if norm else 0.0], np.float32), "res": one if res is None else res,
               "pos": np.zeros(1, np.int32) if pos is None else pos, "freq_pi": one if freq_pi is None else freq_pi}
     constants = {"K": K, "N": N, "NOUT": nout, "ROWS": 1 << (rows - 1).bit_length(), "WARPS": blocks.WARPS,
-                 "U": blocks.UNROLL, "NORM": int(norm is not None), "BIAS": int(bias is not None), "MODE": mode,
-                 "HD": head_dim, "ROPE_PAIRS": rope_pairs, "TRAD": int(trad)}
-    grid = -(-(N // 2) // blocks.WARPS)
-    return cuda_emulation.run_kernel(blocks._SOURCE, inputs, constants, grid, blocks.WARPS * 32, (rows, nout),
-                                     cuda_emulation.UNPACK_HEADER)
+                 "SPLIT": split, "U": blocks.UNROLL, "NORM": int(norm is not None), "BIAS": int(bias is not None),
+                 "MODE": mode, "HD": head_dim, "ROPE_PAIRS": rope_pairs, "QN": q_features or N, "TRAD": int(trad)}
+    kv = (N - q_features) // 2
+    outputs = {"out": (rows, nout), "out_k": (rows, kv) if kv else (1,), "out_v": (rows, kv) if kv else (1,)}
+    grid = -(-(N // 2) // (blocks.WARPS // split))
+    got = cuda_emulation.run_kernel(blocks._SOURCE, inputs, constants, grid, blocks.WARPS * 32, (rows, nout),
+                                    cuda_emulation.UNPACK_HEADER, outputs)
+    return [got["out"], got["out_k"], got["out_v"]] if mode == blocks.ROPE else got["out"]
 
 
 def rms_norm(x, w, eps):
@@ -63,10 +68,11 @@ def rotate(y, pos, inv_freq, head_dim, heads, trad):
 
 
 @emulation
-@pytest.mark.parametrize("rows", [1, 3])
-def test_the_kernel_source_gives_each_epilogue_in_an_emulation(rows):
-    """Plain, + residual, SwiGLU, with and without the norm and the bias; a K of 1,040
-    float32 (260 chunks of 16 bytes) takes a second, partial pass of the unrolled loads."""
+@pytest.mark.parametrize("rows, split", [(1, None), (3, None), (3, 1), (1, 4)])
+def test_the_kernel_source_gives_each_epilogue_in_an_emulation(rows, split):
+    """Plain, + residual, SwiGLU, with and without the norm and the bias. A K of 1,040
+    float32 is 260 chunks of 16 bytes: split over 2 warps per pair (split_for), over 4,
+    or in one warp, which takes a second, partial pass of the unrolled loads."""
     rng = np.random.default_rng(rows)
     K, N = 1040, 48
     x = rng.standard_normal((rows, K)).astype(np.float32)
@@ -75,21 +81,22 @@ def test_the_kernel_source_gives_each_epilogue_in_an_emulation(rows):
     nw = rng.standard_normal(K).astype(np.float32)
     res = rng.standard_normal((rows, N)).astype(np.float32)
     close = {"rtol": 1e-4, "atol": 1e-4}
-    np.testing.assert_allclose(run_source(x, w, blocks.PLAIN), x @ w.T, **close)
-    np.testing.assert_allclose(run_source(x, w, blocks.RESIDUAL, bias=bias, res=res), x @ w.T + bias + res, **close)
+    np.testing.assert_allclose(run_source(x, w, blocks.PLAIN, split=split), x @ w.T, **close)
+    np.testing.assert_allclose(run_source(x, w, blocks.RESIDUAL, bias=bias, res=res, split=split),
+                               x @ w.T + bias + res, **close)
     n = rms_norm(x, nw, 1e-5)
     y = n @ w.T
-    np.testing.assert_allclose(run_source(x, w, blocks.PLAIN, norm=(nw, 1e-5)), y, **close)
+    np.testing.assert_allclose(run_source(x, w, blocks.PLAIN, norm=(nw, 1e-5), split=split), y, **close)
     gate, up = y[:, : N // 2], y[:, N // 2 :]
     want = gate / (1 + np.exp(-gate)) * up
-    np.testing.assert_allclose(run_source(x, w, blocks.SWIGLU, norm=(nw, 1e-5)), want, **close)
+    np.testing.assert_allclose(run_source(x, w, blocks.SWIGLU, norm=(nw, 1e-5), split=split), want, **close)
 
 
 @emulation
 @pytest.mark.parametrize("trad", [False, True])
 def test_the_kernel_rotates_q_and_k_and_leaves_v(trad):
-    """ROPE: heads of 16 features, 3 rotated heads (q and k) and 1 left (v), two rows
-    at their own positions, with the norm and a bias."""
+    """ROPE: heads of 16 features, 2 q and 1 k heads rotated, 1 v head left, two rows
+    at their own positions, with the norm and a bias; q, k and v in their own outputs."""
     rng = np.random.default_rng(7)
     D, heads, K, rows = 16, 3, 64, 2
     N = (heads + 1) * D
@@ -99,10 +106,11 @@ def test_the_kernel_rotates_q_and_k_and_leaves_v(trad):
     nw = rng.standard_normal(K).astype(np.float32)
     pos = np.array([5, 300], np.int32)
     inv_freq = (10000.0 ** (-np.arange(0, D, 2) / D)).astype(np.float32)
-    out = run_source(x, w, blocks.ROPE, bias=bias, norm=(nw, 1e-6), pos=pos, freq_pi=inv_freq / np.pi, head_dim=D,
-                     rope_pairs=heads * D // 2, trad=trad)
+    q, k, v = run_source(x, w, blocks.ROPE, bias=bias, norm=(nw, 1e-6), pos=pos, freq_pi=inv_freq / np.pi,
+                         head_dim=D, rope_pairs=heads * D // 2, trad=trad, q_features=2 * D)
     y = rms_norm(x, nw, 1e-6) @ w.T + bias
-    np.testing.assert_allclose(out, rotate(y, pos, inv_freq, D, heads, trad), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.concatenate([q, k, v], axis=1), rotate(y, pos, inv_freq, D, heads, trad),
+                               rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("scaling, trad", [(None, False), (None, True), ({"type": "linear", "factor": 2.0}, False),
@@ -141,7 +149,7 @@ def decode_logits(model, prompt, steps):
     out = []
     for _ in range(steps):
         logits = model(token, cache=cache)[:, -1]
-        out.append(np.array(logits))
+        out.append(np.array(logits.astype(mx.float32)))
         token = mx.argmax(logits, axis=-1)[:, None]
     return out
 
@@ -205,8 +213,8 @@ def test_the_kernels_on_cuda_give_mlxs_ops(dtype, rows):
     w, bias = rand((H + 2 * Hk) * D, hidden, scale=hidden**-0.5), rand((H + 2 * Hk) * D)
     pos = mx.array([7, 900, 3][:rows], dtype=mx.int32)
     inv_freq, _ = blocks.inverse_frequencies(nn.RoPE(D, base=10000.0), D)
-    got = blocks.gemv(x, w, blocks.ROPE, bias=bias, norm=(nw, eps), pos=pos, freq_pi=inv_freq / np.pi, head_dim=D,
-                      rope_pairs=(H + Hk) * D // 2)
+    got = mx.concatenate(blocks.gemv(x, w, blocks.ROPE, bias=bias, norm=(nw, eps), pos=pos, freq_pi=inv_freq / np.pi,
+                                     head_dim=D, rope_pairs=(H + Hk) * D // 2, q_features=H * D), axis=-1)
     y = n @ f32(w).T + f32(bias)
     parts = [mx.fast.rope(y[:, a:b].reshape(rows, -1, 1, D), D, traditional=False, base=10000.0, scale=1.0,
                           offset=pos) for a, b in ((0, H * D), (H * D, (H + Hk) * D))]

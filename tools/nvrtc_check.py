@@ -163,7 +163,8 @@ def record_launches() -> list[Build]:
                     norm = (mx.zeros((hidden,), dtype=dtype), eps)
                     qkv = mx.zeros(((H + 2 * Hk) * D, hidden), dtype=dtype)
                     blocks.gemv(x, qkv, blocks.ROPE, bias=qkv[:, 0], norm=norm, pos=mx.zeros((rows,), dtype=mx.int32),
-                                freq_pi=mx.zeros((D // 2,), dtype=mx.float32), head_dim=D, rope_pairs=(H + Hk) * D // 2)
+                                freq_pi=mx.zeros((D // 2,), dtype=mx.float32), head_dim=D, rope_pairs=(H + Hk) * D // 2,
+                                q_features=H * D)
                     blocks.gemv(mx.zeros((rows, H * D), dtype=dtype), mx.zeros((hidden, H * D), dtype=dtype),
                                 blocks.RESIDUAL, res=x)
                     blocks.gemv(x, mx.zeros((2 * inter, hidden), dtype=dtype), blocks.SWIGLU, norm=norm)

@@ -49,10 +49,12 @@ def kernel_name(base: str, *sources: str) -> str:
 
 
 @functools.cache
-def cuda_kernel(base: str, input_names: tuple[str, ...], source: str, header: str = "") -> Any:
-    """`mx.fast.cuda_kernel` with one output, `out`, built once per source and named by
-    `kernel_name` (so its compiled code is never another source's)."""
+def cuda_kernel(base: str, input_names: tuple[str, ...], source: str, header: str = "",
+                outputs: tuple[str, ...] = ("out",)) -> Any:
+    """`mx.fast.cuda_kernel` with the outputs `outputs` (one, `out`, by default), built
+    once per source and named by `kernel_name` (so its compiled code is never another
+    source's)."""
     import mlx.core as mx
 
     return mx.fast.cuda_kernel(name=kernel_name(base, source, header), input_names=list(input_names),
-                               output_names=["out"], source=source, header=header)
+                               output_names=list(outputs), source=source, header=header)

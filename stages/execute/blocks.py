@@ -89,14 +89,45 @@ template <> __device__ inline void unikern_unpack<__half>(const uint4& v, float*
 # x [rows, K] (rows <= ROWS) against w [N, K]: out [rows, NOUT] (NOUT = N, or N / 2 for
 # SWIGLU). NORM: x goes through the RMS norm (norm_w, eps) first. BIAS: w's bias. MODE:
 # the epilogue (PLAIN, RESIDUAL: + res [rows, NOUT], ROPE: the first ROPE_PAIRS pairs
-# rotated by pi * pos [rows] * freq_pi [HD / 2], SWIGLU: silu(gate) * up, gate = features
-# [0, N / 2), up = [N / 2, N)).
+# rotated by pi * pos [rows] * freq_pi [HD / 2], and the features in three outputs:
+# out [rows, QN] (q), out_k and out_v [rows, (N - QN) / 2], so each is contiguous;
+# SWIGLU: silu(gate) * up, gate = features [0, N / 2), up = [N / 2, N)). A pair's K is
+# split over SPLIT warps of the block, whose sums meet in shared memory. Each warp issues
+# its first pass' weight loads before the norm's reduction, so they are in flight while
+# it runs.
 _SOURCE = """
     constexpr int PACK = 16 / sizeof(T);  // elements per 16-byte load
     constexpr int C = K / PACK;  // 16-byte chunks per row of w
+    constexpr int PER = (C + SPLIT - 1) / SPLIT;  // chunks per warp of a pair
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int rows = x_shape[0];
+    const int p = blockIdx.x * (WARPS / SPLIT) + warp / SPLIT;  // this warp's pair of output features
+    const bool live = p < N / 2;  // (no return before the block's barriers)
+    int f0 = 2 * p, f1 = 2 * p + 1;
+    if (MODE == 3) {
+        f0 = p;
+        f1 = p + N / 2;
+    }
+    if (MODE == 2 && p < ROPE_PAIRS) {
+        const int head = p / (HD / 2), i = p % (HD / 2);
+        f0 = TRAD ? head * HD + 2 * i : head * HD + i;
+        f1 = TRAD ? f0 + 1 : f0 + HD / 2;
+    }
+    if (!live) f0 = f1 = 0;
+    const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)f0 * K);
+    const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)f1 * K);
+    const int lo = (warp % SPLIT) * PER;
+    const int hi = min(C, lo + PER);
+    uint4 a[U], b[U];
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {  // the first pass' loads, before anything waits
+        const int c = lo + u * 32 + lane;
+        if (live && c < hi) {
+            a[u] = w0[c];
+            b[u] = w1[c];
+        }
+    }
     __shared__ __align__(16) T xs[NORM ? ROWS * K : PACK];
     if (NORM) {
         __shared__ float partial[ROWS][WARPS];
@@ -121,39 +152,26 @@ _SOURCE = """
         __syncthreads();
     }
     const T* xin = NORM ? xs : x;
-    const int p = blockIdx.x * WARPS + warp;  // this warp's pair of output features
-    if (p >= N / 2) return;
-    int f0 = 2 * p, f1 = 2 * p + 1;
-    if (MODE == 3) {
-        f0 = p;
-        f1 = p + N / 2;
-    }
-    if (MODE == 2 && p < ROPE_PAIRS) {
-        const int head = p / (HD / 2), i = p % (HD / 2);
-        f0 = TRAD ? head * HD + 2 * i : head * HD + i;
-        f1 = TRAD ? f0 + 1 : f0 + HD / 2;
-    }
-    const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)f0 * K);
-    const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)f1 * K);
     float acc0[ROWS], acc1[ROWS];
     for (int r = 0; r < ROWS; ++r) {
         acc0[r] = 0.f;
         acc1[r] = 0.f;
     }
-    for (int c0 = 0; c0 < C; c0 += 32 * U) {
-        uint4 a[U], b[U];
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {  // every load of the pass first: bytes in flight
-            const int c = c0 + u * 32 + lane;
-            if (c < C) {
-                a[u] = w0[c];
-                b[u] = w1[c];
+    for (int c0 = lo; live && c0 < hi; c0 += 32 * U) {
+        if (c0 != lo) {
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int c = c0 + u * 32 + lane;
+                if (c < hi) {
+                    a[u] = w0[c];
+                    b[u] = w1[c];
+                }
             }
         }
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = c0 + u * 32 + lane;
-            if (c < C) {
+            if (c < hi) {
                 float wa[PACK], wb[PACK];
                 unikern_unpack<T>(a[u], wa);
                 unikern_unpack<T>(b[u], wb);
@@ -174,35 +192,61 @@ _SOURCE = """
     }
     #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-        float s0 = acc0[r], s1 = acc1[r];
         for (int o = 16; o > 0; o >>= 1) {
-            s0 += __shfl_xor_sync(0xffffffff, s0, o);
-            s1 += __shfl_xor_sync(0xffffffff, s1, o);
+            acc0[r] += __shfl_xor_sync(0xffffffff, acc0[r], o);
+            acc1[r] += __shfl_xor_sync(0xffffffff, acc1[r], o);
         }
-        if (lane == 0 && r < rows) {
-            if (BIAS) {
-                s0 += static_cast<float>(bias[f0]);
-                s1 += static_cast<float>(bias[f1]);
+    }
+    if (SPLIT > 1) {  // the pair's other warps hand their sums to its first
+        __shared__ float sums[WARPS][2 * ROWS];
+        if (lane == 0)
+            for (int r = 0; r < ROWS; ++r) {
+                sums[warp][2 * r] = acc0[r];
+                sums[warp][2 * r + 1] = acc1[r];
             }
-            const float y0 = static_cast<float>(static_cast<T>(s0));  // the matmul's output, rounded
-            const float y1 = static_cast<float>(static_cast<T>(s1));
-            T* o = out + (size_t)r * NOUT;
-            if (MODE == 1) {
-                o[f0] = static_cast<T>(y0 + static_cast<float>(res[(size_t)r * NOUT + f0]));
-                o[f1] = static_cast<T>(y1 + static_cast<float>(res[(size_t)r * NOUT + f1]));
-            } else if (MODE == 2 && p < ROPE_PAIRS) {
-                float s, c;  // the angle in units of pi: an exact range reduction, no slow path
-                sincospif(static_cast<float>(pos[r]) * freq_pi[p % (HD / 2)], &s, &c);
-                o[f0] = static_cast<T>(y0 * c - y1 * s);
-                o[f1] = static_cast<T>(y1 * c + y0 * s);
-            } else if (MODE == 3) {
-                const float sig = static_cast<float>(static_cast<T>(1.f / (1.f + expf(-y0))));
-                const float act = static_cast<float>(static_cast<T>(y0 * sig));
-                o[p] = static_cast<T>(act * y1);
-            } else {
-                o[f0] = static_cast<T>(y0);
-                o[f1] = static_cast<T>(y1);
+        __syncthreads();
+        if (warp % SPLIT != 0) return;
+        for (int r = 0; r < ROWS; ++r)
+            for (int q = 1; q < SPLIT; ++q) {
+                acc0[r] += sums[warp + q][2 * r];
+                acc1[r] += sums[warp + q][2 * r + 1];
             }
+    }
+    if (!live || lane != 0) return;
+    T* dst = out;  // and the columns and width of the output the pair belongs to
+    int c0 = f0, c1 = f1, width = NOUT;
+    if (MODE == 2 && f0 >= QN) {
+        const int kn = (N - QN) / 2;
+        const bool is_v = f0 >= QN + kn;
+        dst = is_v ? out_v : out_k;
+        c0 -= is_v ? QN + kn : QN;
+        c1 -= is_v ? QN + kn : QN;
+        width = kn;
+    }
+    for (int r = 0; r < rows; ++r) {
+        float s0 = acc0[r], s1 = acc1[r];
+        if (BIAS) {
+            s0 += static_cast<float>(bias[f0]);
+            s1 += static_cast<float>(bias[f1]);
+        }
+        const float y0 = static_cast<float>(static_cast<T>(s0));  // the matmul's output, rounded
+        const float y1 = static_cast<float>(static_cast<T>(s1));
+        T* o = dst + (size_t)r * width;
+        if (MODE == 1) {
+            o[c0] = static_cast<T>(y0 + static_cast<float>(res[(size_t)r * NOUT + f0]));
+            o[c1] = static_cast<T>(y1 + static_cast<float>(res[(size_t)r * NOUT + f1]));
+        } else if (MODE == 2 && p < ROPE_PAIRS) {
+            float s, c;  // the angle in units of pi: an exact range reduction, no slow path
+            sincospif(static_cast<float>(pos[r]) * freq_pi[p % (HD / 2)], &s, &c);
+            o[c0] = static_cast<T>(y0 * c - y1 * s);
+            o[c1] = static_cast<T>(y1 * c + y0 * s);
+        } else if (MODE == 3) {
+            const float sig = static_cast<float>(static_cast<T>(1.f / (1.f + expf(-y0))));
+            const float act = static_cast<float>(static_cast<T>(y0 * sig));
+            o[p] = static_cast<T>(act * y1);
+        } else {
+            o[c0] = static_cast<T>(y0);
+            o[c1] = static_cast<T>(y1);
         }
     }
 """
@@ -224,30 +268,42 @@ def _placeholder(dtype: mx.Dtype) -> mx.array:
     return _placeholders[dtype]
 
 
+def split_for(K: int, dtype: mx.Dtype) -> int:
+    """Warps per output pair: enough that each warp's share of a row is one pass of
+    UNROLL loads per lane (a power of two, at most WARPS)."""
+    passes = -(-K * ITEMSIZE[dtype] // (16 * 32 * UNROLL))
+    return min(WARPS, 1 << (passes - 1).bit_length())
+
+
 def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
          norm: tuple[mx.array, mx.array] | None = None, res: mx.array | None = None,
          pos: mx.array | None = None, freq_pi: mx.array | None = None, head_dim: int = 0,
-         rope_pairs: int = 0, traditional: bool = False) -> mx.array:
-    """The kernel over x [rows, K] and w [N, K] (see _SOURCE); norm: (weight, eps as a
-    float32 [1] array); freq_pi: RoPE's inverse frequencies over pi."""
+         rope_pairs: int = 0, q_features: int = 0, traditional: bool = False) -> mx.array | list[mx.array]:
+    """The kernel over x [rows, K] and w [N, K] (see _SOURCE): its output, or for ROPE
+    [q, k, v] (q_features of q, the rest halved between k and v). norm: (weight, eps as
+    a float32 [1] array); freq_pi: RoPE's inverse frequencies over pi."""
     rows, K = x.shape
     if norm is not None and rows > max_rows(K, x.dtype):
         raise ValueError(f"{rows} rows of {K} {x.dtype} do not fit the kernel's shared memory "
                          f"({max_rows(K, x.dtype)} at most)")
     N = w.shape[0]
     f32 = _placeholder(mx.float32)
-    nout = N // 2 if mode == SWIGLU else N
+    nout = N // 2 if mode == SWIGLU else q_features if mode == ROPE else N
+    split = split_for(K, x.dtype)
     template = [("T", x.dtype), ("K", K), ("N", N), ("NOUT", nout), ("ROWS", 1 << (rows - 1).bit_length()),
-                ("WARPS", WARPS), ("U", UNROLL), ("NORM", int(norm is not None)), ("BIAS", int(bias is not None)),
-                ("MODE", mode), ("HD", head_dim or 2), ("ROPE_PAIRS", rope_pairs), ("TRAD", int(traditional))]
+                ("WARPS", WARPS), ("SPLIT", split), ("U", UNROLL), ("NORM", int(norm is not None)),
+                ("BIAS", int(bias is not None)), ("MODE", mode), ("HD", head_dim or 2), ("ROPE_PAIRS", rope_pairs),
+                ("QN", q_features if mode == ROPE else N), ("TRAD", int(traditional))]
     inputs = [x, w, bias if bias is not None else _placeholder(x.dtype),
               norm[0] if norm else _placeholder(x.dtype), norm[1] if norm else f32,
               res if res is not None else _placeholder(x.dtype),
               pos if pos is not None else _placeholder(mx.int32), freq_pi if freq_pi is not None else f32]
-    kernel = cuda_kernel("unikern_block_gemv", _INPUTS, _SOURCE, _HEADER)
-    (out,) = kernel(inputs=inputs, template=template, grid=(-(-(N // 2) // WARPS) * WARPS * 32, 1, 1),
-                    threadgroup=(WARPS * 32, 1, 1), output_shapes=[(rows, nout)], output_dtypes=[x.dtype])
-    return out
+    kv = (N - q_features) // 2
+    shapes = [(rows, nout), (rows, kv), (rows, kv)] if mode == ROPE else [(rows, nout), (1,), (1,)]
+    kernel = cuda_kernel("unikern_block_gemv", _INPUTS, _SOURCE, _HEADER, ("out", "out_k", "out_v"))
+    outs = kernel(inputs=inputs, template=template, grid=(-(-(N // 2) // (WARPS // split)) * WARPS * 32, 1, 1),
+                  threadgroup=(WARPS * 32, 1, 1), output_shapes=shapes, output_dtypes=[x.dtype] * 3)
+    return list(outs) if mode == ROPE else outs[0]
 
 
 def inverse_frequencies(rope: Any, head_dim: int) -> tuple[mx.array, bool] | None:
@@ -296,17 +352,15 @@ class FusedDecodeBlock:
             return super().__call__(x, mask, cache)
         plan.steps += 1
         attn, mlp = self.self_attn, self.mlp
-        H, Hk, D = plan.heads, plan.kv_heads, plan.head_dim
+        H, D = plan.heads, plan.head_dim
         offset = cache.offset if cache is not None else 0
         rows = x.reshape(B, width)
-        qkv = self._qkv(plan, rows, offset)
-        q = qkv[:, : H * D].reshape(B, 1, H, D).transpose(0, 2, 1, 3)
-        k = qkv[:, H * D : (H + Hk) * D].reshape(B, 1, Hk, D).transpose(0, 2, 1, 3)
-        v = qkv[:, (H + Hk) * D :].reshape(B, 1, Hk, D).transpose(0, 2, 1, 3)
+        # one token per row: [B, 1, H, D] transposed to [B, H, 1, D] is a reshape
+        q, k, v = (t.reshape(B, t.shape[1] // D, 1, D) for t in self._qkv(plan, rows, offset))
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         sdpa = getattr(plan.sdpa_module, SDPA_NAME)  # the routed one where paged attention is on
-        o = sdpa(q, k, v, cache=cache, scale=plan.scale, mask=mask).transpose(0, 2, 1, 3).reshape(B, H * D)
+        o = sdpa(q, k, v, cache=cache, scale=plan.scale, mask=mask).reshape(B, H * D)
         o_proj, gate_up, down = attn.o_proj, mlp.fused_gate_proj, mlp.down_proj
         if plan.use_kernel:
             h = gemv(o, o_proj["weight"], RESIDUAL, bias=o_proj.get("bias"), res=rows)
@@ -320,8 +374,8 @@ class FusedDecodeBlock:
             out = h + _linear(down, swiglu(gate, up))
         return out.reshape(B, 1, width)
 
-    def _qkv(self, plan: BlockPlan, rows: mx.array, offset: Any) -> mx.array:
-        """[B, (H + 2 Hk) D]: q and k rotated for their positions, v."""
+    def _qkv(self, plan: BlockPlan, rows: mx.array, offset: Any) -> list[mx.array]:
+        """q [B, H D] and k [B, Hk D] rotated for their positions, v [B, Hk D]."""
         B = rows.shape[0]
         H, Hk, D = plan.heads, plan.kv_heads, plan.head_dim
         fused = self.self_attn.fused_q_proj
@@ -330,15 +384,14 @@ class FusedDecodeBlock:
             pos = mx.broadcast_to(pos.astype(mx.int32), (B,))
             return gemv(rows, fused["weight"], ROPE, bias=fused.get("bias"),
                         norm=(self.input_layernorm["weight"], plan.eps[0]), pos=pos, freq_pi=plan.freq_pi,
-                        head_dim=D, rope_pairs=(H + Hk) * D // 2, traditional=plan.traditional)
+                        head_dim=D, rope_pairs=(H + Hk) * D // 2, q_features=H * D, traditional=plan.traditional)
         y = _linear(fused, self.input_layernorm(rows))
 
         def rotated(part: mx.array, heads: int) -> mx.array:
             t = part.reshape(B, 1, heads, D).transpose(0, 2, 1, 3)
             return plan.rope(t, offset=offset).transpose(0, 2, 1, 3).reshape(B, heads * D)
 
-        return mx.concatenate([rotated(y[:, : H * D], H), rotated(y[:, H * D : (H + Hk) * D], Hk),
-                               y[:, (H + Hk) * D :]], axis=-1)
+        return [rotated(y[:, : H * D], H), rotated(y[:, H * D : (H + Hk) * D], Hk), y[:, (H + Hk) * D :]]
 
 
 _CLASSES: dict[type, type] = {}
