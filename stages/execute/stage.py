@@ -92,8 +92,11 @@ class MLXExecuteParams(StageParams, frozen=True):
     # outgrow a block's shared memory) as four GEMV kernels: the norms, RoPE, SwiGLU and
     # residual adds run inside them, 7 kernels per block instead of 14
     # (stages/execute/blocks.py; llama and qwen2 blocks, unquantized, with
-    # fuse_projections, one rank); MLX's own ops off CUDA. "auto": on CUDA
-    fuse_blocks: Literal["auto", "always", "never"] = "auto"
+    # fuse_projections, one rank); MLX's own ops off CUDA. On an H200 (1B shape, one row)
+    # the token's kernels went 242 -> 134 but its GPU time 1.17 -> 1.62 ms: the kernels'
+    # GEMVs ran at half MLX's speed (tools/results/gpu/session11/c-blocks-v2), so "never"
+    # by default ("auto": on CUDA; "always")
+    fuse_blocks: Literal["auto", "always", "never"] = "never"
     # decode steps of full-attention layers read keys and values straight from the pool
     # by each row's slot table and length (stages/execute/paged_attention.py): one CUDA
     # kernel per layer instead of a gathered copy and a masked SDPA; elsewhere MLX's own
