@@ -32,9 +32,10 @@ def test_the_kernel_source_adds_and_normalizes_in_an_emulation(D):
     threads = residual.threads_for(D)
     constants = {"D": D, "THREADS": threads, "PER": D // threads}
     inputs = {"x": x, "r": r, "weight": w, "eps": np.array([eps], dtype=np.float32)}
-    out = cuda_emulation.run_kernel(residual._ADD_NORM_SOURCE, inputs, constants, rows, threads, (2, rows, D))
-    np.testing.assert_allclose(out[0], x + r, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(out[1], rms_norm(x + r, w, eps), rtol=1e-4, atol=1e-5)
+    out = cuda_emulation.run_kernel(residual._ADD_NORM_SOURCE, inputs, constants, rows, threads, (rows, D), "",
+                                    {"out": (rows, D), "normed": (rows, D)})
+    np.testing.assert_allclose(out["out"], x + r, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out["normed"], rms_norm(x + r, w, eps), rtol=1e-4, atol=1e-5)
 
 
 def test_threads_per_row():

@@ -10,7 +10,9 @@
 #
 # .whl/p0 and .whl/p1 are tools/h200_run.sh's wheel bundle; .whl/p2/llama.cpp.tgz is the
 # llama.cpp source vendored by the llama-cpp-python sdist, without docs, models, tests and
-# the other backends. Results: $OUT/gpu/ (JSON, logs, summary.txt).
+# the other backends (tools/pack_llama_cpp.sh .whl/p2). A call carries 64 MiB at most, the
+# tracked tree included: .whl/p1 and .whl/p2 together fit only without other files in
+# .whl/p2. Results: $OUT/gpu/ (JSON, logs, summary.txt).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/h200-out}
@@ -39,7 +41,7 @@ build_llama() {  # only the three targets the benchmark needs
   [ -x $BIN/llama-batched-bench ] && [ -x $BIN/llama-quantize ] && return 0
   cmake -S $G/llama.cpp -B $G/llama-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > $RES/llama-cmake.log 2>&1 &&
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF > $RES/llama-cmake.log 2>&1 &&
   cmake --build $G/llama-build -j14 --target llama-batched-bench llama-quantize llama-bench > $RES/llama-build.log 2>&1
 }
 

@@ -38,7 +38,9 @@ BLOCKS = {
 }
 
 # one block per row; each thread keeps PER elements of the row (D = THREADS * PER); the
-# output holds the sum at [0] and its norm at [1]
+# sum in `out`, its norm in `normed` (two outputs: one output of [2, ...] read back as
+# out[0] and out[1] cost a gather kernel each in a traced step, 65 per 1B token on an
+# H200, tools/results/gpu/session11/a-next)
 _ADD_NORM_SOURCE = """
     const size_t row = blockIdx.x;
     const int t = threadIdx.x;
@@ -61,7 +63,7 @@ _ADD_NORM_SOURCE = """
     const float normalizer = rsqrtf(total / D + eps[0]);
     for (int i = 0; i < PER; ++i) {
         const size_t at = row * D + (size_t)i * THREADS + t;
-        out[rows * D + at] = weight[(size_t)i * THREADS + t] * static_cast<T>(hv[i] * normalizer);
+        normed[at] = weight[(size_t)i * THREADS + t] * static_cast<T>(hv[i] * normalizer);
     }
 """
 
@@ -88,16 +90,16 @@ def add_rms_norm(x: mx.array, r: mx.array, norm: nn.RMSNorm, use_kernel: bool) -
     if norm.eps not in _eps:
         _eps[norm.eps] = mx.array([norm.eps], dtype=mx.float32)
     rows = x.size // D
-    kernel = cuda_kernel("unikern_add_rms_norm", ("x", "r", "weight", "eps"), _ADD_NORM_SOURCE)
-    (out,) = kernel(
+    kernel = cuda_kernel("unikern_add_rms_norm", ("x", "r", "weight", "eps"), _ADD_NORM_SOURCE, "", ("out", "normed"))
+    out, normed = kernel(
         inputs=[x.reshape(rows, D), r.reshape(rows, D), weight, _eps[norm.eps]],
         template=[("T", x.dtype), ("D", D), ("THREADS", threads), ("PER", D // threads)],
         grid=(rows * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(2, *x.shape)],
-        output_dtypes=[x.dtype],
+        output_shapes=[x.shape, x.shape],
+        output_dtypes=[x.dtype, x.dtype],
     )
-    return out[0], out[1]
+    return out, normed
 
 
 class HandedRMSNorm(nn.RMSNorm):
