@@ -29,7 +29,7 @@ def run_source(x, w, mode, bias=None, norm=None, res=None, pos=None, freq_pi=Non
     rows, K = x.shape
     N = w.shape[0]
     nout = N // 2 if mode == blocks.SWIGLU else q_features if mode == blocks.ROPE else N
-    split = split or blocks.split_for(K, mx.float32)
+    split = split or blocks.split_for(K, N, mx.float32)
     one = np.zeros(1, np.float32)
     inputs = {"x": x, "w": w, "bias": one if bias is None else bias, "norm_w": one if norm is None else norm[0],
               "eps": np.array([norm[1] if norm else 0.0], np.float32), "res": one if res is None else res,
@@ -252,15 +252,13 @@ def test_blocks_the_steps_do_not_take_stay_as_they_are():
     assert type(model.layers[0]) is llama.TransformerBlock
 
 
-def test_rows_that_fit_the_shared_memory():
-    assert blocks.max_rows(2048, mx.bfloat16) == 4 and blocks.max_rows(4096, mx.float32) == 2
-    assert blocks.max_rows(8192, mx.float32) == 1 and blocks.max_rows(16384, mx.float32) == 0
-    model = tiny("llama", hidden_size=8192, intermediate_size=64, num_attention_heads=64, num_key_value_heads=8,
-                 num_hidden_layers=1)
-    fuse_projections(model)
-    model.set_dtype(mx.bfloat16)
-    blocks.fuse_decode_blocks(model, use_kernel=False)
-    assert model.layers[0].__dict__["_block_plan"].max_rows == 2  # 2 x 8192 x 2 bytes of normalized rows
+def test_warps_per_output_pair():
+    """One pass of UNROLL loads per lane, then more warps while the grid is small."""
+    assert blocks.split_for(2048, 16384, mx.bfloat16) == 1  # 1,024 blocks already
+    assert blocks.split_for(2048, 2048, mx.bfloat16) == 2  # 128 blocks -> 256, 4 loads per lane each
+    assert blocks.split_for(8192, 2048, mx.bfloat16) == 4  # one pass: 1,024 chunks over 4 warps
+    assert blocks.split_for(14336, 4096, mx.bfloat16) == 8  # at most WARPS
+    assert blocks.split_for(64, 48, mx.float32) == 1  # 16 chunks: fewer than one per lane
 
 
 # what the fused steps repeat of each family's code, statement by statement

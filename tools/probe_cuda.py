@@ -61,6 +61,8 @@ Variants:
                GEMV kernels (execute.fuse_blocks: stages/execute/blocks.py)
   engine-paged-blocks-u4  the same, each lane with 4 instead of 8 of a weight row's
                16-byte chunks in flight per pass (blocks.UNROLL)
+  engine-paged-blocks-wide  engine-paged-blocks with no more warps per output pair than
+               one pass needs (blocks.TARGET_BLOCKS = 0)
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ VARIANTS = {
     "engine-paged-norms": ({}, ["fused", "engine", "paged", "traced", "norms"]),
     "engine-paged-blocks": ({}, ["fused", "engine", "paged", "traced", "blocks"]),
     "engine-paged-blocks-u4": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=4"]),
+    "engine-paged-blocks-wide": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-target=0"]),
     "engine-paged-u4": ({}, ["fused", "engine", "paged", "traced", "in-flight=4"]),
     "engine-paged-u8": ({}, ["fused", "engine", "paged", "traced", "in-flight=8"]),
     "engine-paged-q-norms": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma",
@@ -164,9 +167,10 @@ def child(args) -> None:
     if "blocks" in features:  # execute.fuse_blocks=always
         from unikern.stages.execute import blocks
 
-        for f in features:
-            if f.startswith("blocks-unroll="):
-                blocks.UNROLL = int(f.split("=")[1])
+        for f in features:  # "blocks-unroll=N", "blocks-target=N": blocks.UNROLL, blocks.TARGET_BLOCKS
+            key, _, value = f.partition("=")
+            if key in ("blocks-unroll", "blocks-target"):
+                setattr(blocks, {"blocks-unroll": "UNROLL", "blocks-target": "TARGET_BLOCKS"}[key], int(value))
         notes["decode_blocks"] = blocks.fuse_decode_blocks(model)
     if "qgemv" in features:  # as execute.quantized_gemv does, with dequantize_rows' 8 (or 65)
         from unikern.stages.execute import quantized

@@ -5,8 +5,8 @@ q/k/v GEMV, RoPE twice, two pool writes, the attention, the output GEMV, the res
 add, the second norm, the gate/up GEMV, SwiGLU, the down GEMV and the second add. MLX's
 replay of the traced step costs the host about 7 us per kernel, so at one stream the
 host, not the GPU, paced the token (1.69 ms against 1.20 ms of GPU time;
-tools/results/gpu/H200-issue17.md, session 9). Here the block's steps of up to
-`max_rows` rows and one token each run as
+tools/results/gpu/H200-issue17.md, session 9). Here the block's steps of up to MAX_ROWS
+rows and one token each run as
 
   1. RMS norm -> q/k/v GEMV -> RoPE on q and k   (one kernel; v as it comes)
   2. the pool writes and the decode attention     (the cache's own, unchanged)
@@ -14,15 +14,19 @@ tools/results/gpu/H200-issue17.md, session 9). Here the block's steps of up to
   4. RMS norm -> gate/up GEMV -> SwiGLU           (one kernel)
   5. down GEMV -> + residual                      (one kernel)
 
-so 7 kernels per block instead of 14. Each kernel gives one warp a pair of output
-features: two neighbours, or the two halves of a RoPE rotation (features i and i + D/2
-of a head, or 2i and 2i + 1 for the traditional layout), or a gate feature and its up
-feature, so the epilogue has both values it needs. The warp's lanes stride over the
-input with 16-byte loads of both weight rows (all of a 2048-wide row's loads issued
-before any is used), the normalized input sits in shared memory, and the pair's sums
-meet by shuffles. Rounding follows MLX's ops: the matmul's output rounded to the model's
-dtype before the epilogue, the norm's normalized value rounded before its weight, each
-SwiGLU op rounded as mlx-lm's compiled `swiglu` rounds it.
+so 7 kernels per block instead of 14. Each kernel gives one warp (or SPLIT warps, each
+a share of the row) a pair of output features: two neighbours, or the two halves of a
+RoPE rotation (features i and i + D/2 of a head, or 2i and 2i + 1 for the traditional
+layout), or a gate feature and its up feature, so the epilogue has both values it
+needs. The lanes stride over the row with 16-byte loads of both weight rows, issued
+UNROLL at a time before any is used. Rounding follows MLX's ops: the matmul's output
+rounded to the model's dtype before the epilogue, the norm's normalized value rounded
+before its weight, each SwiGLU op rounded as mlx-lm's compiled `swiglu` rounds it.
+
+Measured on an H200 (1B shape, one row; tools/results/gpu/session11/c-blocks-v2), the
+first version took a token from 242 kernels to 134 but its GPU time from 1.17 to 1.62
+ms: its GEMVs ran at half the speed of MLX's (see _SOURCE), so the option is off by
+default; the kernel below is the second version, not yet measured.
 
 Elsewhere (`use_kernel` False: MLX's CPU backend, the tests) the same five steps run as
 the family's own ops (`mx.fast.rms_norm`, matmuls through the fused projections'
@@ -55,8 +59,12 @@ BLOCKS = {
 
 WARPS = 8  # per block of the kernel: one output pair each
 UNROLL = 8  # 16-byte chunks per lane in flight per weight row (a 2048-wide bf16 row: all of it)
-SHARED_BYTES = 48 * 1024  # the normalized input's rows must fit a block's static shared memory
 MAX_ROWS = 4  # steps of more rows run the family's own code (MLX's GEMM)
+# warps per output pair (split_for): enough that each warp's share of a row is one pass
+# of UNROLL loads per lane, then more while the grid has fewer blocks than this (two per
+# SM of an H200) and each lane keeps at least MIN_LOADS chunks per row
+TARGET_BLOCKS = 264
+MIN_LOADS = 4
 
 ITEMSIZE = {mx.float32: 4, mx.bfloat16: 2, mx.float16: 2}
 # epilogues
@@ -93,8 +101,12 @@ template <> __device__ inline void unikern_unpack<__half>(const uint4& v, float*
 # out [rows, QN] (q), out_k and out_v [rows, (N - QN) / 2], so each is contiguous;
 # SWIGLU: silu(gate) * up, gate = features [0, N / 2), up = [N / 2, N)). A pair's K is
 # split over SPLIT warps of the block, whose sums meet in shared memory. Each warp issues
-# its first pass' weight loads before the norm's reduction, so they are in flight while
-# it runs.
+# its first pass' weight loads first; with NORM it then sums the squares of the whole
+# row itself (the row is a few KB, read from L2 by every warp) while they are in flight,
+# and normalizes each 16 bytes of x as it multiplies them: no block-wide barrier before
+# the multiply. (The first version staged the normalized rows in shared memory, with two
+# barriers per block: on an H200 its q/k/v GEMV ran at 0.55 TB/s and its gate/up at
+# 1.8, against MLX's GEMV's 3.2 over the token; tools/results/gpu/session11/c-blocks-v2.)
 _SOURCE = """
     constexpr int PACK = 16 / sizeof(T);  // elements per 16-byte load
     constexpr int C = K / PACK;  // 16-byte chunks per row of w
@@ -103,7 +115,7 @@ _SOURCE = """
     const int lane = threadIdx.x % 32;
     const int rows = x_shape[0];
     const int p = blockIdx.x * (WARPS / SPLIT) + warp / SPLIT;  // this warp's pair of output features
-    const bool live = p < N / 2;  // (no return before the block's barriers)
+    const bool live = p < N / 2;  // (no return before the block's barrier)
     int f0 = 2 * p, f1 = 2 * p + 1;
     if (MODE == 3) {
         f0 = p;
@@ -128,30 +140,23 @@ _SOURCE = """
             b[u] = w1[c];
         }
     }
-    __shared__ __align__(16) T xs[NORM ? ROWS * K : PACK];
-    if (NORM) {
-        __shared__ float partial[ROWS][WARPS];
-        for (int r = 0; r < ROWS; ++r) {
-            float s = 0.f;
-            if (r < rows)
-                for (int k = threadIdx.x; k < K; k += WARPS * 32) {
-                    const float v = static_cast<float>(x[(size_t)r * K + k]);
-                    s += v * v;
-                }
+    float inv[ROWS];  // each row's 1 / rms (NORM)
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        float s = 0.f;
+        if (NORM && live && r < rows) {
+            const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)r * K);
+            #pragma unroll 8
+            for (int c = lane; c < C; c += 32) {
+                float v[PACK];
+                unikern_unpack<T>(xr[c], v);
+                #pragma unroll
+                for (int e = 0; e < PACK; ++e) s += v[e] * v[e];
+            }
             for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-            if (lane == 0) partial[r][warp] = s;
         }
-        __syncthreads();
-        for (int r = 0; r < rows; ++r) {
-            float total = 0.f;
-            for (int q = 0; q < WARPS; ++q) total += partial[r][q];
-            const float inv = rsqrtf(total / K + eps[0]);
-            for (int k = threadIdx.x; k < K; k += WARPS * 32)
-                xs[r * K + k] = norm_w[k] * static_cast<T>(static_cast<float>(x[(size_t)r * K + k]) * inv);
-        }
-        __syncthreads();
+        inv[r] = rsqrtf(s / K + eps[0]);
     }
-    const T* xin = NORM ? xs : x;
     float acc0[ROWS], acc1[ROWS];
     for (int r = 0; r < ROWS; ++r) {
         acc0[r] = 0.f;
@@ -172,18 +177,22 @@ _SOURCE = """
         for (int u = 0; u < U; ++u) {
             const int c = c0 + u * 32 + lane;
             if (c < hi) {
-                float wa[PACK], wb[PACK];
+                float wa[PACK], wb[PACK], nw[PACK];
                 unikern_unpack<T>(a[u], wa);
                 unikern_unpack<T>(b[u], wb);
+                if (NORM) unikern_unpack<T>(reinterpret_cast<const uint4*>(norm_w)[c], nw);
                 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) {
                     if (r < rows) {
                         float xv[PACK];
-                        unikern_unpack<T>(reinterpret_cast<const uint4*>(xin + (size_t)r * K)[c], xv);
+                        unikern_unpack<T>(reinterpret_cast<const uint4*>(x + (size_t)r * K)[c], xv);
                         #pragma unroll
                         for (int e = 0; e < PACK; ++e) {
-                            acc0[r] += xv[e] * wa[e];
-                            acc1[r] += xv[e] * wb[e];
+                            // as MLX's rms_norm: the normalized value rounded, times the weight rounded
+                            const float xe = NORM ? static_cast<float>(static_cast<T>(
+                                nw[e] * static_cast<float>(static_cast<T>(xv[e] * inv[r])))) : xv[e];
+                            acc0[r] += xe * wa[e];
+                            acc1[r] += xe * wb[e];
                         }
                     }
                 }
@@ -254,13 +263,6 @@ _INPUTS = ("x", "w", "bias", "norm_w", "eps", "res", "pos", "freq_pi")
 _placeholders: dict[Any, mx.array] = {}
 
 
-def max_rows(width: int, dtype: mx.Dtype) -> int:
-    """The most rows of `width` a normalizing kernel takes: its rows, rounded up to a power
-    of two, sit normalized in shared memory; at most MAX_ROWS (0: not even one)."""
-    fit = min(MAX_ROWS, SHARED_BYTES // (width * ITEMSIZE[dtype]))
-    return 1 << (fit.bit_length() - 1) if fit else 0
-
-
 def _placeholder(dtype: mx.Dtype) -> mx.array:
     """A one-element input for the kernel's unused inputs (one per dtype, made once)."""
     if dtype not in _placeholders:
@@ -268,11 +270,15 @@ def _placeholder(dtype: mx.Dtype) -> mx.array:
     return _placeholders[dtype]
 
 
-def split_for(K: int, dtype: mx.Dtype) -> int:
-    """Warps per output pair: enough that each warp's share of a row is one pass of
-    UNROLL loads per lane (a power of two, at most WARPS)."""
-    passes = -(-K * ITEMSIZE[dtype] // (16 * 32 * UNROLL))
-    return min(WARPS, 1 << (passes - 1).bit_length())
+def split_for(K: int, N: int, dtype: mx.Dtype) -> int:
+    """Warps per output pair of the kernel over w [N, K] (see TARGET_BLOCKS): a power of
+    two, at most WARPS."""
+    chunks = K * ITEMSIZE[dtype] // 16
+    split = 1 << (-(-chunks // (32 * UNROLL)) - 1).bit_length()
+    while (split < WARPS and (N // 2) * split < TARGET_BLOCKS * WARPS
+           and chunks // (2 * split) >= 32 * MIN_LOADS):
+        split *= 2
+    return min(WARPS, split)
 
 
 def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
@@ -283,13 +289,12 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
     [q, k, v] (q_features of q, the rest halved between k and v). norm: (weight, eps as
     a float32 [1] array); freq_pi: RoPE's inverse frequencies over pi."""
     rows, K = x.shape
-    if norm is not None and rows > max_rows(K, x.dtype):
-        raise ValueError(f"{rows} rows of {K} {x.dtype} do not fit the kernel's shared memory "
-                         f"({max_rows(K, x.dtype)} at most)")
+    if rows > MAX_ROWS:
+        raise ValueError(f"the block kernel takes up to {MAX_ROWS} rows, not {rows}")
     N = w.shape[0]
     f32 = _placeholder(mx.float32)
     nout = N // 2 if mode == SWIGLU else q_features if mode == ROPE else N
-    split = split_for(K, x.dtype)
+    split = split_for(K, N, x.dtype)
     template = [("T", x.dtype), ("K", K), ("N", N), ("NOUT", nout), ("ROWS", 1 << (rows - 1).bit_length()),
                 ("WARPS", WARPS), ("SPLIT", split), ("U", UNROLL), ("NORM", int(norm is not None)),
                 ("BIAS", int(bias is not None)), ("MODE", mode), ("HD", head_dim or 2), ("ROPE_PAIRS", rope_pairs),
@@ -334,7 +339,6 @@ class BlockPlan:
     eps: tuple[mx.array, mx.array]  # the two norms' eps, float32 [1]
     sdpa_module: Any  # the module whose `scaled_dot_product_attention` the attention calls
     use_kernel: bool
-    max_rows: int
     steps: int = 0  # fused steps built (a traced step counts once)
 
 
@@ -348,7 +352,7 @@ class FusedDecodeBlock:
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         plan: BlockPlan = self.__dict__["_block_plan"]
         B, L, width = x.shape
-        if L != 1 or B > plan.max_rows:
+        if L != 1 or B > MAX_ROWS:
             return super().__call__(x, mask, cache)
         plan.steps += 1
         attn, mlp = self.self_attn, self.mlp
@@ -422,12 +426,11 @@ def _plan(block: Any, use_kernel: bool) -> BlockPlan | None:
         return None  # 16-byte loads along every weight row
     if linears[0]["weight"].shape[0] != (H + 2 * Hk) * D or D % 2:
         return None
-    rows = max_rows(linears[0]["weight"].shape[1], dtype)
     module = sdpa_module(attn)
-    if rows < 1 or module is None:
+    if module is None:
         return None
     eps = tuple(mx.array([n.eps], dtype=mx.float32) for n in norms)
-    return BlockPlan(H, Hk, D, attn.scale, attn.rope, rope[0] / math.pi, rope[1], eps, module, use_kernel, rows)
+    return BlockPlan(H, Hk, D, attn.scale, attn.rope, rope[0] / math.pi, rope[1], eps, module, use_kernel)
 
 
 def fuse_decode_blocks(model: Any, use_kernel: bool | None = None) -> int:
