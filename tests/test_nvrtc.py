@@ -4,6 +4,9 @@ size, on a machine without a GPU (tools/nvrtc_check.py: the sources wrapped as M
 backend wraps a custom kernel). NVRTC and CUDA's headers come from the test extras'
 `nvidia-cuda-nvrtc` and `nvidia-cuda-runtime` wheels (Linux x86_64)."""
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from tools import nvrtc_check
@@ -20,8 +23,14 @@ def test_every_kernel_compiles_for_sm90():
                  "q4_gemv_", "q4_mma_", "block_gemv_"):
         assert f"unikern_{name}" in labels, name  # every kernel was reached
     failures, spills, too_big = {}, {}, {}
+
+    def compile_one(source):  # NVRTC runs without the GIL (ctypes): the builds compile side by side
+        return nvrtc_check.compile_source(nvrtc, include, "unikern", source, "sm_90", ptxas=True)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        logs = dict(zip(builds, pool.map(compile_one, builds), strict=True))
     for source, (label, threads) in builds.items():
-        ok, log = nvrtc_check.compile_source(nvrtc, include, "unikern", source, "sm_90", ptxas=True)
+        ok, log = logs[source]
         if not ok:
             failures[label] = log[-1500:]
             continue

@@ -59,10 +59,11 @@ Variants:
                stages/execute/residual.py)
   engine-paged-blocks  engine-paged with each block's decode steps of up to 4 rows as four
                GEMV kernels (execute.fuse_blocks: stages/execute/blocks.py)
-  engine-paged-blocks-u4  the same, each lane with 4 instead of 8 of a weight row's
-               16-byte chunks in flight per pass (blocks.UNROLL)
-  engine-paged-blocks-wide  engine-paged-blocks with no more warps per output pair than
-               one pass needs (blocks.TARGET_BLOCKS = 0)
+  engine-paged-blocks-u1, -u4, -u8  the same, each lane with 1, 4 or 8 of a weight row's
+               16-byte chunks in flight per pass (blocks.UNROLL; 2 by default): 1 gives
+               few registers and many warps per SM, as MLX's own GEMV
+  engine-paged-blocks-wide  engine-paged-blocks with one warp per output pair
+               (blocks.TARGET_BLOCKS = 0)
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ VARIANTS = {
     "engine-paged-norms": ({}, ["fused", "engine", "paged", "traced", "norms"]),
     "engine-paged-blocks": ({}, ["fused", "engine", "paged", "traced", "blocks"]),
     "engine-paged-blocks-u4": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=4"]),
+    "engine-paged-blocks-u1": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=1"]),
+    "engine-paged-blocks-u8": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=8"]),
     "engine-paged-blocks-wide": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-target=0"]),
     "engine-paged-u4": ({}, ["fused", "engine", "paged", "traced", "in-flight=4"]),
     "engine-paged-u8": ({}, ["fused", "engine", "paged", "traced", "in-flight=8"]),

@@ -57,12 +57,14 @@ BLOCKS = {
     ("mlx_lm.models.qwen2", "TransformerBlock"),
 }
 
-WARPS = 8  # per block of the kernel: one output pair each
-UNROLL = 8  # 16-byte chunks per lane in flight per weight row (a 2048-wide bf16 row: all of it)
+WARPS = 8  # per block of the kernel: WARPS / SPLIT output pairs (split_for)
+UNROLL = 2  # 16-byte chunks per lane in flight per weight row and pass: 40-48 registers, many warps per SM
 MAX_ROWS = 4  # steps of more rows run the family's own code (MLX's GEMM)
-# warps per output pair (split_for): enough that each warp's share of a row is one pass
-# of UNROLL loads per lane, then more while the grid has fewer blocks than this (two per
-# SM of an H200) and each lane keeps at least MIN_LOADS chunks per row
+# warps per output pair (split_for): more while the grid has fewer blocks than this (two
+# per SM of an H200) and each lane keeps at least MIN_LOADS chunks per row. (MLX's own
+# GEMV gives a warp one row and keeps few loads in flight per lane, 8 bytes each, with
+# many warps per SM; UNROLL = 1 comes nearest that: tools/probe_cuda.py's
+# engine-paged-blocks-u1.)
 TARGET_BLOCKS = 264
 MIN_LOADS = 4
 
@@ -274,11 +276,11 @@ def split_for(K: int, N: int, dtype: mx.Dtype) -> int:
     """Warps per output pair of the kernel over w [N, K] (see TARGET_BLOCKS): a power of
     two, at most WARPS."""
     chunks = K * ITEMSIZE[dtype] // 16
-    split = 1 << (-(-chunks // (32 * UNROLL)) - 1).bit_length()
+    split = 1
     while (split < WARPS and (N // 2) * split < TARGET_BLOCKS * WARPS
            and chunks // (2 * split) >= 32 * MIN_LOADS):
         split *= 2
-    return min(WARPS, split)
+    return split
 
 
 def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
