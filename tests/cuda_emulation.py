@@ -115,8 +115,9 @@ def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, 
                outputs: dict[str, tuple[int, ...]] | None = None) -> np.ndarray | dict[str, np.ndarray]:
     """`source` run over `blocks` blocks of `threads` threads: the inputs (float32, int32
     or uint32 arrays, each with its `<name>_shape`), `constants` as the kernel's
-    template parameters (T is float), one float32 output `out` of `output_shape`, and
-    `header` (C++ helpers, e.g. TENSOR_CORE_HEADER) before the kernel."""
+    template parameters (T is float), one float32 output `out` of `output_shape` (or,
+    with `outputs`, one per name and shape, returned by name), and `header` (C++
+    helpers, e.g. TENSOR_CORE_HEADER) before the kernel."""
     assert threads % 32 == 0 and threads // 32 <= 64
     params, shapes, reads = [], [], []
     for name, a in inputs.items():

@@ -78,7 +78,8 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     mma = switch(params.quantized_mma, auto=backend == "cuda") and cuda_is_default()
     loaded = load_model(params.model, world, fuse=switch(params.fuse_projections, auto=backend == "cuda"),
                         fuse_quantized=fuses_quantized(params.fuse_projections, gemv or mma),
-                        fuse_norms=params.fuse_norms == "always", fuse_blocks=switch(params.fuse_blocks, auto=backend == "cuda"))
+                        fuse_norms=params.fuse_norms == "always",
+                        fuse_blocks=switch(params.fuse_blocks, auto=backend == "cuda"))
     loaded_at = time.perf_counter()
     wired = wiring.wire(loaded.weights, params.wire_weights)
     startup = {"process_s": round(before_s, 3), "load_s": round(loaded_at - start, 3), "wire_s": round(time.perf_counter() - loaded_at, 3)}

@@ -85,12 +85,13 @@ class MLXExecuteParams(StageParams, frozen=True):
     fuse_projections: Literal["auto", "always", "never"] = "auto"
     # each pre-norm block's residual adds run with the RMS norms that read their sums, one
     # kernel for both on CUDA (stages/execute/residual.py; llama, qwen2, qwen3 and phi3
-    # blocks, one rank): 32 fewer kernels per token of the 1B shape. Not measured on a
-    # GPU yet, so "never" by default; "always" turns it on
+    # blocks, one rank): 32 fewer kernels per token of the 1B shape. On an H200 its first
+    # version was slower (its one output read back as two gathers:
+    # tools/results/gpu/session11/a-next); the version with two outputs is not measured,
+    # so "never" by default; "always" turns it on
     fuse_norms: Literal["always", "never"] = "never"
-    # a decoder block's decode steps of up to 4 rows (fewer where the normalized rows
-    # outgrow a block's shared memory) as four GEMV kernels: the norms, RoPE, SwiGLU and
-    # residual adds run inside them, 7 kernels per block instead of 14
+    # a decoder block's decode steps of up to 4 rows as four GEMV kernels: the norms,
+    # RoPE, SwiGLU and residual adds run inside them, 7 kernels per block instead of 14
     # (stages/execute/blocks.py; llama and qwen2 blocks, unquantized, with
     # fuse_projections, one rank); MLX's own ops off CUDA. On an H200 (1B shape, one row)
     # the token's kernels went 242 -> 134 but its GPU time 1.17 -> 1.62 ms: the kernels'
