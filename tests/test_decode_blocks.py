@@ -251,6 +251,10 @@ def test_blocks_the_steps_do_not_take_stay_as_they_are():
     fuse_projections(model)
     assert blocks.fuse_decode_blocks(model, use_kernel=False) == 0  # a RoPE the kernel does not take
     assert type(model.layers[0]) is llama.TransformerBlock
+    model = tiny("llama")
+    model.layers[0].input_layernorm.weight = model.layers[0].input_layernorm.weight.astype(mx.bfloat16)
+    fuse_projections(model)
+    assert blocks.fuse_decode_blocks(model, use_kernel=False) == 0  # a norm in another dtype than the rows
 
 
 def test_warps_per_output_pair():

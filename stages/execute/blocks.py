@@ -72,7 +72,7 @@ ITEMSIZE = {mx.float32: 4, mx.bfloat16: 2, mx.float16: 2}
 # epilogues
 PLAIN, RESIDUAL, ROPE, SWIGLU = 0, 1, 2, 3
 
-# 8 bytes of the row as floats, by the row's dtype (MLX's custom kernels give T as
+# 16 bytes of a row as floats, by the row's dtype (MLX's custom kernels give T as
 # float, __nv_bfloat16 or __half)
 _HEADER = """
 template <typename U> __device__ inline void unikern_unpack(const uint4& v, float* o);
@@ -354,7 +354,7 @@ class FusedDecodeBlock:
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         plan: BlockPlan = self.__dict__["_block_plan"]
         B, L, width = x.shape
-        if L != 1 or B > MAX_ROWS:
+        if L != 1 or B > MAX_ROWS or x.dtype != self.input_layernorm["weight"].dtype:
             return super().__call__(x, mask, cache)
         plan.steps += 1
         attn, mlp = self.self_attn, self.mlp
@@ -426,6 +426,9 @@ def _plan(block: Any, use_kernel: bool) -> BlockPlan | None:
     dtype = linears[0]["weight"].dtype
     if dtype not in ITEMSIZE or any(layer["weight"].shape[1] % (16 // ITEMSIZE[dtype]) for layer in linears):
         return None  # 16-byte loads along every weight row
+    parameters = [a for layer in linears for a in (layer["weight"], layer.get("bias")) if a is not None]
+    if any(a.dtype != dtype for a in [*parameters, *(n["weight"] for n in norms)]):
+        return None  # the kernel reads every weight, bias and norm as the rows' T
     if linears[0]["weight"].shape[0] != (H + 2 * Hk) * D or D % 2:
         return None
     module = sdpa_module(attn)
