@@ -16,7 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-_PRELUDE = r"""
+# the standard headers every program includes, compiled once per test process into a
+# precompiled header (most of a program's compile time otherwise)
+_STD_HEADER = "emulation_std.h"
+_STD_INCLUDES = """
 #include <algorithm>
 #include <barrier>
 #include <cmath>
@@ -26,6 +29,12 @@ _PRELUDE = r"""
 #include <thread>
 #include <cstring>
 #include <vector>
+"""
+_FLAGS = ["-O1", "-std=c++20", "-pthread"]
+
+_PRELUDE = f"""
+#include "{_STD_HEADER}"
+""" + r"""
 using std::min;
 using std::max;
 struct dim3 { unsigned x, y, z; };
@@ -169,8 +178,13 @@ int main() {{
 
 @functools.cache
 def _build_dir() -> str:
+    """A directory for this process' programs, with the standard headers precompiled
+    (without the .gch, where g++ cannot write one, the programs include the header)."""
     path = tempfile.mkdtemp(prefix="cuda-emulation-")
     atexit.register(shutil.rmtree, path, True)
+    header = Path(path) / _STD_HEADER
+    header.write_text(_STD_INCLUDES)
+    subprocess.run(["g++", *_FLAGS, "-x", "c++-header", "-o", f"{header}.gch", str(header)], capture_output=True)
     return path
 
 
@@ -181,7 +195,7 @@ def _built(code: str) -> str:
     exe = Path(_build_dir()) / f"kernel-{hashlib.sha256(code.encode()).hexdigest()[:16]}"
     src = exe.with_suffix(".cpp")
     src.write_text(code)
-    built = subprocess.run(["g++", "-O1", "-std=c++20", "-pthread", "-o", str(exe), str(src)], capture_output=True,
+    built = subprocess.run(["g++", *_FLAGS, "-I", _build_dir(), "-o", str(exe), str(src)], capture_output=True,
                            text=True)
     if built.returncode:
         raise RuntimeError(f"the emulation of a kernel did not compile:\n{built.stderr[-3000:]}")
