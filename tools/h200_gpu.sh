@@ -4,15 +4,18 @@
 # Every step is skipped when its output exists, so calling this again on a still-warm
 # machine resumes where the last call's time ran out (a call lasts at most 10 minutes).
 #
+#   tools/pack_h200_bundle.sh .whl                   # here, once: the wheels and llama.cpp's source
 #   run(carry=[".whl/p0"]):  mkdir -p /tmp/w0 && cp -r .whl/p0/. /tmp/w0/
-#   run(carry=[".whl/p1", ".whl/p2"]), within 30 s:  OUT=$OUT bash tools/h200_gpu.sh /tmp/w0 .whl/p1 .whl/p2
+#   run(carry=[".whl/p1", ".whl/lc"]), within 30 s:  OUT=$OUT bash tools/h200_gpu.sh /tmp/w0 .whl/p1 .whl/lc
 #   run() again while warm, as often as needed:      OUT=$OUT bash tools/h200_gpu.sh
+#   (step ready-1b-tf: run(carry=[".whl/tf"]): mkdir -p /tmp/tfwhl && cp .whl/tf/*.whl /tmp/tfwhl/)
 #
-# .whl/p0 and .whl/p1 are tools/h200_run.sh's wheel bundle; .whl/p2/llama.cpp.tgz is the
-# llama.cpp source vendored by the llama-cpp-python sdist, without docs, models, tests and
-# the other backends (tools/pack_llama_cpp.sh .whl/p2). A call carries 64 MiB at most, the
-# tracked tree included: .whl/p1 and .whl/p2 together fit only without other files in
-# .whl/p2. Results: $OUT/gpu/ (JSON, logs, summary.txt).
+# .whl/p0 and .whl/p1 are MLX's CUDA wheels in two parts with the small wheels unikern
+# needs there; .whl/lc/llama.cpp.tgz is the llama.cpp source vendored by the
+# llama-cpp-python sdist, without docs, models, tests and the other backends
+# (tools/pack_llama_cpp.sh). A call carries 64 MiB at most, the tracked tree included:
+# .whl/p1 and .whl/lc fit together, .whl/tf travels alone. Results: $OUT/gpu/ (JSON,
+# logs, summary.txt).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/h200-out}
