@@ -1,4 +1,4 @@
-"""A decoder block's decode step as four GEMV kernels (stages/execute/blocks.py): the
+"""A decoder block's decode step as four GEMV kernels (stages/execute/blocks.py, block_gemv.py): the
 kernel's CUDA source in the thread-per-lane emulation against numpy for each epilogue,
 RoPE's angles against mlx-lm's RoPE modules, whole fused blocks (kernels emulated, and
 MLX's ops) against the family's own block, and mlx-lm's code still what the fused steps
@@ -17,7 +17,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from tests import cuda_emulation
 from unikern.platform import cuda_is_default
-from unikern.stages.execute import blocks
+from unikern.stages.execute import block_gemv, blocks
 from unikern.stages.execute.fused import fuse_projections
 
 emulation = pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
@@ -28,21 +28,21 @@ def run_source(x, w, mode, bias=None, norm=None, res=None, pos=None, freq_pi=Non
     """The kernel's source over float32 arrays (ROPE: [q, k, v])."""
     rows, K = x.shape
     N = w.shape[0]
-    nout = N // 2 if mode == blocks.SWIGLU else q_features if mode == blocks.ROPE else N
-    split = split or blocks.split_for(K, N, mx.float32)
+    nout = N // 2 if mode == block_gemv.SWIGLU else q_features if mode == block_gemv.ROPE else N
+    split = split or block_gemv.split_for(K, N, mx.float32)
     one = np.zeros(1, np.float32)
     inputs = {"x": x, "w": w, "bias": one if bias is None else bias, "norm_w": one if norm is None else norm[0],
               "eps": np.array([norm[1] if norm else 0.0], np.float32), "res": one if res is None else res,
               "pos": np.zeros(1, np.int32) if pos is None else pos, "freq_pi": one if freq_pi is None else freq_pi}
-    constants = {"K": K, "N": N, "NOUT": nout, "ROWS": 1 << (rows - 1).bit_length(), "WARPS": blocks.WARPS,
-                 "SPLIT": split, "U": blocks.UNROLL, "NORM": int(norm is not None), "BIAS": int(bias is not None),
+    constants = {"K": K, "N": N, "NOUT": nout, "ROWS": 1 << (rows - 1).bit_length(), "WARPS": block_gemv.WARPS,
+                 "SPLIT": split, "U": block_gemv.UNROLL, "NORM": int(norm is not None), "BIAS": int(bias is not None),
                  "MODE": mode, "HD": head_dim, "ROPE_PAIRS": rope_pairs, "QN": q_features or N, "TRAD": int(trad)}
     kv = (N - q_features) // 2
     outputs = {"out": (rows, nout), "out_k": (rows, kv) if kv else (1,), "out_v": (rows, kv) if kv else (1,)}
-    grid = -(-(N // 2) // (blocks.WARPS // split))
-    got = cuda_emulation.run_kernel(blocks._SOURCE, inputs, constants, grid, blocks.WARPS * 32, (rows, nout),
+    grid = -(-(N // 2) // (block_gemv.WARPS // split))
+    got = cuda_emulation.run_kernel(block_gemv._SOURCE, inputs, constants, grid, block_gemv.WARPS * 32, (rows, nout),
                                     cuda_emulation.UNPACK_HEADER, outputs)
-    return [got["out"], got["out_k"], got["out_v"]] if mode == blocks.ROPE else got["out"]
+    return [got["out"], got["out_k"], got["out_v"]] if mode == block_gemv.ROPE else got["out"]
 
 
 def rms_norm(x, w, eps):
@@ -75,22 +75,22 @@ def test_the_kernel_source_gives_each_epilogue_in_an_emulation(rows, split):
     here), or in one warp, which takes a second, partial pass of the unrolled loads."""
     rng = np.random.default_rng(rows)
     K, N = 1040, 48
-    assert blocks.split_for(K, N, mx.float32) == 2
+    assert block_gemv.split_for(K, N, mx.float32) == 2
     x = rng.standard_normal((rows, K)).astype(np.float32)
     w = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)
     bias = rng.standard_normal(N).astype(np.float32)
     nw = rng.standard_normal(K).astype(np.float32)
     res = rng.standard_normal((rows, N)).astype(np.float32)
     close = {"rtol": 1e-4, "atol": 1e-4}
-    np.testing.assert_allclose(run_source(x, w, blocks.PLAIN, split=split), x @ w.T, **close)
-    np.testing.assert_allclose(run_source(x, w, blocks.RESIDUAL, bias=bias, res=res, split=split),
+    np.testing.assert_allclose(run_source(x, w, block_gemv.PLAIN, split=split), x @ w.T, **close)
+    np.testing.assert_allclose(run_source(x, w, block_gemv.RESIDUAL, bias=bias, res=res, split=split),
                                x @ w.T + bias + res, **close)
     n = rms_norm(x, nw, 1e-5)
     y = n @ w.T
-    np.testing.assert_allclose(run_source(x, w, blocks.PLAIN, norm=(nw, 1e-5), split=split), y, **close)
+    np.testing.assert_allclose(run_source(x, w, block_gemv.PLAIN, norm=(nw, 1e-5), split=split), y, **close)
     gate, up = y[:, : N // 2], y[:, N // 2 :]
     want = gate / (1 + np.exp(-gate)) * up
-    np.testing.assert_allclose(run_source(x, w, blocks.SWIGLU, norm=(nw, 1e-5), split=split), want, **close)
+    np.testing.assert_allclose(run_source(x, w, block_gemv.SWIGLU, norm=(nw, 1e-5), split=split), want, **close)
 
 
 @emulation
@@ -107,7 +107,7 @@ def test_the_kernel_rotates_q_and_k_and_leaves_v(trad):
     nw = rng.standard_normal(K).astype(np.float32)
     pos = np.array([5, 300], np.int32)
     inv_freq = (10000.0 ** (-np.arange(0, D, 2) / D)).astype(np.float32)
-    q, k, v = run_source(x, w, blocks.ROPE, bias=bias, norm=(nw, 1e-6), pos=pos, freq_pi=inv_freq / np.pi,
+    q, k, v = run_source(x, w, block_gemv.ROPE, bias=bias, norm=(nw, 1e-6), pos=pos, freq_pi=inv_freq / np.pi,
                          head_dim=D, rope_pairs=heads * D // 2, trad=trad, q_features=2 * D)
     y = rms_norm(x, nw, 1e-6) @ w.T + bias
     np.testing.assert_allclose(np.concatenate([q, k, v], axis=1), rotate(y, pos, inv_freq, D, heads, trad),
@@ -174,7 +174,7 @@ def test_fused_blocks_through_the_kernels_give_the_familys_logits(family, monkey
     """The four kernel launches of a block as a CUDA machine runs them, in the emulation:
     the decode steps' logits as the family's own block gives them (float32)."""
     launched = []
-    monkeypatch.setattr(blocks, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched,
+    monkeypatch.setattr(block_gemv, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched,
                                                                                      cuda_emulation.UNPACK_HEADER))
     model = tiny(family)
     want = decode_logits(model, [5, 9, 11, 40], 2)
@@ -214,7 +214,7 @@ def test_the_kernels_on_cuda_give_mlxs_ops(dtype, rows):
     w, bias = rand((H + 2 * Hk) * D, hidden, scale=hidden**-0.5), rand((H + 2 * Hk) * D)
     pos = mx.array([7, 900, 3][:rows], dtype=mx.int32)
     inv_freq, _ = blocks.inverse_frequencies(nn.RoPE(D, base=10000.0), D)
-    got = mx.concatenate(blocks.gemv(x, w, blocks.ROPE, bias=bias, norm=(nw, eps), pos=pos, freq_pi=inv_freq / np.pi,
+    got = mx.concatenate(block_gemv.gemv(x, w, block_gemv.ROPE, bias=bias, norm=(nw, eps), pos=pos, freq_pi=inv_freq / np.pi,
                                      head_dim=D, rope_pairs=(H + Hk) * D // 2, q_features=H * D), axis=-1)
     y = n @ f32(w).T + f32(bias)
     parts = [mx.fast.rope(y[:, a:b].reshape(rows, -1, 1, D), D, traditional=False, base=10000.0, scale=1.0,
@@ -222,12 +222,12 @@ def test_the_kernels_on_cuda_give_mlxs_ops(dtype, rows):
     want = mx.concatenate([p.reshape(rows, -1) for p in parts] + [y[:, (H + Hk) * D :]], axis=-1)
     assert relative_error(got, want) < tol
     o, w = rand(rows, H * D), rand(hidden, H * D, scale=(H * D) ** -0.5)
-    assert relative_error(blocks.gemv(o, w, blocks.RESIDUAL, res=x), f32(o) @ f32(w).T + f32(x)) < tol
+    assert relative_error(block_gemv.gemv(o, w, block_gemv.RESIDUAL, res=x), f32(o) @ f32(w).T + f32(x)) < tol
     w = rand(2 * inter, hidden, scale=hidden**-0.5)
     gate, up = mx.split(n @ f32(w).T, 2, axis=-1)
-    assert relative_error(blocks.gemv(x, w, blocks.SWIGLU, norm=(nw, eps)), nn.silu(gate) * up) < tol
+    assert relative_error(block_gemv.gemv(x, w, block_gemv.SWIGLU, norm=(nw, eps)), nn.silu(gate) * up) < tol
     a, w = rand(rows, inter), rand(hidden, inter, scale=inter**-0.5)
-    assert relative_error(blocks.gemv(a, w, blocks.RESIDUAL, res=x), f32(a) @ f32(w).T + f32(x)) < tol
+    assert relative_error(block_gemv.gemv(a, w, block_gemv.RESIDUAL, res=x), f32(a) @ f32(w).T + f32(x)) < tol
 
 
 @cuda
@@ -259,12 +259,12 @@ def test_blocks_the_steps_do_not_take_stay_as_they_are():
 
 def test_warps_per_output_pair():
     """More warps per pair while the grid is small and each lane keeps 4 chunks a row."""
-    assert blocks.split_for(2048, 16384, mx.bfloat16) == 1  # 1,024 blocks already
-    assert blocks.split_for(2048, 2048, mx.bfloat16) == 2  # 128 blocks -> 256, 4 chunks per lane each
-    assert blocks.split_for(8192, 2048, mx.bfloat16) == 4  # 128 -> 512 blocks
-    assert blocks.split_for(14336, 4096, mx.bfloat16) == 2  # 256 -> 512 blocks
-    assert blocks.split_for(65536, 32, mx.bfloat16) == 8  # at most WARPS
-    assert blocks.split_for(64, 48, mx.float32) == 1  # 16 chunks: fewer than one per lane
+    assert block_gemv.split_for(2048, 16384, mx.bfloat16) == 1  # 1,024 blocks already
+    assert block_gemv.split_for(2048, 2048, mx.bfloat16) == 2  # 128 blocks -> 256, 4 chunks per lane each
+    assert block_gemv.split_for(8192, 2048, mx.bfloat16) == 4  # 128 -> 512 blocks
+    assert block_gemv.split_for(14336, 4096, mx.bfloat16) == 2  # 256 -> 512 blocks
+    assert block_gemv.split_for(65536, 32, mx.bfloat16) == 8  # at most WARPS
+    assert block_gemv.split_for(64, 48, mx.float32) == 1  # 16 chunks: fewer than one per lane
 
 
 # what the fused steps repeat of each family's code, statement by statement

@@ -119,7 +119,7 @@ def record_launches() -> list[Build]:
     import mlx.nn as nn
 
     from unikern.platform import kernel_cache
-    from unikern.stages.execute import blocks, paged_attention, quantized, residual
+    from unikern.stages.execute import block_gemv, paged_attention, quantized, residual
 
     builds: list[Build] = []
 
@@ -156,20 +156,20 @@ def record_launches() -> list[Build]:
                 norm.weight = norm.weight.astype(dtype)
                 x = mx.zeros((3, hidden), dtype=dtype)
                 residual.add_rms_norm(x, x, norm, use_kernel=True)
-            # a decoder block's four GEMV kernels (blocks.py) at the 1B and 8B shapes
+            # a decoder block's four GEMV kernels (block_gemv.py) at the 1B and 8B shapes
             for hidden, H, Hk, D, inter in ((2048, 32, 8, 64, 8192), (4096, 32, 8, 128, 14336)):
                 for rows in (1, 3):  # ROWS 1 and 4
                     x, eps = mx.zeros((rows, hidden), dtype=dtype), mx.zeros((1,), dtype=mx.float32)
                     norm = (mx.zeros((hidden,), dtype=dtype), eps)
                     qkv = mx.zeros(((H + 2 * Hk) * D, hidden), dtype=dtype)
-                    blocks.gemv(x, qkv, blocks.ROPE, bias=qkv[:, 0], norm=norm, pos=mx.zeros((rows,), dtype=mx.int32),
+                    block_gemv.gemv(x, qkv, block_gemv.ROPE, bias=qkv[:, 0], norm=norm, pos=mx.zeros((rows,), dtype=mx.int32),
                                 freq_pi=mx.zeros((D // 2,), dtype=mx.float32), head_dim=D, rope_pairs=(H + Hk) * D // 2,
                                 q_features=H * D)
-                    blocks.gemv(mx.zeros((rows, H * D), dtype=dtype), mx.zeros((hidden, H * D), dtype=dtype),
-                                blocks.RESIDUAL, res=x)
-                    blocks.gemv(x, mx.zeros((2 * inter, hidden), dtype=dtype), blocks.SWIGLU, norm=norm)
-                    blocks.gemv(mx.zeros((rows, inter), dtype=dtype), mx.zeros((hidden, inter), dtype=dtype),
-                                blocks.RESIDUAL, res=x)
+                    block_gemv.gemv(mx.zeros((rows, H * D), dtype=dtype), mx.zeros((hidden, H * D), dtype=dtype),
+                                block_gemv.RESIDUAL, res=x)
+                    block_gemv.gemv(x, mx.zeros((2 * inter, hidden), dtype=dtype), block_gemv.SWIGLU, norm=norm)
+                    block_gemv.gemv(mx.zeros((rows, inter), dtype=dtype), mx.zeros((hidden, inter), dtype=dtype),
+                                block_gemv.RESIDUAL, res=x)
         w, scales, biases = mx.quantize(mx.zeros((64, 4096), dtype=mx.bfloat16), group_size=64, bits=4)
         for wide in (True, False):  # the defaults, then session 8's 4-byte loads and narrow blocks
             quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = wide, "wide" if wide else "narrow"

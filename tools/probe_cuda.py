@@ -60,10 +60,10 @@ Variants:
   engine-paged-blocks  engine-paged with each block's decode steps of up to 4 rows as four
                GEMV kernels (execute.fuse_blocks: stages/execute/blocks.py)
   engine-paged-blocks-u1, -u4, -u8  the same, each lane with 1, 4 or 8 of a weight row's
-               16-byte chunks in flight per pass (blocks.UNROLL; 2 by default): 1 gives
+               16-byte chunks in flight per pass (block_gemv.UNROLL; 2 by default): 1 gives
                few registers and many warps per SM, as MLX's own GEMV
   engine-paged-blocks-wide  engine-paged-blocks with one warp per output pair
-               (blocks.TARGET_BLOCKS = 0)
+               (block_gemv.TARGET_BLOCKS = 0)
 """
 
 from __future__ import annotations
@@ -120,9 +120,11 @@ VARIANTS = {
 }
 
 
-# engine features "name=value" set these of stages/execute/paged_attention.py
-PAGED_SETTINGS = {"few-blocks": "FEW_BLOCKS", "split-blocks": "SPLIT_BLOCKS", "split-min": "SPLIT_MIN_POSITIONS",
-                  "in-flight": "POSITIONS_IN_FLIGHT"}
+# features "name=value" set these module constants (module under unikern.stages.execute, name)
+SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("paged_attention", "SPLIT_BLOCKS"),
+            "split-min": ("paged_attention", "SPLIT_MIN_POSITIONS"),
+            "in-flight": ("paged_attention", "POSITIONS_IN_FLIGHT"),
+            "blocks-unroll": ("block_gemv", "UNROLL"), "blocks-target": ("block_gemv", "TARGET_BLOCKS")}
 
 
 def compile_mlp_halves(model) -> int:
@@ -157,6 +159,11 @@ def child(args) -> None:
 
     model, _ = load(args.model)
     features = args.features.split(",") if args.features else []
+    for f in features:  # "name=value": one of SETTINGS
+        key, _, value = f.partition("=")
+        if key in SETTINGS:
+            module, name = SETTINGS[key]
+            setattr(importlib.import_module(f"unikern.stages.execute.{module}"), name, int(value))
     notes = {}
     if "fused" in features:  # the engine's own (execute.fuse_projections)
         from unikern.stages.execute.fused import fuse_projections
@@ -170,10 +177,6 @@ def child(args) -> None:
     if "blocks" in features:  # execute.fuse_blocks=always
         from unikern.stages.execute import blocks
 
-        for f in features:  # "blocks-unroll=N", "blocks-target=N": blocks.UNROLL, blocks.TARGET_BLOCKS
-            key, _, value = f.partition("=")
-            if key in ("blocks-unroll", "blocks-target"):
-                setattr(blocks, {"blocks-unroll": "UNROLL", "blocks-target": "TARGET_BLOCKS"}[key], int(value))
         notes["decode_blocks"] = blocks.fuse_decode_blocks(model)
     if "qgemv" in features:  # as execute.quantized_gemv does, with dequantize_rows' 8 (or 65)
         from unikern.stages.execute import quantized
@@ -243,10 +246,6 @@ def engine_run(model, args, features: list[str], notes: dict):
 
     if "group" in features or "head" in features:
         paged_attention.KERNEL = "group" if "group" in features else "head"
-    for f in features:  # "name=value": one of the paged kernel's settings
-        key, _, value = f.partition("=")
-        if key in PAGED_SETTINGS:
-            setattr(paged_attention, PAGED_SETTINGS[key], int(value))
     geo = ModelGeometry(model)
     block_size, window = 16, 32
     blocks = -(-(args.prompt + args.tokens + window + 1) // block_size)

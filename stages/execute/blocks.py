@@ -14,7 +14,7 @@ rows and one token each run as
   4. RMS norm -> gate/up GEMV -> SwiGLU           (one kernel)
   5. down GEMV -> + residual                      (one kernel)
 
-so 7 kernels per block instead of 14. Each kernel gives one warp (or SPLIT warps, each
+so 7 kernels per block instead of 14. Each kernel (block_gemv.py) gives one warp (or SPLIT warps, each
 a share of the row) a pair of output features: two neighbours, or the two halves of a
 RoPE rotation (features i and i + D/2 of a head, or 2i and 2i + 1 for the traditional
 layout), or a gate feature and its up feature, so the epilogue has both values it
@@ -25,7 +25,7 @@ before its weight, each SwiGLU op rounded as mlx-lm's compiled `swiglu` rounds i
 
 Measured on an H200 (1B shape, one row; tools/results/gpu/session11/c-blocks-v2), the
 first version took a token from 242 kernels to 134 but its GPU time from 1.17 to 1.62
-ms: its GEMVs ran at half the speed of MLX's (see _SOURCE), so the option is off by
+ms: its GEMVs ran at half the speed of MLX's (see block_gemv._SOURCE), so the option is off by
 default; the kernel below is the second version, not yet measured.
 
 Elsewhere (`use_kernel` False: MLX's CPU backend, the tests) the same five steps run as
@@ -48,7 +48,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from unikern.platform import cuda_is_default
-from unikern.platform.kernel_cache import cuda_kernel
+from unikern.stages.execute.block_gemv import ITEMSIZE, MAX_ROWS, RESIDUAL, ROPE, SWIGLU, gemv
 from unikern.stages.execute.routing import SDPA_NAME, layers_of, sdpa_module
 
 # block classes (module, name) whose attention and MLP run as the steps above
@@ -56,262 +56,6 @@ BLOCKS = {
     ("mlx_lm.models.llama", "TransformerBlock"),
     ("mlx_lm.models.qwen2", "TransformerBlock"),
 }
-
-WARPS = 8  # per block of the kernel: WARPS / SPLIT output pairs (split_for)
-UNROLL = 2  # 16-byte chunks per lane in flight per weight row and pass: 40-48 registers, many warps per SM
-MAX_ROWS = 4  # steps of more rows run the family's own code (MLX's GEMM)
-# warps per output pair (split_for): more while the grid has fewer blocks than this (two
-# per SM of an H200) and each lane keeps at least MIN_LOADS chunks per row. (MLX's own
-# GEMV gives a warp one row and keeps few loads in flight per lane, 8 bytes each, with
-# many warps per SM; UNROLL = 1 comes nearest that: tools/probe_cuda.py's
-# engine-paged-blocks-u1.)
-TARGET_BLOCKS = 264
-MIN_LOADS = 4
-
-ITEMSIZE = {mx.float32: 4, mx.bfloat16: 2, mx.float16: 2}
-# epilogues
-PLAIN, RESIDUAL, ROPE, SWIGLU = 0, 1, 2, 3
-
-# 16 bytes of a row as floats, by the row's dtype (MLX's custom kernels give T as
-# float, __nv_bfloat16 or __half)
-_HEADER = """
-template <typename U> __device__ inline void unikern_unpack(const uint4& v, float* o);
-template <> __device__ inline void unikern_unpack<float>(const uint4& v, float* o) {
-    o[0] = __uint_as_float(v.x); o[1] = __uint_as_float(v.y);
-    o[2] = __uint_as_float(v.z); o[3] = __uint_as_float(v.w);
-}
-template <> __device__ inline void unikern_unpack<__nv_bfloat16>(const uint4& v, float* o) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        o[2 * i] = f.x; o[2 * i + 1] = f.y;
-    }
-}
-template <> __device__ inline void unikern_unpack<__half>(const uint4& v, float* o) {
-    const __half2* h = reinterpret_cast<const __half2*>(&v);
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __half22float2(h[i]);
-        o[2 * i] = f.x; o[2 * i + 1] = f.y;
-    }
-}
-"""
-
-# x [rows, K] (rows <= ROWS) against w [N, K]: out [rows, NOUT] (NOUT = N, or N / 2 for
-# SWIGLU). NORM: x goes through the RMS norm (norm_w, eps) first. BIAS: w's bias. MODE:
-# the epilogue (PLAIN, RESIDUAL: + res [rows, NOUT], ROPE: the first ROPE_PAIRS pairs
-# rotated by pi * pos [rows] * freq_pi [HD / 2], and the features in three outputs:
-# out [rows, QN] (q), out_k and out_v [rows, (N - QN) / 2], so each is contiguous;
-# SWIGLU: silu(gate) * up, gate = features [0, N / 2), up = [N / 2, N)). A pair's K is
-# split over SPLIT warps of the block, whose sums meet in shared memory. Each warp issues
-# its first pass' weight loads first; with NORM it then sums the squares of the whole
-# row itself (the row is a few KB, read from L2 by every warp) while they are in flight,
-# and normalizes each 16 bytes of x as it multiplies them: no block-wide barrier before
-# the multiply. (The first version staged the normalized rows in shared memory, with two
-# barriers per block: on an H200 its q/k/v GEMV ran at 0.55 TB/s and its gate/up at
-# 1.8, against MLX's GEMV's 3.2 over the token; tools/results/gpu/session11/c-blocks-v2.)
-_SOURCE = """
-    constexpr int PACK = 16 / sizeof(T);  // elements per 16-byte load
-    constexpr int C = K / PACK;  // 16-byte chunks per row of w
-    constexpr int PER = (C + SPLIT - 1) / SPLIT;  // chunks per warp of a pair
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    const int rows = x_shape[0];
-    const int p = blockIdx.x * (WARPS / SPLIT) + warp / SPLIT;  // this warp's pair of output features
-    const bool live = p < N / 2;  // (no return before the block's barrier)
-    int f0 = 2 * p, f1 = 2 * p + 1;
-    if (MODE == 3) {
-        f0 = p;
-        f1 = p + N / 2;
-    }
-    if (MODE == 2 && p < ROPE_PAIRS) {
-        const int head = p / (HD / 2), i = p % (HD / 2);
-        f0 = TRAD ? head * HD + 2 * i : head * HD + i;
-        f1 = TRAD ? f0 + 1 : f0 + HD / 2;
-    }
-    if (!live) f0 = f1 = 0;
-    const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)f0 * K);
-    const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)f1 * K);
-    const int lo = (warp % SPLIT) * PER;
-    const int hi = min(C, lo + PER);
-    uint4 a[U], b[U];
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {  // the first pass' loads, before anything waits
-        const int c = lo + u * 32 + lane;
-        if (live && c < hi) {
-            a[u] = w0[c];
-            b[u] = w1[c];
-        }
-    }
-    float inv[ROWS];  // each row's 1 / rms (NORM)
-    #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        float s = 0.f;
-        if (NORM && live && r < rows) {
-            const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)r * K);
-            #pragma unroll 8
-            for (int c = lane; c < C; c += 32) {
-                float v[PACK];
-                unikern_unpack<T>(xr[c], v);
-                #pragma unroll
-                for (int e = 0; e < PACK; ++e) s += v[e] * v[e];
-            }
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-        }
-        inv[r] = rsqrtf(s / K + eps[0]);
-    }
-    float acc0[ROWS], acc1[ROWS];
-    for (int r = 0; r < ROWS; ++r) {
-        acc0[r] = 0.f;
-        acc1[r] = 0.f;
-    }
-    for (int c0 = lo; live && c0 < hi; c0 += 32 * U) {
-        if (c0 != lo) {
-            #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int c = c0 + u * 32 + lane;
-                if (c < hi) {
-                    a[u] = w0[c];
-                    b[u] = w1[c];
-                }
-            }
-        }
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int c = c0 + u * 32 + lane;
-            if (c < hi) {
-                float wa[PACK], wb[PACK], nw[PACK];
-                unikern_unpack<T>(a[u], wa);
-                unikern_unpack<T>(b[u], wb);
-                if (NORM) unikern_unpack<T>(reinterpret_cast<const uint4*>(norm_w)[c], nw);
-                #pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    if (r < rows) {
-                        float xv[PACK];
-                        unikern_unpack<T>(reinterpret_cast<const uint4*>(x + (size_t)r * K)[c], xv);
-                        #pragma unroll
-                        for (int e = 0; e < PACK; ++e) {
-                            // as MLX's rms_norm: the normalized value rounded, times the weight rounded
-                            const float xe = NORM ? static_cast<float>(static_cast<T>(
-                                nw[e] * static_cast<float>(static_cast<T>(xv[e] * inv[r])))) : xv[e];
-                            acc0[r] += xe * wa[e];
-                            acc1[r] += xe * wb[e];
-                        }
-                    }
-                }
-            }
-        }
-    }
-    #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        for (int o = 16; o > 0; o >>= 1) {
-            acc0[r] += __shfl_xor_sync(0xffffffff, acc0[r], o);
-            acc1[r] += __shfl_xor_sync(0xffffffff, acc1[r], o);
-        }
-    }
-    if (SPLIT > 1) {  // the pair's other warps hand their sums to its first
-        __shared__ float sums[WARPS][2 * ROWS];
-        if (lane == 0)
-            for (int r = 0; r < ROWS; ++r) {
-                sums[warp][2 * r] = acc0[r];
-                sums[warp][2 * r + 1] = acc1[r];
-            }
-        __syncthreads();
-        if (warp % SPLIT != 0) return;
-        for (int r = 0; r < ROWS; ++r)
-            for (int q = 1; q < SPLIT; ++q) {
-                acc0[r] += sums[warp + q][2 * r];
-                acc1[r] += sums[warp + q][2 * r + 1];
-            }
-    }
-    if (!live || lane != 0) return;
-    T* dst = out;  // and the columns and width of the output the pair belongs to
-    int c0 = f0, c1 = f1, width = NOUT;
-    if (MODE == 2 && f0 >= QN) {
-        const int kn = (N - QN) / 2;
-        const bool is_v = f0 >= QN + kn;
-        dst = is_v ? out_v : out_k;
-        c0 -= is_v ? QN + kn : QN;
-        c1 -= is_v ? QN + kn : QN;
-        width = kn;
-    }
-    for (int r = 0; r < rows; ++r) {
-        float s0 = acc0[r], s1 = acc1[r];
-        if (BIAS) {
-            s0 += static_cast<float>(bias[f0]);
-            s1 += static_cast<float>(bias[f1]);
-        }
-        const float y0 = static_cast<float>(static_cast<T>(s0));  // the matmul's output, rounded
-        const float y1 = static_cast<float>(static_cast<T>(s1));
-        T* o = dst + (size_t)r * width;
-        if (MODE == 1) {
-            o[c0] = static_cast<T>(y0 + static_cast<float>(res[(size_t)r * NOUT + f0]));
-            o[c1] = static_cast<T>(y1 + static_cast<float>(res[(size_t)r * NOUT + f1]));
-        } else if (MODE == 2 && p < ROPE_PAIRS) {
-            float s, c;  // the angle in units of pi: an exact range reduction, no slow path
-            sincospif(static_cast<float>(pos[r]) * freq_pi[p % (HD / 2)], &s, &c);
-            o[c0] = static_cast<T>(y0 * c - y1 * s);
-            o[c1] = static_cast<T>(y1 * c + y0 * s);
-        } else if (MODE == 3) {
-            const float sig = static_cast<float>(static_cast<T>(1.f / (1.f + expf(-y0))));
-            const float act = static_cast<float>(static_cast<T>(y0 * sig));
-            o[p] = static_cast<T>(act * y1);
-        } else {
-            o[c0] = static_cast<T>(y0);
-            o[c1] = static_cast<T>(y1);
-        }
-    }
-"""
-_INPUTS = ("x", "w", "bias", "norm_w", "eps", "res", "pos", "freq_pi")
-_placeholders: dict[Any, mx.array] = {}
-
-
-def _placeholder(dtype: mx.Dtype) -> mx.array:
-    """A one-element input for the kernel's unused inputs (one per dtype, made once)."""
-    if dtype not in _placeholders:
-        _placeholders[dtype] = mx.zeros((1,), dtype=dtype)
-    return _placeholders[dtype]
-
-
-def split_for(K: int, N: int, dtype: mx.Dtype) -> int:
-    """Warps per output pair of the kernel over w [N, K] (see TARGET_BLOCKS): a power of
-    two, at most WARPS."""
-    chunks = K * ITEMSIZE[dtype] // 16
-    split = 1
-    while (split < WARPS and (N // 2) * split < TARGET_BLOCKS * WARPS
-           and chunks // (2 * split) >= 32 * MIN_LOADS):
-        split *= 2
-    return split
-
-
-def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
-         norm: tuple[mx.array, mx.array] | None = None, res: mx.array | None = None,
-         pos: mx.array | None = None, freq_pi: mx.array | None = None, head_dim: int = 0,
-         rope_pairs: int = 0, q_features: int = 0, traditional: bool = False) -> mx.array | list[mx.array]:
-    """The kernel over x [rows, K] and w [N, K] (see _SOURCE): its output, or for ROPE
-    [q, k, v] (q_features of q, the rest halved between k and v). norm: (weight, eps as
-    a float32 [1] array); freq_pi: RoPE's inverse frequencies over pi."""
-    rows, K = x.shape
-    if rows > MAX_ROWS:
-        raise ValueError(f"the block kernel takes up to {MAX_ROWS} rows, not {rows}")
-    N = w.shape[0]
-    f32 = _placeholder(mx.float32)
-    nout = N // 2 if mode == SWIGLU else q_features if mode == ROPE else N
-    split = split_for(K, N, x.dtype)
-    template = [("T", x.dtype), ("K", K), ("N", N), ("NOUT", nout), ("ROWS", 1 << (rows - 1).bit_length()),
-                ("WARPS", WARPS), ("SPLIT", split), ("U", UNROLL), ("NORM", int(norm is not None)),
-                ("BIAS", int(bias is not None)), ("MODE", mode), ("HD", head_dim or 2), ("ROPE_PAIRS", rope_pairs),
-                ("QN", q_features if mode == ROPE else N), ("TRAD", int(traditional))]
-    inputs = [x, w, bias if bias is not None else _placeholder(x.dtype),
-              norm[0] if norm else _placeholder(x.dtype), norm[1] if norm else f32,
-              res if res is not None else _placeholder(x.dtype),
-              pos if pos is not None else _placeholder(mx.int32), freq_pi if freq_pi is not None else f32]
-    kv = (N - q_features) // 2
-    shapes = [(rows, nout), (rows, kv), (rows, kv)] if mode == ROPE else [(rows, nout), (1,), (1,)]
-    kernel = cuda_kernel("unikern_block_gemv", _INPUTS, _SOURCE, _HEADER, ("out", "out_k", "out_v"))
-    outs = kernel(inputs=inputs, template=template, grid=(-(-(N // 2) // (WARPS // split)) * WARPS * 32, 1, 1),
-                  threadgroup=(WARPS * 32, 1, 1), output_shapes=shapes, output_dtypes=[x.dtype] * 3)
-    return list(outs) if mode == ROPE else outs[0]
-
 
 def inverse_frequencies(rope: Any, head_dim: int) -> tuple[mx.array, bool] | None:
     """RoPE's angle per position for each rotated pair (float32, with nn.RoPE's position
