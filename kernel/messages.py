@@ -112,6 +112,10 @@ class SeqWork(msgspec.Struct, frozen=True):
     # table, in their own pool's id space, one entry per logical block as `block_table`
     # (the zero block where a block left the window); () when every layer reads block_table
     window_table: tuple[int, ...] = ()
+    # a window planned before the previous one's tokens came back (schedule's
+    # overlap_windows): the row's input is the token the previous step sampled last,
+    # still on the device; token_ids holds a placeholder of the same length (1)
+    continues: bool = False
 
 
 class Step(Message, frozen=True):

@@ -551,14 +551,15 @@ def patch_overlap() -> None:
     async def handle(self, ctx, message):
         if not isinstance(message, m.StepDone):
             return await original(self, ctx, message)
-        step, self.in_flight = self.in_flight, None
+        step = self.in_flight.popleft() if self.in_flight else None  # (a deque since session 12)
         if step is None or step.step_id != message.step_id:
             raise RuntimeError(f"step {message.step_id} came back, but {step and step.step_id} was in flight")
         outcome = self.scheduler.on_step_done(step, message.sampled)
-        if self.scheduler.has_work():
-            self.in_flight = self.scheduler.schedule()
-            if self.in_flight is not None:
-                await ctx.send(self.in_flight)
+        if not self.in_flight and self.scheduler.has_work():
+            nxt = self.scheduler.schedule()
+            if nxt is not None:
+                self.in_flight.append(nxt)
+                await ctx.send(nxt)
         for token in outcome.tokens:
             await ctx.send(token)
         for finished in outcome.finished:

@@ -120,6 +120,9 @@ class ModelRunner:
         self.compiled = CompiledDecode(model, self.num_layers, self.paged) if compile_decode and traceable else None
         # one-row windows traced too: only with no mask to give MLX's SDPA (paged above)
         self.compile_one_row = compile_one_row and self.paged is not None and self.compiled is not None
+        # the last window's rows and the tokens its last step sampled, on the device: a
+        # window planned before they came back (SeqWork.continues) feeds them
+        self._carried: tuple[tuple[str, ...], mx.array] | None = None
 
     def _caches(self, layout: BatchLayout, slots: list[int] | None = None, window_layout: BatchLayout | None = None) -> list:
         """The per-layer caches of one forward; `slots`: the rows' state slots;
@@ -201,6 +204,8 @@ class ModelRunner:
                 blas.set_num_threads(previous)
 
     def _run_once(self, step: m.Step, seeds: dict[str, int]) -> m.StepDone:
+        if any(w.continues for w in step.work):
+            raise RuntimeError("a continuing row needs a window (num_steps > 1): Scheduler.follow_up plans none shorter")
         decodes = [w for w in step.work if len(w.token_ids) == 1]
         prefills = sorted((w for w in step.work if len(w.token_ids) > 1), key=lambda w: -len(w.token_ids))
         groups = [decodes] if decodes else []
@@ -283,6 +288,20 @@ class ModelRunner:
             stopped=tuple(rid for rid in stopped if rid not in failed),
         )
 
+    def _window_inputs(self, work: tuple[m.SeqWork, ...]) -> mx.array:
+        """A window's first tokens (uint32, as the sampled tokens fed to later steps are:
+        one dtype, one trace): the rows' own, or, for a window planned while the one
+        before ran (`continues`), that window's last sampled tokens, still on the device."""
+        if not any(w.continues for w in work):
+            return mx.array([w.token_ids[0] for w in work], dtype=mx.uint32)
+        rows = tuple(w.request_id for w in work)
+        if not all(w.continues for w in work) or self._carried is None or self._carried[0] != rows:
+            raise RuntimeError(
+                f"a continuing window must follow a window of the same rows: got rows {rows}, the last window ran "
+                f"{self._carried[0] if self._carried else 'none'} (schedule.overlap_windows plans them in order)"
+            )
+        return self._carried[1]
+
     def _run_lookahead(self, step: m.Step, seeds: dict[str, int]) -> m.StepDone:
         """num_steps decode steps for the same rows, pipelined: the graph of step i+1 is
         built (feeding step i's lazily sampled tokens) while step i computes."""
@@ -290,8 +309,7 @@ class ModelRunner:
         if any(w.processors or w.grammar is not None for w in work):
             raise RuntimeError("a lookahead window cannot carry logits processors or grammars (num_steps must be 1)")
         batch = SamplingBatch(work, seeds, step.num_steps)
-        # uint32, as the sampled tokens fed to later steps are: one dtype, one trace
-        inputs = mx.array([w.token_ids[0] for w in work], dtype=mx.uint32)
+        inputs = self._window_inputs(work)
         rows = [(w.block_table, w.start_pos) for w in work]
         # a single row reads and writes the pool through slices (BatchLayout's span): its
         # attention needs no mask, which keeps MLX on its fused decode kernel; several
@@ -328,6 +346,7 @@ class ModelRunner:
                 reported.append(batch.logprobs(logits, inputs))
             mx.async_eval(inputs)
             sampled.append(inputs)
+        self._carried = (tuple(w.request_id for w in work), inputs)
         columns = mx.stack(sampled, axis=1)  # one sync for the window's tokens and writes
         mx.eval(columns, *(a for r in reported for a in r), *self._written())
         tokens = {w.request_id: row for row, w in zip(columns.tolist(), work, strict=True)}

@@ -181,20 +181,22 @@ class MLXExecuteStage(StageBase):
                 await self._on_ranks(thread, world, rank_zero.report)
             salt = p.seed
 
-            async def handle(step: m.Step) -> None:
-                seeds = {
+            def seeds_of(step: m.Step) -> dict[str, int]:
+                return {
                     w.request_id: w.params.seed if w.params.seed is not None else _seed_for(salt, w.request_id)
                     for w in step.work
                     if w.sample and w.params.temperature > 0
                 }
-                # a request's own failure (processor, grammar) comes back in StepDone.failed;
-                # an exception here is the stage's and fails every request
-                # looked up per step (one rank): a test may wrap the runner's execute
+
+            # a request's own failure (processor, grammar) comes back in StepDone.failed;
+            # an exception here is the stage's and fails every request. The runner's
+            # execute is looked up per step: a test may wrap it
+            async def handle(step: m.Step) -> None:
                 execute = rank_zero.execute if rank_zero is not None else runner.execute
-                await ctx.send(await thread.run(execute, step, seeds))
+                await ctx.send(await thread.run(execute, step, seeds_of(step)))
 
             if world is None:
-                await serve_inbox(ctx, handle)
+                await serve_in_order(ctx, thread, lambda step: (runner.execute, step, seeds_of(step)))
             else:
                 await self._serve_world(ctx, handle, world)
         finally:
@@ -300,6 +302,28 @@ class MLXExecuteStage(StageBase):
         if world is None:
             return {}
         return {"platform": {"world": world.describe()}, "kv": {"ranks": world.ranks}}
+
+
+async def serve_in_order(ctx: StageContext, thread: ModelThread, call) -> None:
+    """Each Step goes to the model thread as it arrives, `call(step)` giving what to run;
+    the StepDones go out in the steps' order. A step sent while the one before runs
+    (schedule's overlap_windows) then starts the moment that one ends, without waiting
+    for the event loop to take its StepDone."""
+    async with anyio.create_task_group() as tg:
+        previous: anyio.Event | None = None
+        async for step in ctx.inbox:
+            sent = anyio.Event()
+            tg.start_soon(_deliver, ctx, thread, thread.submit(*call(step)), previous, sent)
+            previous = sent
+
+
+async def _deliver(ctx: StageContext, thread: ModelThread, future, previous: anyio.Event | None,
+                   sent: anyio.Event) -> None:
+    done = await thread.result(future)
+    if previous is not None:
+        await previous.wait()
+    await ctx.send(done)
+    sent.set()
 
 
 def _seed_for(salt: int, request_id: str) -> int:

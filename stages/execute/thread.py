@@ -10,8 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
+import anyio.to_thread
 
 T = TypeVar("T")
 
@@ -27,23 +26,20 @@ class ModelThread:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn(*args) on the model thread. If the caller is cancelled the call still
         finishes on the thread (MLX work cannot be interrupted), but nobody waits."""
-        done = anyio.Event()
-        token = anyio.lowlevel.current_token()
-        loop_thread = threading.get_ident()
+        return await self.result(self.submit(fn, *args))
 
-        def wake(_: Future) -> None:
-            if threading.get_ident() == loop_thread:
-                done.set()  # already finished when the callback was added
-                return
-            try:
-                anyio.from_thread.run_sync(done.set, token=token)
-            except RuntimeError:
-                pass  # the event loop is gone: nobody is waiting any more
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future:
+        """Queue fn(*args) behind the thread's earlier calls; `result` awaits it. Calls
+        run in the order they were submitted, one at a time."""
+        return self._executor.submit(self._call, fn, *args)
 
-        future = self._executor.submit(self._call, fn, *args)
-        future.add_done_callback(wake)
-        await done.wait()
-        return future.result()
+    async def result(self, future: Future) -> T:
+        """fn's value (or its exception) once it has run. A helper thread waits for it, so
+        the model thread goes straight on to its next call without waiting for the event
+        loop to take this one's result (the loop may be busy delivering tokens)."""
+        if future.done():
+            return future.result()
+        return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         self._native_id = threading.get_native_id()

@@ -71,6 +71,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.num_follow_ups = 0  # windows planned while the one before ran (follow_up)
         self._step_ids = 0
 
     # ---- requests in and out -----------------------------------------------------------
@@ -220,6 +221,53 @@ class Scheduler:
         # the rows must name the blocks just added
         work[:] = [self._work(self.by_id[w.request_id], 1) for w in work]
         return steps
+
+    def follow_up(self, prev: m.Step) -> m.Step | None:
+        """The window after `prev` (still in flight) for the same rows, planned before
+        prev's tokens are back (`schedule.overlap_windows`): each row as if prev's
+        num_steps tokens were all generated and none ended it. Its rows feed the token
+        prev sampled last, which stays on the device (`SeqWork.continues`). None when
+        the batch may change: someone waits, prev was not a window of plain decodes, a
+        row ends by length within prev, or blocks are short. Rows that end early (EOS,
+        abort) are dropped when prev's results arrive: the follow-up's tokens for them
+        are ignored (on_step_done), and what it writes lands past their last token."""
+        if prev.num_steps < 2 or self.waiting or self.states is not None or self.window is not None \
+                or self.window_group is not None:
+            return None
+        seqs = []
+        for w in prev.work:
+            seq = self.by_id.get(w.request_id)
+            if seq is None or seq not in self.running or len(w.token_ids) != 1 or not w.sample \
+                    or w.processors or w.grammar is not None or needs_history(seq):
+                return None
+            seqs.append(seq)
+        rows = tuple(w.request_id for w in prev.work)
+        if rows != self._window_rows:
+            return None
+        steps = min(2 * self._window, self.decode_lookahead_max)
+        for w, seq in zip(prev.work, seqs, strict=True):
+            start = w.start_pos + prev.num_steps  # the position prev's last token goes to
+            steps = min(steps, seq.params.max_tokens - (w.num_generated + prev.num_steps),
+                        self.context_length - start - 1)
+        if steps < 2:
+            return None
+        extra = sum(self.blocks.blocks_needed(w.start_pos + prev.num_steps + steps) - len(seq.blocks)
+                    for w, seq in zip(prev.work, seqs, strict=True))
+        if extra > self.blocks.num_free:
+            return None
+        self._window = steps
+        work = []
+        for w, seq in zip(prev.work, seqs, strict=True):
+            start = w.start_pos + prev.num_steps
+            for _ in range(self.blocks.blocks_needed(start + steps) - len(seq.blocks)):
+                seq.blocks.append(self.blocks.allocate_one())
+            work.append(m.SeqWork(
+                request_id=seq.request_id, token_ids=(0,), start_pos=start, block_table=tuple(seq.blocks),
+                sample=True, params=seq.params, num_generated=w.num_generated + prev.num_steps, continues=True,
+            ))
+        self._step_ids += 1
+        self.num_follow_ups += 1
+        return m.Step(self._step_ids, tuple(work), steps)
 
     def _work(self, seq: Sequence, chunk: int) -> m.SeqWork:
         start = seq.num_computed

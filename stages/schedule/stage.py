@@ -1,8 +1,11 @@
 """schedule: the step loop. Keeps one step in flight; plans the next as soon as the
-previous one returns, so requests join and leave between any two steps."""
+previous one returns, so requests join and leave between any two steps. With
+`overlap_windows`, a decode window's successor for the same rows goes out while it runs
+(two in flight), so the model thread starts it without waiting for this round trip."""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from unikern import messages as m
@@ -28,6 +31,11 @@ class ScheduleParams(StageParams, frozen=True):
     # requests queued for a free slot; past it a request is refused at once with an
     # `overloaded` error. None: 4 x max_num_seqs, at least MIN_WAITING (waiting_limit)
     max_waiting: int | None = None
+    # send the next decode window of the same rows while one runs (Scheduler.follow_up):
+    # the model thread starts it as soon as the last one ends, its inputs the tokens
+    # still on the device, instead of after StepDone's trip through this stage. A
+    # request that arrives meanwhile joins after both windows
+    overlap_windows: bool = False
 
     def waiting_limit(self) -> int:
         return self.max_waiting if self.max_waiting is not None else max(MIN_WAITING, 4 * self.max_num_seqs)
@@ -76,7 +84,7 @@ class ScheduleStage(StageBase):
             state_checkpoints=kv.state_checkpoints,
             window_blocks=kv.window_blocks,
         )
-        self.in_flight: m.Step | None = None
+        self.in_flight: deque[m.Step] = deque()  # sent, in order; two with overlap_windows
         self.setup(ctx)
         task_status.started()
 
@@ -91,10 +99,16 @@ class ScheduleStage(StageBase):
         Scheduler.on_step_done turns into this StepOutput for the output stage. The next
         step goes out before this one's tokens, so the model computes while the event
         loop detokenizes and delivers."""
-        if self.in_flight is None and self.scheduler.has_work():
-            self.in_flight = self.scheduler.schedule()
-            if self.in_flight is not None:
-                await ctx.send(self.in_flight)
+        if not self.in_flight and self.scheduler.has_work():
+            step = self.scheduler.schedule()
+            if step is not None:
+                self.in_flight.append(step)
+                await ctx.send(step)
+        if self.params.overlap_windows and len(self.in_flight) == 1:
+            follow = self.scheduler.follow_up(self.in_flight[0])
+            if follow is not None:
+                self.in_flight.append(follow)
+                await ctx.send(follow)
         if output is not None and (output.tokens or output.finished):
             await ctx.send(output)
 
@@ -119,7 +133,7 @@ class ScheduleStage(StageBase):
                 if finished is not None:
                     return m.StepOutput(finished=(finished,))
             case m.StepDone(step_id=step_id, sampled=sampled):
-                step, self.in_flight = self.in_flight, None
+                step = self.in_flight.popleft() if self.in_flight else None
                 if step is None or step.step_id != step_id:
                     raise RuntimeError(f"step {step_id} came back, but step {step and step.step_id} was in flight")
                 outcome = sched.on_step_done(step, sampled, message.logprobs, message.failed, message.stopped)
@@ -135,6 +149,7 @@ class ScheduleStage(StageBase):
                 "waiting": len(sched.waiting),
                 "running": len(sched.running),
                 "preemptions": sched.num_preemptions,
+                "follow_ups": sched.num_follow_ups,
                 "max_waiting": sched.max_waiting,
                 "refused_overloaded": sched.num_refused_overloaded,
             },

@@ -1,0 +1,163 @@
+"""schedule.overlap_windows: a decode window's successor planned and sent while it runs
+(Scheduler.follow_up), its rows fed the tokens the window sampled last, on the device."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import anyio
+import pytest
+from test_lookahead import EOS, next_token
+from test_sampling import engine, seeded_request
+
+from unikern import messages as m
+from unikern.stages.kv.blocks import BlockManager
+from unikern.stages.schedule.policy import Scheduler
+
+
+class Device:
+    """A stand-in for the model thread: each row's context as the device has it (fed
+    tokens at their positions, then what it sampled), so a continuing row reads the token
+    its previous window sampled last, as ModelRunner's carried array does, even when the
+    scheduler has since finished that row."""
+
+    def __init__(self, blocks: BlockManager) -> None:
+        self.blocks = blocks
+        self.context: dict[str, list[int]] = {}
+        self.last_rows: tuple[str, ...] = ()
+
+    def run(self, step: m.Step) -> dict[str, list[int]]:
+        rows = tuple(w.request_id for w in step.work)
+        if any(w.continues for w in step.work):
+            assert all(w.continues for w in step.work) and rows == self.last_rows
+        sampled = {}
+        for w in step.work:
+            assert self.blocks.blocks_needed(w.start_pos + len(w.token_ids) + step.num_steps - 1) <= len(w.block_table)
+            ctx = self.context.setdefault(w.request_id, [])
+            if w.continues:
+                assert len(ctx) == w.start_pos + 1  # the carried token sits at start_pos
+            else:
+                del ctx[w.start_pos:]
+                ctx.extend(w.token_ids)
+            if not w.sample:
+                continue
+            toks = []
+            for _ in range(step.num_steps):
+                toks.append(next_token(w.request_id, ctx))
+                ctx.append(toks[-1])
+            sampled[w.request_id] = toks
+        self.last_rows = rows
+        return sampled
+
+
+def drive(overlap: bool, num_blocks: int = 256, late: int | None = None, penalized: tuple[int, ...] = ()):
+    """The schedule stage's loop over the policy: up to two steps in flight with overlap.
+    `late`: a request added after that many steps, while windows are in flight."""
+    blocks = BlockManager(num_blocks, 16)
+    sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64, eos_token_ids=[EOS],
+                      context_length=512, decode_lookahead=2, decode_lookahead_max=16)
+    device = Device(blocks)
+
+    def add(i: int) -> None:
+        params = m.SamplingParams(max_tokens=30 + 7 * i, repetition_penalty=1.2 if i in penalized else 1.0)
+        sched.add(m.Tokenized(f"r{i}", tuple(range(5 + i, 25 + 3 * i)), params))
+
+    for i in range(5):
+        add(i)
+    out: dict[str, list[int]] = {}
+    reasons = {}
+    in_flight: deque[m.Step] = deque()
+    shapes = []
+    for n in range(1000):
+        if n == late:
+            add(9)
+        if not in_flight and sched.has_work():
+            step = sched.schedule()
+            if step is not None:
+                in_flight.append(step)
+        if overlap and len(in_flight) == 1:
+            follow = sched.follow_up(in_flight[0])
+            if follow is not None:
+                in_flight.append(follow)
+        if not in_flight:
+            break
+        step = in_flight.popleft()
+        shapes.append((step.num_steps, len(step.work), any(w.continues for w in step.work)))
+        outcome = sched.on_step_done(step, device.run(step))
+        for t in outcome.tokens:
+            out.setdefault(t.request_id, []).append(t.token_id)
+        for f in outcome.finished:
+            reasons[f.request_id] = (f.reason, f.usage.completion_tokens)
+    assert not sched.has_work() and blocks.num_used == 0
+    return out, reasons, shapes, sched.num_follow_ups
+
+
+def test_follow_ups_give_the_same_tokens_and_stops():
+    base, base_reasons, _, none = drive(False)
+    out, reasons, shapes, follow_ups = drive(True)
+    assert none == 0 and follow_ups > 0
+    assert sum(cont for *_, cont in shapes) == follow_ups
+    assert out == base and reasons == base_reasons
+    assert any(reason == "stop" for reason, _ in reasons.values())  # rows ended by EOS mid-window
+    for rid, (_, count) in reasons.items():
+        assert count == len(out[rid])
+
+
+def test_a_late_request_waits_for_the_windows_in_flight_then_joins():
+    base, base_reasons, _, _ = drive(False, late=6)
+    out, reasons, shapes, follow_ups = drive(True, late=6)
+    assert follow_ups > 0 and out == base and reasons == base_reasons
+    assert "r9" in out
+
+
+def test_no_follow_up_for_penalized_rows_or_short_pools():
+    _, _, shapes, follow_ups = drive(True, penalized=(0, 1, 2, 3, 4))
+    assert follow_ups == 0  # penalties need the window's tokens on the host (history)
+    small, small_reasons, _, _ = drive(True, num_blocks=14)  # too few blocks to plan ahead
+    base, base_reasons, _, _ = drive(False, num_blocks=14)
+    assert small == base and small_reasons == base_reasons
+
+
+def test_follow_up_plans_from_the_window_in_flight():
+    blocks = BlockManager(64, 16)
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64, eos_token_ids=[EOS],
+                      context_length=512, decode_lookahead=4, decode_lookahead_max=16)
+    sched.add(m.Tokenized("a", tuple(range(5, 15)), m.SamplingParams(max_tokens=13)))
+    prefill = sched.schedule()
+    sched.on_step_done(prefill, {"a": [11]})
+    window = sched.schedule()
+    assert window.num_steps == 4 and window.work[0].start_pos == 10
+    assert sched.follow_up(prefill) is None  # not a window
+    follow = sched.follow_up(window)
+    (w,) = follow.work
+    assert (follow.num_steps, w.start_pos, w.num_generated, w.continues) == (8, 14, 5, True)
+    assert blocks.blocks_needed(14 + 8) <= len(w.block_table)
+    # 13 tokens in all: after 1 + 4 + 8 generated, nothing is left for a third window
+    assert sched.follow_up(follow) is None
+    sched.add(m.Tokenized("b", (5, 6, 7), m.SamplingParams(max_tokens=4)))
+    assert sched.follow_up(window) is None  # someone waits: the batch will change
+
+
+@pytest.mark.anyio
+async def test_the_engine_gives_the_same_tokens_with_overlapped_windows(tiny_llama):
+    """Seeded sampling and greedy rows of several lengths, with and without overlap: the
+    same tokens, and the overlapped run planned windows while others ran."""
+    requests = [{**seeded_request(i), "max_tokens": 20 + 5 * (i % 4)} for i in range(8)]
+    for r in requests:
+        r["repetition_penalty"] = 1.0  # penalized rows never follow up (test above)
+    results = {}
+    for overlap in (False, True):
+        async with engine(tiny_llama, decode_lookahead=2, decode_lookahead_max=8, overlap_windows=overlap) as eng:
+            got = [None] * len(requests)
+
+            async def one(i, got=got):
+                got[i] = (await eng.complete(**requests[i])).token_ids
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(requests)):
+                    tg.start_soon(one, i)
+            results[overlap] = (got, eng.stats()["schedule"]["follow_ups"])
+    (plain, none), (overlapped, follow_ups) = results[False], results[True]
+    assert none == 0 and follow_ups > 0
+    assert overlapped == plain
+    assert [len(t) for t in plain] == [r["max_tokens"] for r in requests]
