@@ -143,15 +143,18 @@ async def test_the_engine_gives_the_same_tokens_with_overlapped_windows(tiny_lla
     """Seeded sampling and greedy rows of several lengths, with and without overlap: the
     same tokens, and the overlapped run planned windows while others ran."""
     requests = [{**seeded_request(i), "max_tokens": 20 + 5 * (i % 4)} for i in range(8)]
-    for r in requests:
+    for i, r in enumerate(requests):
         r["repetition_penalty"] = 1.0  # penalized rows never follow up (test above)
+        if i % 3 == 0:
+            r.update(logprobs=True, top_logprobs=3)
     results = {}
     for overlap in (False, True):
         async with engine(tiny_llama, decode_lookahead=2, decode_lookahead_max=8, overlap_windows=overlap) as eng:
             got = [None] * len(requests)
 
-            async def one(i, got=got):
-                got[i] = (await eng.complete(**requests[i])).token_ids
+            async def one(i, eng=eng, got=got):
+                events = [e async for e in eng.generate(**requests[i]) if isinstance(e, m.TokenEvent)]
+                got[i] = [(e.token_id, e.logprob, e.top_logprobs) for e in events]
 
             async with anyio.create_task_group() as tg:
                 for i in range(len(requests)):
@@ -161,3 +164,27 @@ async def test_the_engine_gives_the_same_tokens_with_overlapped_windows(tiny_lla
     assert none == 0 and follow_ups > 0
     assert overlapped == plain
     assert [len(t) for t in plain] == [r["max_tokens"] for r in requests]
+    assert all(lp is not None for t, r in zip(plain, requests, strict=True) if r.get("logprobs") for _, lp, _ in t)
+
+
+@pytest.mark.anyio
+async def test_the_model_thread_goes_on_while_the_event_loop_is_busy():
+    """A finished call's result waits for the loop on a helper thread, not on the model
+    thread: the next call starts even while the loop is busy (delivering tokens)."""
+    import threading
+    import time
+
+    from unikern.stages.execute.thread import ModelThread
+
+    thread = ModelThread()
+    first_done, second_started = threading.Event(), threading.Event()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(thread.run, lambda: time.sleep(0.05) or first_done.set())
+            await anyio.sleep(0.01)  # the task is awaiting the first call's result
+            second = thread.submit(second_started.set)
+            time.sleep(0.5)  # noqa: ASYNC251 (the point: the loop is busy, nothing of it runs meanwhile)
+            assert first_done.is_set() and second_started.is_set()
+        await thread.result(second)
+    finally:
+        await thread.aclose()

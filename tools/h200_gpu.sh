@@ -148,6 +148,12 @@ for rows in ${PROBE_ENGINE_ROWS:-1 64}; do
     --model $M/llama-1b --rows "$rows" --prompt "${PROBE_PROMPT:-64}" \
     --variants ${PROBE_ENGINE_VARIANTS:-engine engine-paged engine-paged-group} --repeats 3 --json "$RES/probe-engine-1b-$n.json"
 done
+# the fused block's GEMV kernel variant by variant against MLX's matmul (which prologue or
+# epilogue is slow; BLOCK_GEMV_ARGS, e.g. "--set UNROLL=1"); runs only when GPU_STEPS names it
+if named bench-block-gemv; then
+  TAIL=16 step bench-block-gemv "$RES/bench-block-gemv${BLOCK_GEMV_LABEL:-}.json" python3 "$REPO/tools/bench_block_gemv.py" \
+    ${BLOCK_GEMV_ARGS:-} --json "$RES/bench-block-gemv${BLOCK_GEMV_LABEL:-}.json"
+fi
 # the engine's run split into time inside the model thread's steps and the gaps between them
 # (GAPS_ARGS, e.g. "--switch-interval 0.2": the GIL handed over sooner to the model thread)
 TAIL=6 step gaps-1b "$RES/gaps-1b${GAPS_LABEL:-}.json" python3 "$REPO/tools/step_gaps.py" --model $M/llama-1b \

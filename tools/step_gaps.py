@@ -7,7 +7,8 @@ tools/bench_gpu.py's for unikern (its prompts and its run_unikern), through the 
     python tools/step_gaps.py --model DIR [--concurrency 1 16 64] [--set execute.x=y] [--json out.json]
 
 Per level, the median over the repeats of: wall, time inside execute, the gaps' sum and
-largest one, and the steps (prefill and decode windows, with their lengths).
+largest one, and the steps (prefill and decode windows, with their lengths; "+" marks a
+window planned while the one before ran, schedule.overlap_windows).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def main() -> None:
     overrides = {"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": args.token_budget}}
     for stage, values in parse_overrides(args.overrides).items():
         overrides.setdefault(stage, {}).update(values)
-    steps: list[tuple[float, float, int, int, int]] = []  # start, end, num_steps, rows, tokens fed
+    steps: list[tuple[float, float, int, int, int, bool]] = []  # start, end, num_steps, rows, tokens fed, follow-up
     execute = ModelRunner.execute
 
     def timed(self, step, seeds):
@@ -61,7 +62,7 @@ def main() -> None:
             return execute(self, step, seeds)
         finally:
             steps.append((start, time.perf_counter(), step.num_steps, len(step.work),
-                          sum(len(w.token_ids) for w in step.work)))
+                          sum(len(w.token_ids) for w in step.work), any(w.continues for w in step.work)))
 
     ModelRunner.execute = timed
     results = []
@@ -75,7 +76,8 @@ def main() -> None:
         gaps = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
         return {"wall_ms": run["wall"] * 1e3, "ttft_ms": run["ttft"] * 1e3, "execute_ms": sum(e - s for s, e, *_ in steps) * 1e3,
                 "gaps_ms": sum(gaps) * 1e3, "largest_gap_ms": max(gaps, default=0) * 1e3,
-                "steps": [{"num_steps": n, "rows": r, "tokens_fed": t, "ms": (e - s) * 1e3} for s, e, n, r, t in steps]}
+                "steps": [{"num_steps": n, "rows": r, "tokens_fed": t, "follow_up": f, "ms": (e - s) * 1e3}
+                          for s, e, n, r, t, f in steps]}
 
     async def main_async() -> None:
         async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
@@ -86,7 +88,9 @@ def main() -> None:
                 for key in ("wall_ms", "ttft_ms", "execute_ms", "gaps_ms", "largest_gap_ms"):
                     row[key] = statistics.median(r[key] for r in runs)
                 results.append(row)
-                shape = " ".join(f"{s['num_steps']}x{s['rows']}" for s in runs[-1]["steps"])
+                # "+": a window planned while the one before ran (schedule.overlap_windows)
+                shape = " ".join(f"{'+' if s['follow_up'] else ''}{s['num_steps']}x{s['rows']}"
+                                 for s in runs[-1]["steps"])
                 print(f"c={level:<3} wall {row['wall_ms']:7.1f} ms  in execute {row['execute_ms']:7.1f}  gaps "
                       f"{row['gaps_ms']:6.1f} (largest {row['largest_gap_ms']:.1f})  steps (num_steps x rows): {shape}",
                       flush=True)

@@ -309,12 +309,17 @@ async def serve_in_order(ctx: StageContext, thread: ModelThread, call) -> None:
     the StepDones go out in the steps' order. A step sent while the one before runs
     (schedule's overlap_windows) then starts the moment that one ends, without waiting
     for the event loop to take its StepDone."""
-    async with anyio.create_task_group() as tg:
-        previous: anyio.Event | None = None
-        async for step in ctx.inbox:
-            sent = anyio.Event()
-            tg.start_soon(_deliver, ctx, thread, thread.submit(*call(step)), previous, sent)
-            previous = sent
+    try:
+        async with anyio.create_task_group() as tg:
+            previous: anyio.Event | None = None
+            async for step in ctx.inbox:
+                sent = anyio.Event()
+                tg.start_soon(_deliver, ctx, thread, thread.submit(*call(step)), previous, sent)
+                previous = sent
+    except BaseExceptionGroup as group:  # the failed step's own error, as the stage's
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
 
 
 async def _deliver(ctx: StageContext, thread: ModelThread, future, previous: anyio.Event | None,
