@@ -103,3 +103,37 @@ def test_lookahead_window_restarts_when_the_batch_changes():
     sched.add(m.Tokenized("b", tuple(range(5, 15)), m.SamplingParams(max_tokens=200)))
     assert step_once() == 1  # b's prefill (a waits for nobody, but the step is mixed)
     assert [step_once() for _ in range(3)] == [2, 4, 8]
+    sched.abort("a", "cancelled")  # a row leaving lets nobody join sooner: the window goes on growing
+    assert step_once() == 16
+
+
+def test_a_window_runs_past_rows_that_end_inside_it_while_little_is_wasted():
+    from unikern.stages.schedule.policy import window_steps
+
+    # one row a token ahead of 63 others (it was prefilled alone): one window for all,
+    # not a window and then a one-step tail
+    assert window_steps(32, [10] * 63 + [9], [1000] * 64) == 10
+    assert window_steps(16, [16] * 7 + [2], [1000] * 8) == 16  # 14 of 128 row-steps wasted
+    assert window_steps(32, [10, 1], [1000, 1000]) == 1  # 9 of 20 would be wasted
+    assert window_steps(32, [12] * 7 + [3], [1000] * 8) == 12  # 9 of 96
+    assert window_steps(32, [12, 12, 12, 3], [1000] * 4) == 3  # 9 of 48 would be wasted
+    assert window_steps(32, [12, 12, 3, 3], [1000] * 4) == 3  # 18 of 48: the shortest row's
+    assert window_steps(32, [40] * 4, [1000] * 4) == 32  # the window's cap
+    assert window_steps(32, [40] * 4, [1000, 1000, 5, 1000]) == 5  # nobody writes past its context
+
+
+def test_rows_ending_inside_a_window_stop_exactly_at_max_tokens():
+    blocks = BlockManager(256, 16)
+    sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64, eos_token_ids=[EOS],
+                      context_length=512, decode_lookahead=8, decode_lookahead_max=8)
+    for i in range(8):
+        sched.add(m.Tokenized(f"r{i}", (5, 6, 7), m.SamplingParams(max_tokens=9 if i else 8)))
+    step = sched.schedule()
+    sched.on_step_done(step, {w.request_id: [11] for w in step.work})
+    window = sched.schedule()
+    assert window.num_steps == 8  # r0 needs 7 more, the others 8: one window for all
+    outcome = sched.on_step_done(window, {w.request_id: [11] * 8 for w in window.work})
+    assert {f.request_id: (f.reason, f.usage.completion_tokens) for f in outcome.finished} == {
+        f"r{i}": ("length", 8 if i == 0 else 9) for i in range(8)
+    }
+    assert not sched.has_work() and blocks.num_used == 0

@@ -188,3 +188,20 @@ async def test_the_model_thread_goes_on_while_the_event_loop_is_busy():
         await thread.result(second)
     finally:
         await thread.aclose()
+
+
+def test_a_window_after_rows_left_is_followed_up_too():
+    blocks = BlockManager(64, 16)
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64, eos_token_ids=[EOS],
+                      context_length=512, decode_lookahead=2, decode_lookahead_max=16)
+    for rid in ("a", "b"):
+        sched.add(m.Tokenized(rid, tuple(range(5, 15)), m.SamplingParams(max_tokens=100)))
+    prefill = sched.schedule()
+    sched.on_step_done(prefill, {"a": [11], "b": [12]})
+    window = sched.schedule()
+    sched.on_step_done(window, {"a": [11] * 2, "b": [12] * 2})
+    sched.abort("b", "cancelled")
+    alone = sched.schedule()  # a alone: the window went on growing
+    assert [w.request_id for w in alone.work] == ["a"] and alone.num_steps == 4
+    follow = sched.follow_up(alone)
+    assert follow is not None and follow.num_steps == 8 and follow.work[0].continues

@@ -19,6 +19,24 @@ if TYPE_CHECKING:
     from unikern.stages.execute.model import ModelGeometry
 
 
+# a window may run past the end of rows that reach max_tokens inside it (their extra tokens
+# are dropped, as after an EOS) while those wasted row-steps stay under 1/WASTE_SHARE of it:
+# a round trip to the host saved for a little compute
+WASTE_SHARE = 8
+
+
+def window_steps(window: int, remaining: list[int], room: list[int]) -> int:
+    """A decode window's length for rows with `remaining` tokens to go and `room` left in
+    the context: at most `window` and every row's room (no row writes past its context),
+    and as long as the longest row needs unless the rows it outlives would waste more
+    than 1/WASTE_SHARE of the window's row-steps; then the longest such length that does
+    not (at least the shortest row's)."""
+    cap = min(window, min(room))
+    # the shortest row's length wastes nothing, so one always qualifies
+    return next(steps for steps in sorted({min(r, cap) for r in remaining}, reverse=True)
+                if WASTE_SHARE * sum(max(0, steps - r) for r in remaining) <= len(remaining) * steps)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -60,7 +78,7 @@ class Scheduler:
         self.decode_lookahead = decode_lookahead
         # while the same rows keep decoding with nobody waiting, each lookahead step
         # doubles the next one's length up to this: fewer fill/drain bubbles and engine
-        # round trips; any change in the batch starts again from decode_lookahead
+        # round trips; a row joining starts again from decode_lookahead
         self.decode_lookahead_max = max(decode_lookahead, decode_lookahead_max or decode_lookahead)
         self._window = decode_lookahead
         self._window_rows: tuple[str, ...] = ()
@@ -188,18 +206,16 @@ class Scheduler:
             self._window_rows = ()
             return 1
         rows = tuple(w.request_id for w in work)
-        if rows == self._window_rows:
+        # rows that only left (finished) keep the window growing: a shorter one would not
+        # let anybody join sooner (nobody waits, or this step would not be a window)
+        if rows == self._window_rows or (self._window_rows and set(rows) <= set(self._window_rows)):
             self._window = min(2 * self._window, self.decode_lookahead_max)
         else:
-            self._window, self._window_rows = self.decode_lookahead, rows
-        steps = self._window
-        for w in work:
-            seq = self.by_id[w.request_id]
-            steps = min(
-                steps,
-                seq.params.max_tokens - seq.num_generated,
-                self.context_length - len(seq.tokens),
-            )
+            self._window = self.decode_lookahead
+        self._window_rows = rows
+        seqs = [self.by_id[w.request_id] for w in work]
+        steps = window_steps(self._window, [s.params.max_tokens - s.num_generated for s in seqs],
+                             [self.context_length - len(s.tokens) for s in seqs])
         if steps <= 1:
             return 1
         extra = 0
@@ -244,11 +260,13 @@ class Scheduler:
         rows = tuple(w.request_id for w in prev.work)
         if rows != self._window_rows:
             return None
-        steps = min(2 * self._window, self.decode_lookahead_max)
-        for w, seq in zip(prev.work, seqs, strict=True):
-            start = w.start_pos + prev.num_steps  # the position prev's last token goes to
-            steps = min(steps, seq.params.max_tokens - (w.num_generated + prev.num_steps),
-                        self.context_length - start - 1)
+        # after prev: each row's tokens to go, and room in the context (prev's last token
+        # goes to position start_pos + num_steps)
+        remaining = [seq.params.max_tokens - (w.num_generated + prev.num_steps) for w, seq in zip(prev.work, seqs, strict=True)]
+        room = [self.context_length - (w.start_pos + prev.num_steps) - 1 for w in prev.work]
+        if min(remaining) < 1:
+            return None  # a row ends by length within prev: the batch changes
+        steps = window_steps(min(2 * self._window, self.decode_lookahead_max), remaining, room)
         if steps < 2:
             return None
         extra = sum(self.blocks.blocks_needed(w.start_pos + prev.num_steps + steps) - len(seq.blocks)
