@@ -266,14 +266,15 @@ class Scheduler:
         room = [self.context_length - (w.start_pos + prev.num_steps) - 1 for w in prev.work]
         if min(remaining) < 1:
             return None  # a row ends by length within prev: the batch changes
-        steps = window_steps(min(2 * self._window, self.decode_lookahead_max), remaining, room)
+        window = min(2 * self._window, self.decode_lookahead_max)
+        steps = window_steps(window, remaining, room)
         if steps < 2:
             return None
         extra = sum(self.blocks.blocks_needed(w.start_pos + prev.num_steps + steps) - len(seq.blocks)
                     for w, seq in zip(prev.work, seqs, strict=True))
         if extra > self.blocks.num_free:
             return None
-        self._window = steps
+        self._window = window
         work = []
         for w, seq in zip(prev.work, seqs, strict=True):
             start = w.start_pos + prev.num_steps
