@@ -205,3 +205,32 @@ def test_a_window_after_rows_left_is_followed_up_too():
     assert [w.request_id for w in alone.work] == ["a"] and alone.num_steps == 4
     follow = sched.follow_up(alone)
     assert follow is not None and follow.num_steps == 8 and follow.work[0].continues
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("family, follows", [("qwen3", True), ("gemma3", False), ("qwen3-next", False)])
+async def test_families_with_overlapped_windows(family, follows):
+    """Another attention family follows up too; sliding-window and recurrent models are
+    left to plain windows (their books and states move between windows), with the same
+    tokens either way."""
+    from test_families import OVERRIDES, family_model
+
+    import unikern
+
+    path = family_model(family)
+    prompts = [[5 + i, 6, 7 + 2 * i, 8] * (1 + i % 3) for i in range(6)]
+    got = {}
+    for overlap in (False, True):
+        overrides = {**OVERRIDES, "schedule": {**OVERRIDES["schedule"], "overlap_windows": overlap}}
+        async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as eng:
+            out = [None] * len(prompts)
+
+            async def one(i, eng=eng, out=out):
+                out[i] = (await eng.complete(prompt_tokens=prompts[i], max_tokens=12 + 3 * i)).token_ids
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+            got[overlap] = (out, eng.stats()["schedule"]["follow_ups"])
+    assert got[True][0] == got[False][0]
+    assert (got[True][1] > 0) == follows
