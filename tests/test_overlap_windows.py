@@ -142,7 +142,7 @@ def test_follow_up_plans_from_the_window_in_flight():
 async def test_the_engine_gives_the_same_tokens_with_overlapped_windows(tiny_llama):
     """Seeded sampling and greedy rows of several lengths, with and without overlap: the
     same tokens, and the overlapped run planned windows while others ran."""
-    requests = [{**seeded_request(i), "max_tokens": 20 + 5 * (i % 4)} for i in range(8)]
+    requests = [{**seeded_request(i), "max_tokens": 14 + 3 * (i % 4)} for i in range(8)]
     for i, r in enumerate(requests):
         r["repetition_penalty"] = 1.0  # penalized rows never follow up (test above)
         if i % 3 == 0:
