@@ -216,27 +216,28 @@ class Scheduler:
         seqs = [self.by_id[w.request_id] for w in work]
         steps = window_steps(self._window, [s.params.max_tokens - s.num_generated for s in seqs],
                              [self.context_length - len(s.tokens) for s in seqs])
-        if steps <= 1:
+        if steps <= 1 or not self._reserve_window([(seq, seq.num_computed + steps) for seq in seqs]):
             return 1
-        extra = 0
-        extra_window = 0
+        # the rows must name the blocks just added
+        work[:] = [self._work(seq, 1) for seq in seqs]
+        return steps
+
+    def _reserve_window(self, ends: list[tuple[Sequence, int]]) -> bool:
+        """Give each sequence blocks (and windowed-layer blocks) for its tokens up to its
+        `end`, if all of them are free; False, and nothing taken, if not (a window never
+        preempts)."""
         group = self.window_group
-        for w in work:
-            seq = self.by_id[w.request_id]
-            extra += self.blocks.blocks_needed(seq.num_computed + steps) - len(seq.blocks)
-            if group is not None:
-                extra_window += group.missing(seq, seq.num_computed + steps)
-        if extra > self.blocks.num_free or (group is not None and extra_window > group.books.num_free):
-            return 1
-        for w in work:
-            seq = self.by_id[w.request_id]
-            for _ in range(self.blocks.blocks_needed(seq.num_computed + steps) - len(seq.blocks)):
+        extra = sum(self.blocks.blocks_needed(end) - len(seq.blocks) for seq, end in ends)
+        if extra > self.blocks.num_free:
+            return False
+        if group is not None and sum(group.missing(seq, end) for seq, end in ends) > group.books.num_free:
+            return False
+        for seq, end in ends:
+            for _ in range(self.blocks.blocks_needed(end) - len(seq.blocks)):
                 seq.blocks.append(self.blocks.allocate_one())
             if group is not None:
-                group.grow(seq, seq.num_computed + steps)
-        # the rows must name the blocks just added
-        work[:] = [self._work(self.by_id[w.request_id], 1) for w in work]
-        return steps
+                group.grow(seq, end)
+        return True
 
     def follow_up(self, prev: m.Step) -> m.Step | None:
         """The window after `prev` (still in flight) for the same rows, planned before
@@ -270,20 +271,15 @@ class Scheduler:
         steps = window_steps(window, remaining, room)
         if steps < 2:
             return None
-        extra = sum(self.blocks.blocks_needed(w.start_pos + prev.num_steps + steps) - len(seq.blocks)
-                    for w, seq in zip(prev.work, seqs, strict=True))
-        if extra > self.blocks.num_free:
+        starts = [w.start_pos + prev.num_steps for w in prev.work]
+        if not self._reserve_window([(seq, start + steps) for seq, start in zip(seqs, starts, strict=True)]):
             return None
         self._window = window
-        work = []
-        for w, seq in zip(prev.work, seqs, strict=True):
-            start = w.start_pos + prev.num_steps
-            for _ in range(self.blocks.blocks_needed(start + steps) - len(seq.blocks)):
-                seq.blocks.append(self.blocks.allocate_one())
-            work.append(m.SeqWork(
-                request_id=seq.request_id, token_ids=(0,), start_pos=start, block_table=tuple(seq.blocks),
-                sample=True, params=seq.params, num_generated=w.num_generated + prev.num_steps, continues=True,
-            ))
+        work = [
+            m.SeqWork(request_id=seq.request_id, token_ids=(0,), start_pos=start, block_table=tuple(seq.blocks),
+                      sample=True, params=seq.params, num_generated=w.num_generated + prev.num_steps, continues=True)
+            for w, seq, start in zip(prev.work, seqs, starts, strict=True)
+        ]
         self._step_ids += 1
         self.num_follow_ups += 1
         return m.Step(self._step_ids, tuple(work), steps)
