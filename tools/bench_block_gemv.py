@@ -7,7 +7,7 @@ Needs CUDA (PyTorch's profiler reads the kernels' GPU time through CUPTI).
 
 Each variant runs over `--layers` distinct weight matrices (as many as the model has, so
 the weights come from HBM, not from L2) `--repeats` times; per variant it prints the
-kernel's GPU time per call and the weight bytes it read per second. The block's four
+kernel's GPU time per call (probe_cuda.kernel_profile's CUPTI figures) and the weight bytes it read per second. The block's four
 kernels are the variants named qkv-rope-norm, out-residual, gateup-swiglu-norm and
 down-residual; the others take one feature away (the norm, the RoPE epilogue and its
 three outputs, the SwiGLU epilogue) to show what it costs.
@@ -80,22 +80,21 @@ def main() -> None:
         "down-residual": (down, lambda w: bg.gemv(a, w, bg.RESIDUAL, res=x)),
         "down-mlx": (down, lambda w: a @ w.T),
     }
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from probe_cuda import kernel_profile  # tools/ is on sys.path when run as a script
 
-    torch.cuda.init()
     rows = []
     for name, (ws, call) in variants.items():
         mx.eval([call(w) for w in ws])  # built and warm
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+        def run(_n, ws=ws, call=call):
             for _ in range(args.repeats):
                 mx.eval([call(w) for w in ws])
-        times = [getattr(e, "device_time", None) or getattr(e, "cuda_time", 0)
-                 for e in prof.events() if e.device_type.name == "CUDA"]
-        calls = args.repeats * len(ws)
-        us = sum(times) / calls
+            return {"decoded": args.repeats * len(ws)}  # kernel_profile's figures: per call
+
+        profiled = kernel_profile(run)
+        us = profiled["gpu_ms_per_token"] * 1e3
         nbytes = ws[0].nbytes
-        row = {"variant": name, "us_per_call": us, "kernels_per_call": len(times) / calls,
+        row = {"variant": name, "us_per_call": us, "kernels_per_call": profiled["kernels_per_token"],
                "weight_bytes": nbytes, "tb_per_s": nbytes / us / 1e6 if us else float("nan")}
         rows.append(row)
         print(f"{name:<20} {us:8.2f} us  {row['tb_per_s']:5.2f} TB/s  {row['kernels_per_call']:.1f} kernels per call",
