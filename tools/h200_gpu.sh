@@ -101,9 +101,9 @@ fi
 step gguf-8b-q4 $M/llama-8b-q4_0.gguf $BIN/llama-quantize $M/llama-8b-bf16.gguf $M/llama-8b-q4_0.gguf Q4_0
 [ -e $M/llama-8b-q4_0.gguf ] && rm -f $M/llama-8b-bf16.gguf  # 16 GB of disk back
 TAIL=6 step bench-1b $RES/bench-gpu-1b.json python3 "$REPO/tools/bench_gpu.py" bench --model $M/llama-1b \
-  --gguf $M/llama-1b-bf16.gguf --llama-bin $BIN --label "llama 1B shape, bfloat16" --json $RES/bench-gpu-1b.json
+  --gguf $M/llama-1b-bf16.gguf --llama-bin $BIN ${BENCH_ARGS:-} --label "llama 1B shape, bfloat16" --json $RES/bench-gpu-1b.json
 TAIL=6 step bench-8b-q4 $RES/bench-gpu-8b-q4.json python3 "$REPO/tools/bench_gpu.py" bench --model $M/llama-8b-q4 \
-  --gguf $M/llama-8b-q4_0.gguf --llama-bin $BIN --label "llama 8B shape, 4-bit (Q4_0 for llama.cpp)" \
+  --gguf $M/llama-8b-q4_0.gguf --llama-bin $BIN ${BENCH_ARGS:-} --label "llama 8B shape, 4-bit (Q4_0 for llama.cpp)" \
   --json $RES/bench-gpu-8b-q4.json
 step ready-1b $RES/ready-1b.json python3 "$REPO/tools/first_request.py" --model $M/llama-1b --cold-warm \
   --json $RES/ready-1b.json
@@ -117,7 +117,7 @@ if named ready-1b-tf && ls /tmp/tfwhl/transformers-*.whl > /dev/null 2>&1; then
     --model $M/llama-1b --cold-warm --json $RES/ready-1b-tf.json
 fi
 TAIL=12 step parity-1b $RES/parity-1b.json python3 "$REPO/tools/parity_check.py" --model $M/llama-1b --prompts 16 \
-  --max-tokens 32 --json $RES/parity-1b.json
+  --max-tokens 32 ${PARITY_ARGS:-} --json $RES/parity-1b.json
 # the 8B 4-bit model's greedy tokens against mlx-lm's with PARITY_8B_SETS (e.g. the
 # tensor-core kernel: "execute.quantized_mma=always") and PARITY_8B_ARGS (e.g.
 # "--mlx-lm-batch": how far mlx-lm's own batch_generate strays); runs only when GPU_STEPS names it
