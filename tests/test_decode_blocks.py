@@ -169,19 +169,33 @@ def test_fused_blocks_through_mlx_ops_are_the_familys_block(family, extra):
 
 
 @emulation
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_fused_blocks_through_the_kernels_give_the_familys_logits(family, monkeypatch):
+@pytest.mark.parametrize("family, kernel_norm, kernel_rope", [("llama", 1, 1), ("qwen2", 1, 1), ("llama", 0, 1),
+                                                               ("llama", 1, 0)])
+def test_fused_blocks_through_the_kernels_give_the_familys_logits(family, kernel_norm, kernel_rope, monkeypatch):
     """The four kernel launches of a block as a CUDA machine runs them, in the emulation:
-    the decode steps' logits as the family's own block gives them (float32)."""
-    launched = []
+    the decode steps' logits as the family's own block gives them (float32). With
+    KERNEL_NORM or KERNEL_ROPE off, MLX's norm or RoPE runs around a plain GEMV."""
+    launched, calls = [], []
     monkeypatch.setattr(block_gemv, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched,
                                                                                      cuda_emulation.UNPACK_HEADER))
+    monkeypatch.setattr(blocks, "KERNEL_NORM", kernel_norm)
+    monkeypatch.setattr(blocks, "KERNEL_ROPE", kernel_rope)
+
+    def recorded(x, w, mode, **kw):
+        calls.append((mode, kw.get("norm") is not None))
+        return block_gemv.gemv(x, w, mode, **kw)
+
+    monkeypatch.setattr(blocks, "gemv", recorded)
     model = tiny(family)
     want = decode_logits(model, [5, 9, 11, 40], 2)
     fuse_projections(model)
     assert blocks.fuse_decode_blocks(model, use_kernel=True) == 2
     got = decode_logits(model, [5, 9, 11, 40], 2)
     assert launched.count("unikern_block_gemv") == 4 * 2 * 2
+    qkv_mode = block_gemv.ROPE if kernel_rope else block_gemv.PLAIN
+    per_block = [(qkv_mode, bool(kernel_norm)), (block_gemv.RESIDUAL, False), (block_gemv.SWIGLU, bool(kernel_norm)),
+                 (block_gemv.RESIDUAL, False)]
+    assert calls == per_block * 2 * 2
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
@@ -232,7 +246,10 @@ def test_the_kernels_on_cuda_give_mlxs_ops(dtype, rows):
 
 @cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_fused_blocks_on_cuda_give_the_familys_logits(dtype):
+@pytest.mark.parametrize("kernel_norm, kernel_rope", [(1, 1), (0, 0)])
+def test_fused_blocks_on_cuda_give_the_familys_logits(dtype, kernel_norm, kernel_rope, monkeypatch):
+    monkeypatch.setattr(blocks, "KERNEL_NORM", kernel_norm)
+    monkeypatch.setattr(blocks, "KERNEL_ROPE", kernel_rope)
     model = tiny("llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)
     model.set_dtype(dtype)
     want = decode_logits(model, [5, 9, 11, 40], 3)

@@ -64,6 +64,9 @@ Variants:
                few registers and many warps per SM, as MLX's own GEMV
   engine-paged-blocks-wide  engine-paged-blocks with one warp per output pair
                (block_gemv.TARGET_BLOCKS = 0)
+  engine-paged-blocks-mlxnorm, -mlxrope, -mlxboth  engine-paged-blocks with the norms,
+               the RoPE or both run by MLX's own kernels around plain GEMVs
+               (blocks.KERNEL_NORM, blocks.KERNEL_ROPE = 0)
 """
 
 from __future__ import annotations
@@ -113,6 +116,10 @@ VARIANTS = {
     "engine-paged-blocks-u1": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=1"]),
     "engine-paged-blocks-u8": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=8"]),
     "engine-paged-blocks-wide": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-target=0"]),
+    "engine-paged-blocks-mlxnorm": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-norm=0"]),
+    "engine-paged-blocks-mlxrope": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-rope=0"]),
+    "engine-paged-blocks-mlxboth": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-norm=0",
+                                         "blocks-rope=0"]),
     "engine-paged-u4": ({}, ["fused", "engine", "paged", "traced", "in-flight=4"]),
     "engine-paged-u8": ({}, ["fused", "engine", "paged", "traced", "in-flight=8"]),
     "engine-paged-q-norms": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma",
@@ -124,7 +131,8 @@ VARIANTS = {
 SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("paged_attention", "SPLIT_BLOCKS"),
             "split-min": ("paged_attention", "SPLIT_MIN_POSITIONS"),
             "in-flight": ("paged_attention", "POSITIONS_IN_FLIGHT"),
-            "blocks-unroll": ("block_gemv", "UNROLL"), "blocks-target": ("block_gemv", "TARGET_BLOCKS")}
+            "blocks-unroll": ("block_gemv", "UNROLL"), "blocks-target": ("block_gemv", "TARGET_BLOCKS"),
+            "blocks-norm": ("blocks", "KERNEL_NORM"), "blocks-rope": ("blocks", "KERNEL_ROPE")}
 
 
 def compile_mlp_halves(model) -> int:

@@ -48,7 +48,15 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from unikern.platform import cuda_is_default
-from unikern.stages.execute.block_gemv import ITEMSIZE, MAX_ROWS, RESIDUAL, ROPE, SWIGLU, gemv
+from unikern.stages.execute.block_gemv import (
+    ITEMSIZE,
+    MAX_ROWS,
+    PLAIN,
+    RESIDUAL,
+    ROPE,
+    SWIGLU,
+    gemv,
+)
 from unikern.stages.execute.routing import SDPA_NAME, layers_of, sdpa_module
 
 # block classes (module, name) whose attention and MLP run as the steps above
@@ -56,6 +64,16 @@ BLOCKS = {
     ("mlx_lm.models.llama", "TransformerBlock"),
     ("mlx_lm.models.qwen2", "TransformerBlock"),
 }
+
+# which of the block's norms and RoPE the GEMV kernels take (1), or MLX's own kernels
+# run, around a plain GEMV (0): tools/probe_cuda.py's blocks-norm=0 and blocks-rope=0. On
+# an H200 the kernel over the 1B shape's q/k/v weights took 9.2 us per call plain, 39 us
+# with the norm, 58 us with the RoPE epilogue and 39 with both; MLX's matmul 10.7
+# (tools/bench_block_gemv.py, tools/results/gpu/session13/a-all). A plain GEMV beside
+# MLX's norm and RoPE kernels is two or three more launches per block.
+KERNEL_NORM = 1
+KERNEL_ROPE = 1
+
 
 def inverse_frequencies(rope: Any, head_dim: int) -> tuple[mx.array, bool] | None:
     """RoPE's angle per position for each rotated pair (float32, with nn.RoPE's position
@@ -114,8 +132,8 @@ class FusedDecodeBlock:
         o_proj, gate_up, down = attn.o_proj, mlp.fused_gate_proj, mlp.down_proj
         if plan.use_kernel:
             h = gemv(o, o_proj["weight"], RESIDUAL, bias=o_proj.get("bias"), res=rows)
-            a = gemv(h, gate_up["weight"], SWIGLU, bias=gate_up.get("bias"),
-                     norm=(self.post_attention_layernorm["weight"], plan.eps[1]))
+            x2, norm = self._norm_input(self.post_attention_layernorm, h, plan.eps[1])
+            a = gemv(x2, gate_up["weight"], SWIGLU, bias=gate_up.get("bias"), norm=norm)
             out = gemv(a, down["weight"], RESIDUAL, bias=down.get("bias"), res=h)
         else:
             h = rows + _linear(o_proj, o)
@@ -130,18 +148,28 @@ class FusedDecodeBlock:
         H, Hk, D = plan.heads, plan.kv_heads, plan.head_dim
         fused = self.self_attn.fused_q_proj
         if plan.use_kernel:
-            pos = offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
-            pos = mx.broadcast_to(pos.astype(mx.int32), (B,))
-            return gemv(rows, fused["weight"], ROPE, bias=fused.get("bias"),
-                        norm=(self.input_layernorm["weight"], plan.eps[0]), pos=pos, freq_pi=plan.freq_pi,
-                        head_dim=D, rope_pairs=(H + Hk) * D // 2, q_features=H * D, traditional=plan.traditional)
-        y = _linear(fused, self.input_layernorm(rows))
+            x, norm = self._norm_input(self.input_layernorm, rows, plan.eps[0])
+            if KERNEL_ROPE:
+                pos = offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
+                pos = mx.broadcast_to(pos.astype(mx.int32), (B,))
+                return gemv(x, fused["weight"], ROPE, bias=fused.get("bias"), norm=norm, pos=pos,
+                            freq_pi=plan.freq_pi, head_dim=D, rope_pairs=(H + Hk) * D // 2, q_features=H * D,
+                            traditional=plan.traditional)
+            y = gemv(x, fused["weight"], PLAIN, bias=fused.get("bias"), norm=norm)
+        else:
+            y = _linear(fused, self.input_layernorm(rows))
 
         def rotated(part: mx.array, heads: int) -> mx.array:
             t = part.reshape(B, 1, heads, D).transpose(0, 2, 1, 3)
             return plan.rope(t, offset=offset).transpose(0, 2, 1, 3).reshape(B, heads * D)
 
         return [rotated(y[:, : H * D], H), rotated(y[:, H * D : (H + Hk) * D], Hk), y[:, (H + Hk) * D :]]
+
+    @staticmethod
+    def _norm_input(norm: nn.RMSNorm, x: mx.array, eps: mx.array) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
+        """A kernel's input and its `norm` argument: the norm in the kernel (KERNEL_NORM),
+        or MLX's RMS norm kernel before it."""
+        return (x, (norm["weight"], eps)) if KERNEL_NORM else (norm(x), None)
 
 
 _CLASSES: dict[type, type] = {}
