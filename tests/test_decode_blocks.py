@@ -246,7 +246,7 @@ def test_the_kernels_on_cuda_give_mlxs_ops(dtype, rows):
 
 @cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("kernel_norm, kernel_rope", [(1, 1), (0, 0)])
+@pytest.mark.parametrize("kernel_norm, kernel_rope", [(1, 1), (0, 1), (0, 0)])
 def test_fused_blocks_on_cuda_give_the_familys_logits(dtype, kernel_norm, kernel_rope, monkeypatch):
     monkeypatch.setattr(blocks, "KERNEL_NORM", kernel_norm)
     monkeypatch.setattr(blocks, "KERNEL_ROPE", kernel_rope)

@@ -14,7 +14,8 @@ rows and one token each run as
   4. RMS norm -> gate/up GEMV -> SwiGLU           (one kernel)
   5. down GEMV -> + residual                      (one kernel)
 
-so 7 kernels per block instead of 14. Each kernel (block_gemv.py) gives one warp (or SPLIT warps, each
+so 7 kernels per block instead of 14 (9 by default: the RMS norms as MLX's kernels, see
+KERNEL_NORM). Each kernel (block_gemv.py) gives one warp (or SPLIT warps, each
 a share of the row) a pair of output features: two neighbours, or the two halves of a
 RoPE rotation (features i and i + D/2 of a head, or 2i and 2i + 1 for the traditional
 layout), or a gate feature and its up feature, so the epilogue has both values it
@@ -25,8 +26,10 @@ before its weight, each SwiGLU op rounded as mlx-lm's compiled `swiglu` rounds i
 
 Measured on an H200 (1B shape, one row; tools/results/gpu/session11/c-blocks-v2), the
 first version took a token from 242 kernels to 134 but its GPU time from 1.17 to 1.62
-ms: its GEMVs ran at half the speed of MLX's (see block_gemv._SOURCE), so the option is off by
-default; the kernel below is the second version, not yet measured.
+ms: its GEMVs ran at half the speed of MLX's (see block_gemv._SOURCE). With MLX's norm
+kernels before the q/k/v and gate/up GEMVs (KERNEL_NORM below) a token is 166 kernels and
+1.09 ms of GPU time against 242 and 1.18; in one process each, its wall time was 1.62
+against 1.43 ms, so the option stays off by default until the engine's runs show it.
 
 Elsewhere (`use_kernel` False: MLX's CPU backend, the tests) the same five steps run as
 the family's own ops (`mx.fast.rms_norm`, matmuls through the fused projections'
@@ -66,12 +69,14 @@ BLOCKS = {
 }
 
 # which of the block's norms and RoPE the GEMV kernels take (1), or MLX's own kernels
-# run, around a plain GEMV (0): tools/probe_cuda.py's blocks-norm=0 and blocks-rope=0. On
-# an H200 the kernel over the 1B shape's q/k/v weights took 9.2 us per call plain, 39 us
-# with the norm, 58 us with the RoPE epilogue and 39 with both; MLX's matmul 10.7
-# (tools/bench_block_gemv.py, tools/results/gpu/session13/a-all). A plain GEMV beside
-# MLX's norm and RoPE kernels is two or three more launches per block.
-KERNEL_NORM = 1
+# run, around a plain GEMV (0): tools/probe_cuda.py's blocks-norm and blocks-rope. On an
+# H200, one 1B token's GPU time (CUPTI, tools/results/gpu/session13/b-blocks) was 1.431 ms
+# with both in the kernels (134 kernels: the gate/up GEMV with its norm 520 us, q/k/v
+# 344), 1.089 with MLX's norms (166 kernels: gate/up 305 us, q/k/v with RoPE 138), 1.091
+# with MLX's norms and RoPE (194 kernels), against MLX's own path's 1.182 (242 kernels).
+# Each warp summing the row's squares itself and normalizing as it multiplies costs the
+# GEMV more than MLX's norm kernel does (2.2 us per call).
+KERNEL_NORM = 0
 KERNEL_ROPE = 1
 
 
