@@ -234,3 +234,35 @@ async def test_families_with_overlapped_windows(family, follows):
             got[overlap] = (out, eng.stats()["schedule"]["follow_ups"])
     assert got[True][0] == got[False][0]
     assert (got[True][1] > 0) == follows
+
+
+@pytest.mark.anyio
+async def test_the_gil_switch_interval_holds_while_the_engine_runs(tiny_llama):
+    """execute.gil_switch_ms sets Python's switch interval for the engine's run, the
+    model thread's steps see it, and the one before comes back at stop."""
+    import sys
+
+    from test_sampling import SMALL_KV
+
+    import unikern
+    from unikern.stages.execute.runner import ModelRunner
+    from unikern.stages.execute.stage import MLXExecuteParams
+
+    before = sys.getswitchinterval()
+    seen = []
+    execute = ModelRunner.execute
+
+    def recording(self, step, seeds):
+        seen.append(sys.getswitchinterval())
+        return execute(self, step, seeds)
+
+    overrides = {**SMALL_KV, "execute": {"gil_switch_ms": 0.25}}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ModelRunner, "execute", recording)
+        async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as eng:
+            events = [e async for e in eng.generate(prompt_tokens=[5, 6, 7], max_tokens=3)]
+    assert isinstance(events[-1], m.DoneEvent)
+    assert seen and all(s == pytest.approx(0.25e-3) for s in seen)
+    assert sys.getswitchinterval() == before
+    assert MLXExecuteParams(gil_switch_ms=0).validate() == [
+        "gil_switch_ms: must be > 0 (ms) or unset for Python's own 5 ms, got 0"]

@@ -10,7 +10,7 @@ model thread's time per step against what the step costs alone, so the differenc
 time spent waiting for the GIL; --switch-interval sets Python's (default 5 ms).
 
     python tools/host_bound.py [--model llama-5m] [--gpu-ms 2.6] [--host-us 300] [--handoffs 1]
-        [--concurrency 1 16 64] [--switch-interval MS] [--json out.json]
+        [--concurrency 1 16 64] [--switch-interval MS] [--set STAGE.KEY=VALUE] [--json out.json]
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--switch-interval", type=float, default=None, help="ms (sys.setswitchinterval)")
+    parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="STAGE.KEY=VALUE",
+                        help="a pipeline setting, e.g. execute.gil_switch_ms=0.2 or schedule.overlap_windows=true")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.switch_interval is not None:
@@ -56,6 +58,7 @@ def main() -> None:
     from bench_gpu import run_unikern
 
     from unikern import messages as m
+    from unikern.spec import parse_overrides
     from unikern.stages.execute.runner import ModelRunner
     from unikern.testing.modelgen import cached_model
 
@@ -77,6 +80,8 @@ def main() -> None:
     ModelRunner.execute = execute
     overrides = {"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": 4096},
                  "execute": {"warmup": "never"}}
+    for stage, values in parse_overrides(args.overrides).items():
+        overrides.setdefault(stage, {}).update(values)
     alone = args.host_us / 1e6 + args.gpu_ms / 1e3
     results = []
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 from typing import Any, Literal
 
 import anyio
@@ -108,6 +109,14 @@ class MLXExecuteParams(StageParams, frozen=True):
     # with paged_attention (no mask), one-row decode windows are traced steps too, as
     # windows of several rows are (compile_decode); "auto": on CUDA only
     compile_one_row: Literal["auto", "always", "never"] = "auto"
+    # Python's GIL switch interval in ms while the stage runs (sys.setswitchinterval; it
+    # is the process's, the one before comes back at stop): the longest the model thread
+    # waits for the GIL while the event loop detokenizes and delivers, each time it wants
+    # it to build and launch a step. None: Python's own (5 ms). With tools/host_bound.py's
+    # stand-in model (0.3 ms of Python, then 2.3 ms without the GIL per step) 64 requests
+    # took 222-233 ms at 5 ms and 208-214 at 0.2 (three rounds each on the CPU machine:
+    # tools/results/host-bound-switch/); not measured on a GPU yet
+    gil_switch_ms: float | None = None
     # several ranks through mx.distributed (stages/execute/distributed.py): attention
     # heads and MLP columns split across ranks (mlx-lm's Model.shard), or the layers
     # split (pipeline); one of the two at a time. Rank 0 runs the whole pipeline.
@@ -124,6 +133,8 @@ class MLXExecuteParams(StageParams, frozen=True):
         problems = []
         if isinstance(self.dequantize_rows, int) and self.dequantize_rows < 1:
             problems.append(f"dequantize_rows: must be >= 1, \"auto\" or \"never\", got {self.dequantize_rows}")
+        if self.gil_switch_ms is not None and not self.gil_switch_ms > 0:
+            problems.append(f"gil_switch_ms: must be > 0 (ms) or unset for Python's own 5 ms, got {self.gil_switch_ms}")
         if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
             problems.append("tensor_parallel: tensor_parallel and pipeline_parallel must be >= 1")
         elif self.tensor_parallel > 1 and self.pipeline_parallel > 1:
@@ -150,6 +161,9 @@ class MLXExecuteStage(StageBase):
         thread = ModelThread()
         wiring = WeightWiring()
         world = None
+        switch = sys.getswitchinterval()
+        if p.gil_switch_ms is not None:
+            sys.setswitchinterval(p.gil_switch_ms / 1e3)
         try:
             if p.world_size > 1:
                 mode = "tensor" if p.tensor_parallel > 1 else "pipeline"
@@ -200,6 +214,8 @@ class MLXExecuteStage(StageBase):
             else:
                 await self._serve_world(ctx, handle, world)
         finally:
+            if p.gil_switch_ms is not None:
+                sys.setswitchinterval(switch)
             wiring.unwire()
             if world is not None and await self._stop_world(thread, world):
                 await thread.aclose()
