@@ -114,8 +114,9 @@ class MLXExecuteParams(StageParams, frozen=True):
     # waits for the GIL while the event loop detokenizes and delivers, each time it wants
     # it to build and launch a step. None: Python's own (5 ms). With tools/host_bound.py's
     # stand-in model (0.3 ms of Python, then 2.3 ms without the GIL per step) 64 requests
-    # took 222-233 ms at 5 ms and 208-214 at 0.2 (three rounds each on the CPU machine:
-    # tools/results/host-bound-switch/); not measured on a GPU yet
+    # took 227-263 ms at 5 ms and 209-213 at 0.2, 16 and one request the same (three
+    # interleaved rounds on the CPU machine: tools/results/host-bound-switch/); not
+    # measured on a GPU yet
     gil_switch_ms: float | None = None
     # several ranks through mx.distributed (stages/execute/distributed.py): attention
     # heads and MLP columns split across ranks (mlx-lm's Model.shard), or the layers
