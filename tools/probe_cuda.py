@@ -66,7 +66,10 @@ Variants:
                (block_gemv.TARGET_BLOCKS = 0)
   engine-paged-blocks-mlxnorm, -mlxrope, -mlxboth  engine-paged-blocks with the norms,
                the RoPE or both run by MLX's own kernels around plain GEMVs
-               (blocks.KERNEL_NORM, blocks.KERNEL_ROPE = 0)
+               (blocks.KERNEL_NORM, blocks.KERNEL_ROPE = 0; the norms are MLX's by
+               default since session 13, so -mlxnorm is engine-paged-blocks)
+  engine-paged-blocks-kernelnorm  engine-paged-blocks with the norms inside the GEMV
+               kernels (blocks.KERNEL_NORM = 1: the default before session 13)
 """
 
 from __future__ import annotations
@@ -120,6 +123,7 @@ VARIANTS = {
     "engine-paged-blocks-mlxrope": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-rope=0"]),
     "engine-paged-blocks-mlxboth": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-norm=0",
                                          "blocks-rope=0"]),
+    "engine-paged-blocks-kernelnorm": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-norm=1"]),
     "engine-paged-u4": ({}, ["fused", "engine", "paged", "traced", "in-flight=4"]),
     "engine-paged-u8": ({}, ["fused", "engine", "paged", "traced", "in-flight=8"]),
     "engine-paged-q-norms": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma",

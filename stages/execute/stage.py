@@ -91,13 +91,14 @@ class MLXExecuteParams(StageParams, frozen=True):
     # tools/results/gpu/session11/a-next); the version with two outputs is not measured,
     # so "never" by default; "always" turns it on
     fuse_norms: Literal["always", "never"] = "never"
-    # a decoder block's decode steps of up to 4 rows as four GEMV kernels: the norms,
-    # RoPE, SwiGLU and residual adds run inside them, 7 kernels per block instead of 14
-    # (stages/execute/blocks.py; llama and qwen2 blocks, unquantized, with
-    # fuse_projections, one rank); MLX's own ops off CUDA. On an H200 (1B shape, one row)
-    # the token's kernels went 242 -> 134 but its GPU time 1.17 -> 1.62 ms: the kernels'
-    # GEMVs ran at half MLX's speed (tools/results/gpu/session11/c-blocks-v2), so "never"
-    # by default ("auto": on CUDA; "always")
+    # a decoder block's decode steps of up to 4 rows as four GEMV kernels with RoPE,
+    # SwiGLU and the residual adds inside them and MLX's RMS norm kernels before two of
+    # them, 9 kernels per block instead of 14 (stages/execute/blocks.py; llama and qwen2
+    # blocks, unquantized, with fuse_projections, one rank); MLX's own ops off CUDA. On an
+    # H200 (1B shape, one row) a token's GPU time went 1.182 -> 1.089 ms and its kernels
+    # 242 -> 166, but its wall time, one process each, 1.430 -> 1.617 ms
+    # (tools/results/gpu/session13/b-blocks), so "never" by default ("auto": on CUDA;
+    # "always")
     fuse_blocks: Literal["auto", "always", "never"] = "never"
     # decode steps of full-attention layers read keys and values straight from the pool
     # by each row's slot table and length (stages/execute/paged_attention.py): one CUDA
