@@ -146,7 +146,8 @@ for rows in ${PROBE_ENGINE_ROWS:-1 64}; do
   n=rows$rows; [ -n "${PROBE_PROMPT:-}" ] && n=$n-prompt$PROBE_PROMPT
   LOG=probe-engine-1b-$n TAIL=30 step probe-engine "$RES/probe-engine-1b-$n.json" python3 "$REPO/tools/probe_cuda.py" \
     --model $M/llama-1b --rows "$rows" --prompt "${PROBE_PROMPT:-64}" \
-    --variants ${PROBE_ENGINE_VARIANTS:-engine engine-paged engine-paged-group} --repeats 3 --json "$RES/probe-engine-1b-$n.json"
+    --variants ${PROBE_ENGINE_VARIANTS:-engine engine-paged engine-paged-group} --repeats 3 --rounds ${PROBE_ROUNDS:-1} \
+    --json "$RES/probe-engine-1b-$n.json"
 done
 # the fused block's GEMV kernel variant by variant against MLX's matmul (which prologue or
 # epilogue is slow; BLOCK_GEMV_ARGS, e.g. "--set UNROLL=1"); runs only when GPU_STEPS names it

@@ -331,6 +331,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rows", type=int, default=1, help="engine variants: requests decoding together")
     parser.add_argument("--timeout", type=int, default=240)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the variant list this many times, interleaved, each variant in a fresh process "
+                             "every round: the host's speed moves between processes by more than some variants "
+                             "differ (tools/results/gpu/H200-issue17.md, session 13)")
     parser.add_argument("--json")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--features", default="", help=argparse.SUPPRESS)
@@ -338,7 +342,7 @@ def main() -> None:
     if args.child:
         return child(args)
     results = {}
-    for name in args.variants:
+    for round_, name in ((r, n) for r in range(args.rounds) for n in args.variants):
         env, features = VARIANTS[name]
         cmd = [sys.executable, __file__, "--child", "--model", args.model, "--tokens", str(args.tokens),
                "--prompt", str(args.prompt), "--repeats", str(args.repeats), "--rows", str(args.rows), "--features", ",".join(features)]
@@ -346,14 +350,24 @@ def main() -> None:
             done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
                                   timeout=args.timeout)
             line = next((x for x in done.stdout.splitlines() if x.startswith("PROBE ")), None)
-            results[name] = json.loads(line[6:]) if line else {"error": done.stderr[-1500:]}
+            r = json.loads(line[6:]) if line else {"error": done.stderr[-1500:]}
         except subprocess.TimeoutExpired:
-            results[name] = {"error": f"timed out after {args.timeout} s"}
-        r = results[name]
-        if "error" not in r and name != args.variants[0] and "tokens" in results[args.variants[0]]:
-            r["same_tokens_as_first"] = r["tokens"] == results[args.variants[0]]["tokens"]
+            r = {"error": f"timed out after {args.timeout} s"}
+        if round_ == 0:
+            results[name] = r
+        elif "error" not in r:  # later rounds: their timings beside the first round's figures
+            results[name].setdefault("rounds", [results[name].get("ms_per_token")]).append(r["ms_per_token"])
+            results[name].setdefault("gpu_rounds", [results[name].get("gpu_ms_per_token")]).append(
+                r.get("gpu_ms_per_token"))
+        first = results[args.variants[0]]
+        if "error" not in r and name != args.variants[0] and "tokens" in first:
+            r["same_tokens_as_first"] = r["tokens"] == first["tokens"]
         if "error" in r:
             print(f"{name:24s} ERROR {r['error'][-600:]}", flush=True)
+            continue
+        if round_ > 0:
+            print(f"{name:24s} {r['ms_per_token']:6.3f} ms/token  gpu {r.get('gpu_ms_per_token', float('nan')):.3f}"
+                  f"  (round {round_ + 1}) same tokens {r.get('same_tokens_as_first', '-')}", flush=True)
             continue
         print(f"{name:24s} {r['ms_per_token']:6.3f} ms/token  build {r['build_ms']:.3f}  submit "
               f"{r['submit_ms']:.3f}  wait {r['wait_ms']:.3f}  gpu {r.get('gpu_ms_per_token', float('nan')):.3f} "
