@@ -72,12 +72,19 @@ def main() -> None:
     async def run_level(engine, level: int) -> dict:
         prompts = make_prompts(level, vocab, args.prompt_tokens, args.prompt_tokens, seed=level)  # as bench_gpu's
         steps.clear()
+        began = time.perf_counter()
         run = await run_unikern(engine, prompts, args.max_tokens)
+        ended = time.perf_counter()
         gaps = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
+        # head: from the requests' submission to the first step; tail: from the last step's
+        # end to the last request's end (its tokens detokenized and delivered)
         return {"wall_ms": run["wall"] * 1e3, "ttft_ms": run["ttft"] * 1e3, "execute_ms": sum(e - s for s, e, *_ in steps) * 1e3,
                 "gaps_ms": sum(gaps) * 1e3, "largest_gap_ms": max(gaps, default=0) * 1e3,
-                "steps": [{"num_steps": n, "rows": r, "tokens_fed": t, "follow_up": f, "ms": (e - s) * 1e3}
-                          for s, e, n, r, t, f in steps]}
+                "head_ms": (steps[0][0] - began) * 1e3 if steps else None,
+                "tail_ms": (ended - steps[-1][1]) * 1e3 if steps else None,
+                "steps": [{"num_steps": n, "rows": r, "tokens_fed": t, "follow_up": f, "ms": (e - s) * 1e3,
+                           "gap_before_ms": (s - steps[i - 1][1]) * 1e3 if i else None}
+                          for i, (s, e, n, r, t, f) in enumerate(steps)]}
 
     async def main_async() -> None:
         async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
@@ -85,14 +92,15 @@ def main() -> None:
                 await run_level(engine, level)  # untimed: kernels built, steps traced
                 runs = [await run_level(engine, level) for _ in range(args.repeats)]
                 row = {"concurrency": level, "runs": runs}
-                for key in ("wall_ms", "ttft_ms", "execute_ms", "gaps_ms", "largest_gap_ms"):
+                for key in ("wall_ms", "ttft_ms", "execute_ms", "gaps_ms", "largest_gap_ms", "head_ms", "tail_ms"):
                     row[key] = statistics.median(r[key] for r in runs)
                 results.append(row)
                 # "+": a window planned while the one before ran (schedule.overlap_windows)
                 shape = " ".join(f"{'+' if s['follow_up'] else ''}{s['num_steps']}x{s['rows']}"
                                  for s in runs[-1]["steps"])
                 print(f"c={level:<3} wall {row['wall_ms']:7.1f} ms  in execute {row['execute_ms']:7.1f}  gaps "
-                      f"{row['gaps_ms']:6.1f} (largest {row['largest_gap_ms']:.1f})  steps (num_steps x rows): {shape}",
+                      f"{row['gaps_ms']:6.1f} (largest {row['largest_gap_ms']:.1f})  head {row['head_ms']:.1f} tail "
+                      f"{row['tail_ms']:.1f}  steps (num_steps x rows): {shape}",
                       flush=True)
 
     anyio.run(main_async)
