@@ -155,6 +155,14 @@ if named bench-block-gemv; then
   TAIL=16 step bench-block-gemv "$RES/bench-block-gemv${BLOCK_GEMV_LABEL:-}.json" python3 "$REPO/tools/bench_block_gemv.py" \
     ${BLOCK_GEMV_ARGS:-} --json "$RES/bench-block-gemv${BLOCK_GEMV_LABEL:-}.json"
 fi
+# two settings of unikern in one process, runs interleaved (tools/bench_ab.py): AB_A and AB_B
+# (space-separated STAGE.KEY=VALUE; empty: the defaults), AB_MODEL (1b, 8b-q4), AB_LABEL
+# names the file; runs only when GPU_STEPS names it
+if named ab; then
+  LOG=ab-${AB_MODEL:-1b}${AB_LABEL:-} TAIL=8 step ab "$RES/ab-${AB_MODEL:-1b}${AB_LABEL:-}.json" python3 "$REPO/tools/bench_ab.py" \
+    --model $M/llama-${AB_MODEL:-1b} --a ${AB_A:-} --b ${AB_B:-} --repeats ${AB_REPEATS:-6} \
+    --label "llama ${AB_MODEL:-1b}${AB_LABEL:-}" --json "$RES/ab-${AB_MODEL:-1b}${AB_LABEL:-}.json"
+fi
 # the engine's run split into time inside the model thread's steps and the gaps between them
 # (GAPS_ARGS, e.g. "--switch-interval 0.2": the GIL handed over sooner to the model thread)
 TAIL=6 step gaps-1b "$RES/gaps-1b${GAPS_LABEL:-}.json" python3 "$REPO/tools/step_gaps.py" --model $M/llama-1b \
