@@ -116,8 +116,10 @@ class MLXExecuteParams(StageParams, frozen=True):
     # it to build and launch a step. None: Python's own (5 ms). With tools/host_bound.py's
     # stand-in model (0.3 ms of Python, then 2.3 ms without the GIL per step) 64 requests
     # took 227-263 ms at 5 ms and 209-213 at 0.2, 16 and one request the same (three
-    # interleaved rounds on the CPU machine: tools/results/host-bound-switch/); not
-    # measured on a GPU yet
+    # interleaved rounds on the CPU machine: tools/results/host-bound-switch/). With a real
+    # model on the CPU backend 0.2 was slower (llama-5m, tools/bench_ab.py, 4 paired
+    # repeats: 0.88x / 0.94x / 0.97x at 1 / 16 / 64 requests;
+    # tools/results/ab-llama-5m-cpu-switch.json); not measured on a GPU yet
     gil_switch_ms: float | None = None
     # several ranks through mx.distributed (stages/execute/distributed.py): attention
     # heads and MLP columns split across ranks (mlx-lm's Model.shard), or the layers
