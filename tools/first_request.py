@@ -6,7 +6,7 @@ and off: seconds to `ready`, then per request the seconds to its first token and
 XDG_CACHE_HOME): the first compiles every kernel, the second finds them (issue 17).
 
     python tools/first_request.py --model llama-80m [--variants auto never] [--json out.json]
-    python tools/first_request.py --model DIR --cold-warm
+    python tools/first_request.py --model DIR --cold-warm [--warm-starts 3]
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ def main() -> None:
     parser.add_argument("--fresh-cache", action="store_true", help="an empty MLX_PTX_CACHE_DIR per worker")
     parser.add_argument("--cold-warm", action="store_true",
                         help="two workers on the default kernel cache under a fresh XDG_CACHE_HOME")
+    parser.add_argument("--warm-starts", type=int, default=1,
+                        help="with --cold-warm: warm workers after the cold one (the host's speed moves between "
+                             "processes: several give the spread)")
     parser.add_argument("--json")
     args = parser.parse_args()
     from unikern.testing.modelgen import cached_model
@@ -66,7 +69,8 @@ def main() -> None:
     ]
     if args.cold_warm:  # MLX_PTX_CACHE_DIR empty: unikern picks its default under XDG_CACHE_HOME
         env = {"XDG_CACHE_HOME": tempfile.mkdtemp(prefix="xdg-cache-"), "MLX_PTX_CACHE_DIR": ""}
-        runs = [dict(one_worker(model, "auto", requests, False, env), start=start) for start in ("cold", "warm")]
+        starts = ["cold"] + ["warm"] * args.warm_starts
+        runs = [dict(one_worker(model, "auto", requests, False, env), start=start) for start in starts]
     else:
         runs = [one_worker(model, v, requests, args.fresh_cache) for v in args.variants]
     for run in runs:

@@ -106,7 +106,7 @@ TAIL=6 step bench-8b-q4 $RES/bench-gpu-8b-q4.json python3 "$REPO/tools/bench_gpu
   --gguf $M/llama-8b-q4_0.gguf --llama-bin $BIN ${BENCH_ARGS:-} --label "llama 8B shape, 4-bit (Q4_0 for llama.cpp)" \
   --json $RES/bench-gpu-8b-q4.json
 step ready-1b $RES/ready-1b.json python3 "$REPO/tools/first_request.py" --model $M/llama-1b --cold-warm \
-  --json $RES/ready-1b.json
+  --warm-starts ${WARM_STARTS:-1} --json $RES/ready-1b.json
 # the warm start with the transformers release that pip installs beside unikern today
 # (5.24.0; the image has 5.17.0, whose import pulls in generation, scikit-learn and
 # torch.distributed): its wheel in /tmp/tfwhl, installed apart, first on the path
@@ -114,7 +114,7 @@ if named ready-1b-tf && ls /tmp/tfwhl/transformers-*.whl > /dev/null 2>&1; then
   [ -d /tmp/tf/transformers ] || python3 -m pip install -q --no-index --no-deps --target /tmp/tf \
     /tmp/tfwhl/transformers-*.whl 2>&1 | tail -2
   step ready-1b-tf $RES/ready-1b-tf.json env PYTHONPATH=/tmp/tf:$PYTHONPATH python3 "$REPO/tools/first_request.py" \
-    --model $M/llama-1b --cold-warm --json $RES/ready-1b-tf.json
+    --model $M/llama-1b --cold-warm --warm-starts ${WARM_STARTS:-1} --json $RES/ready-1b-tf.json
 fi
 TAIL=12 step parity-1b $RES/parity-1b.json python3 "$REPO/tools/parity_check.py" --model $M/llama-1b --prompts 16 \
   --max-tokens 32 ${PARITY_ARGS:-} --json $RES/parity-1b.json
