@@ -33,6 +33,17 @@ def make_prompts(n: int, vocab: int, lo: int, hi: int, seed: int) -> list[list[i
     return [[rng.randrange(10, vocab - 10) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+def engine_overrides(base: dict[str, dict], assignments: list[str]) -> dict[str, dict]:
+    """A benchmark's engine settings: `base` (what the benchmark needs, e.g. room for its
+    batch), then the user's STAGE.KEY=VALUE assignments over it, key by key."""
+    from unikern.spec import parse_overrides
+
+    merged = {stage: dict(values) for stage, values in base.items()}
+    for stage, values in parse_overrides(list(assignments)).items():
+        merged.setdefault(stage, {}).update(values)
+    return merged
+
+
 def run_mlx_lm(model, tokenizer, prompts, max_tokens) -> dict:
     """One batch through mlx-lm: {"wall", "tokens", "ttft"} (ttft: None for batch_generate,
     which reports no first token)."""
@@ -78,11 +89,8 @@ def bench(args) -> dict:
 
     model, tokenizer = load(path)
     vocab = len(tokenizer)
-    from unikern.spec import parse_overrides
-
-    overrides = {"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": args.token_budget}}
-    for stage, values in parse_overrides(args.overrides).items():
-        overrides.setdefault(stage, {}).update(values)
+    overrides = engine_overrides(
+        {"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": args.token_budget}}, args.overrides)
     rows = []
 
     async def main():

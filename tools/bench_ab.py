@@ -53,10 +53,9 @@ def main() -> None:
 
     # isort: split
     import anyio
-    from bench import make_prompts
+    from bench import engine_overrides, make_prompts
     from bench_gpu import run_unikern
 
-    from unikern.spec import parse_overrides
     from unikern.testing.modelgen import cached_model
 
     path = args.model if Path(args.model).exists() else str(cached_model(args.model))
@@ -65,9 +64,8 @@ def main() -> None:
     variants = {"a": args.a, "b": args.b}
     overrides, switch = {}, {}
     for name, sets in variants.items():
-        o = {"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": args.token_budget}}
-        for stage, values in parse_overrides(sets).items():
-            o.setdefault(stage, {}).update(values)
+        o = engine_overrides(
+            {"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": args.token_budget}}, sets)
         ms = o.get("execute", {}).pop("gil_switch_ms", None)
         switch[name] = ms / 1e3 if ms is not None else PYTHON_SWITCH_S
         overrides[name] = o

@@ -203,19 +203,17 @@ def cmd_bench(args) -> dict:
 
     # isort: split
     import anyio
-    from bench import make_prompts, run_mlx_lm
+    from bench import engine_overrides, make_prompts, run_mlx_lm
     from mlx_lm import load
 
     from unikern.platform import current_platform
-    from unikern.spec import parse_overrides
 
     model, tokenizer = load(args.model)
     vocab = len(tokenizer)
     levels = args.concurrency
     prompts = {c: make_prompts(c, vocab, args.prompt_tokens, args.prompt_tokens, seed=c) for c in levels}
-    overrides = {"schedule": {"max_num_seqs": max(levels), "max_num_batched_tokens": args.token_budget}}
-    for stage, values in parse_overrides(args.overrides).items():
-        overrides.setdefault(stage, {}).update(values)
+    overrides = engine_overrides({"schedule": {"max_num_seqs": max(levels), "max_num_batched_tokens": args.token_budget}},
+                                 args.overrides)
     runs = {c: {name: [] for name in ENGINES} for c in levels}
     llama_bin = Path(args.llama_bin) if args.llama_bin else None
 

@@ -54,11 +54,10 @@ def main() -> None:
 
     # isort: split
     import anyio
-    from bench import make_prompts  # tools/ is on sys.path when run as a script
+    from bench import engine_overrides, make_prompts  # tools/ is on sys.path when run as a script
     from bench_gpu import run_unikern
 
     from unikern import messages as m
-    from unikern.spec import parse_overrides
     from unikern.stages.execute.runner import ModelRunner
     from unikern.testing.modelgen import cached_model
 
@@ -78,10 +77,8 @@ def main() -> None:
         return m.StepDone(step.step_id, sampled)
 
     ModelRunner.execute = execute
-    overrides = {"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": 4096},
-                 "execute": {"warmup": "never"}}
-    for stage, values in parse_overrides(args.overrides).items():
-        overrides.setdefault(stage, {}).update(values)
+    overrides = engine_overrides({"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": 4096},
+                                  "execute": {"warmup": "never"}}, args.overrides)
     alone = args.host_us / 1e6 + args.gpu_ms / 1e3
     results = []
 

@@ -31,6 +31,7 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 def check(path: str, n: int, max_tokens: int, block_size: int, token_budget: int,
           mlx_lm_batch: bool = False, extra: list[str] = ()) -> dict:
     import anyio
+    from bench import engine_overrides  # tools/ is on sys.path when run as a script
     from mlx_lm import load
 
     import unikern
@@ -38,14 +39,8 @@ def check(path: str, n: int, max_tokens: int, block_size: int, token_budget: int
 
     model, tokenizer = load(path)
     batch = prompts(n, len(tokenizer))
-    overrides = {
-        "kv": {"kv_budget_bytes": 256 << 20, "block_size": block_size},
-        "schedule": {"max_num_batched_tokens": token_budget},
-    }
-    from unikern.spec import parse_overrides
-
-    for stage, values in parse_overrides(list(extra)).items():
-        overrides.setdefault(stage, {}).update(values)
+    overrides = engine_overrides({"kv": {"kv_budget_bytes": 256 << 20, "block_size": block_size},
+                                  "schedule": {"max_num_batched_tokens": token_budget}}, extra)
     results: list = [None] * n
 
     async def main():

@@ -42,17 +42,15 @@ def main() -> None:
 
     # isort: split
     import anyio
-    from bench import make_prompts  # tools/ is on sys.path when run as a script
+    from bench import engine_overrides, make_prompts  # tools/ is on sys.path when run as a script
     from bench_gpu import run_unikern
 
-    from unikern.spec import parse_overrides
     from unikern.stages.execute.runner import ModelRunner
     from unikern.testing.modelgen import cached_model
 
     path = args.model if Path(args.model).exists() else str(cached_model(args.model))
-    overrides = {"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": args.token_budget}}
-    for stage, values in parse_overrides(args.overrides).items():
-        overrides.setdefault(stage, {}).update(values)
+    overrides = engine_overrides(
+        {"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": args.token_budget}}, args.overrides)
     steps: list[tuple[float, float, int, int, int, bool]] = []  # start, end, num_steps, rows, tokens fed, follow-up
     execute = ModelRunner.execute
 
