@@ -153,7 +153,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The `unikern` command and `python -m unikern`: main(), then `leave`."""
+    """The `unikern` command and `python -m unikern`: the tokenizer's imports without
+    PyTorch (`unikern.platform.imports`; UNIKERN_IMPORT_TORCH=1 keeps transformers'
+    own import of it), main(), then `leave`."""
+    if os.environ.get("UNIKERN_IMPORT_TORCH", "0") != "1":
+        from unikern.platform.imports import import_tokenizer_stack
+
+        import_tokenizer_stack()
     leave(main())
 
 

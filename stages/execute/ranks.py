@@ -90,6 +90,8 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     quantized = {"dequantize_rows": rows, "routed_layers": route_quantized_layers(loaded.model, rows, gemv, mma, split),
                  "gemv": gemv, "mma": mma, "mma_weights": params.quantized_mma_weights if mma else None}
     kernels = params.cpu_kernels and on_cpu
+    if kernels:  # their PyTorch before ready, not in the first request (the command
+        import torch  # noqa: F401  line keeps it out of transformers' import: platform.imports)
     # a pipeline rank evaluates inside each forward (sharding.PipelineBlock): no trace
     pipelined = world is not None and world.mode == "pipeline"
     compile_decode = switch(params.compile_decode, auto=not on_cpu) and not pipelined

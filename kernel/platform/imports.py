@@ -1,0 +1,43 @@
+"""The tokenizer's imports without PyTorch, for the `unikern` process.
+
+mlx-lm's tokenizer utilities import transformers, and transformers 5 imports PyTorch
+wherever PyTorch is installed (`configuration_utils` through `modeling_rope_utils`); the
+tokenizer's load then reaches torchvision and `torch._dynamo` where those are installed.
+None of that serves a tokenizer. On the H200 image it was most of a warm start's 14-15 s
+(`tools/results/gpu/H200-issue17.md`, sessions 10 and 14), and about half of the
+process start on the CPU machine.
+
+`import_tokenizer_stack()` imports them while `import torch` fails, so transformers records
+PyTorch as absent, then lets PyTorch be imported again: unikern's own users of it (the
+zero-copy bridge, the CPU backend's attention) import it directly and still get it.
+Only the command line does this: a program embedding unikern may use transformers'
+models with PyTorch in the same process, and the first import of transformers decides for
+the whole process.
+"""
+
+from __future__ import annotations
+
+import sys
+
+HIDDEN_WHILE_IMPORTING = ("torch",)  # hidden from transformers' first import only
+NEVER_USED = ("torchvision", "torchaudio")  # unikern never imports these: hidden for good
+
+
+def import_tokenizer_stack() -> bool:
+    """Import mlx-lm (and with it transformers) with PyTorch hidden. Returns False and
+    does nothing when transformers or PyTorch is already imported: then the process has
+    chosen already."""
+    if any(name in sys.modules for name in ("transformers", "mlx_lm", *HIDDEN_WHILE_IMPORTING)):
+        return False
+    for name in (*HIDDEN_WHILE_IMPORTING, *NEVER_USED):
+        sys.modules.setdefault(name, None)  # None: `import` raises and `find_spec` says absent
+    try:
+        import mlx_lm.utils  # noqa: F401  (transformers and its availability checks, cached)
+        from transformers.utils import is_torch_available
+
+        is_torch_available()  # the check is cached: fix it while PyTorch is hidden
+    finally:
+        for name in HIDDEN_WHILE_IMPORTING:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
+    return True

@@ -1,0 +1,69 @@
+"""The command line imports the tokenizer's stack without PyTorch (unikern.platform.imports),
+and PyTorch stays importable for unikern's own users of it. Each case is a fresh
+interpreter: the first import of transformers decides for the whole process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+# what the process imported, what transformers believes, and whether PyTorch still works
+REPORT = """
+import json, sys
+import transformers.utils
+from unikern.stages.models import default_model_path
+from mlx_lm.utils import load_tokenizer
+tokenizer = load_tokenizer(default_model_path())
+report = {"ids": tokenizer.encode("hello world"), "torch_imported": "torch" in sys.modules,
+          "transformers_sees_torch": transformers.utils.is_torch_available()}
+import torch
+report["torch_works"] = int(torch.arange(3).sum()) == 3
+print(json.dumps(report))
+"""
+
+
+def _run(code: str, **env: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_tokenizer_stack_without_torch_then_torch_on_demand() -> None:
+    hidden = _run("from unikern.platform.imports import import_tokenizer_stack\n"
+                  "assert import_tokenizer_stack()\n" + REPORT)
+    from mlx_lm.utils import load_tokenizer
+
+    from unikern.stages.models import default_model_path
+
+    # the same tokenizer as this process' own, whose transformers sees PyTorch
+    assert hidden["ids"] == load_tokenizer(default_model_path()).encode("hello world")
+    assert not hidden["torch_imported"] and not hidden["transformers_sees_torch"]
+    assert hidden["torch_works"]  # the bridge and the CPU kernels import it directly
+
+
+def test_a_process_that_chose_already_is_left_alone() -> None:
+    report = _run("import torch\nfrom unikern.platform.imports import import_tokenizer_stack\n"
+                  "assert not import_tokenizer_stack()\n" + REPORT)
+    assert report["transformers_sees_torch"]
+
+
+# entry() with main() replaced: what the process had imported when main() would have run
+ENTRY = """
+import json, sys
+from unikern.frontends import cli
+def main():
+    import transformers.utils
+    print(json.dumps({"torch_imported": "torch" in sys.modules,
+                      "transformers_sees_torch": transformers.utils.is_torch_available()}))
+    return 0
+cli.main = main
+cli.entry()
+"""
+
+
+def test_the_command_line_entry_hides_torch_unless_asked() -> None:
+    assert _run(ENTRY) == {"torch_imported": False, "transformers_sees_torch": False}
+    assert _run(ENTRY, UNIKERN_IMPORT_TORCH="1")["transformers_sees_torch"]
