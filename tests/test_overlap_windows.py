@@ -266,3 +266,17 @@ async def test_the_gil_switch_interval_holds_while_the_engine_runs(tiny_llama):
     assert sys.getswitchinterval() == before
     assert MLXExecuteParams(gil_switch_ms=0).validate() == [
         "gil_switch_ms: must be > 0 (ms) or unset for Python's own 5 ms, got 0"]
+
+
+@pytest.mark.anyio
+async def test_auto_overlaps_where_mlx_runs_on_cuda(tiny_llama, monkeypatch):
+    """`auto` (the default): on with MLX's CUDA backend, where it was measured, off here."""
+    import unikern.platform
+
+    async with engine(tiny_llama) as eng:
+        assert eng.stats()["schedule"]["overlap_windows"] is False
+    monkeypatch.setattr(unikern.platform, "cuda_is_default", lambda: True)
+    from unikern.stages.schedule.stage import ScheduleStage
+
+    assert ScheduleStage.overlap_on("auto") is True
+    assert ScheduleStage.overlap_on(False) is False and ScheduleStage.overlap_on(True) is True

@@ -6,7 +6,7 @@ previous one returns, so requests join and leave between any two steps. With
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import Any, Literal
 
 from unikern import messages as m
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
@@ -34,8 +34,12 @@ class ScheduleParams(StageParams, frozen=True):
     # send the next decode window of the same rows while one runs (Scheduler.follow_up):
     # the model thread starts it as soon as the last one ends, its inputs the tokens
     # still on the device, instead of after StepDone's trip through this stage. A
-    # request that arrives meanwhile joins after both windows
-    overlap_windows: bool = False
+    # request that arrives meanwhile joins after both windows. "auto": on where MLX runs
+    # on CUDA, where it was measured: 1B shape on an H200, both settings' engines in one
+    # process, 6 interleaved paired repeats (tools/bench_ab.py): 1.12x / 1.31x / 1.22x at
+    # 1 / 16 / 64 requests, faster in 4 / 6 / 3 of 6 (tools/results/gpu/session14/a-engines);
+    # on the CPU machine it was even (0.99x at 64 requests in 8 repeats)
+    overlap_windows: bool | Literal["auto"] = "auto"
 
     def waiting_limit(self) -> int:
         return self.max_waiting if self.max_waiting is not None else max(MIN_WAITING, 4 * self.max_num_seqs)
@@ -85,6 +89,7 @@ class ScheduleStage(StageBase):
             window_blocks=kv.window_blocks,
         )
         self.in_flight: deque[m.Step] = deque()  # sent, in order; two with overlap_windows
+        self.overlap = self.overlap_on(self.params.overlap_windows)
         self.setup(ctx)
         task_status.started()
 
@@ -104,13 +109,21 @@ class ScheduleStage(StageBase):
             if step is not None:
                 self.in_flight.append(step)
                 await ctx.send(step)
-        if self.params.overlap_windows and len(self.in_flight) == 1:
+        if self.overlap and len(self.in_flight) == 1:
             follow = self.scheduler.follow_up(self.in_flight[0])
             if follow is not None:
                 self.in_flight.append(follow)
                 await ctx.send(follow)
         if output is not None and (output.tokens or output.finished):
             await ctx.send(output)
+
+    @staticmethod
+    def overlap_on(setting: bool | str) -> bool:
+        if setting == "auto":
+            from unikern.platform import cuda_is_default
+
+            return cuda_is_default()
+        return bool(setting)
 
     def setup(self, ctx: StageContext) -> None:
         """Hook for subclasses: runs once the scheduler exists, before start-up ends."""
@@ -149,6 +162,7 @@ class ScheduleStage(StageBase):
                 "waiting": len(sched.waiting),
                 "running": len(sched.running),
                 "preemptions": sched.num_preemptions,
+                "overlap_windows": self.overlap,
                 "follow_ups": sched.num_follow_ups,
                 "max_waiting": sched.max_waiting,
                 "refused_overloaded": sched.num_refused_overloaded,
