@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import hashlib
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from unikern import messages as m
 from unikern.stages.kv.blocks import BlockManager
 from unikern.stages.schedule.policy import Scheduler
+from unikern.stages.schedule.sequence import Sequence
 
 EOS = 999
 
@@ -137,3 +141,33 @@ def test_rows_ending_inside_a_window_stop_exactly_at_max_tokens():
         f"r{i}": ("length", 8 if i == 0 else 9) for i in range(8)
     }
     assert not sched.has_work() and blocks.num_used == 0
+
+
+def _one_token_at_a_time(n0, gen0, max_tokens, context_length, pool_tokens, eos, tokens, grammar_complete):
+    """The rule a window's tokens follow, applied token by token: the row ends at the
+    first EOS (or at its last token when its grammar completed), else at the first token
+    after which max_tokens, the context or an empty pool's room is reached."""
+    for i, token in enumerate(tokens):
+        count = i + 1
+        if token in eos or (grammar_complete and i == len(tokens) - 1):
+            return count, "stop"
+        if gen0 + count >= max_tokens or n0 + count >= context_length or n0 + count > pool_tokens:
+            return count, "length"
+    return len(tokens), None
+
+
+@given(prompt_len=st.integers(1, 40), generated=st.integers(0, 30), max_tokens=st.integers(1, 60),
+       context_length=st.integers(8, 90), num_blocks=st.integers(1, 12),
+       window=st.lists(st.sampled_from([5, 6, 7, EOS]), min_size=1, max_size=33), grammar_complete=st.booleans())
+@settings(max_examples=400, deadline=None)
+def test_a_windows_end_is_the_one_token_at_a_time_rule(prompt_len, generated, max_tokens, context_length,
+                                                     num_blocks, window, grammar_complete):
+    """Scheduler.on_step_done takes a lookahead window's tokens row by row: which stand and
+    why the row ends must be what the per-token rule gives."""
+    blocks = BlockManager(num_blocks, 4)
+    sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64, eos_token_ids=[EOS],
+                      context_length=context_length)
+    seq = Sequence("r", list(range(prompt_len + generated)), prompt_len, m.SamplingParams(max_tokens=max_tokens))
+    got = sched._window_end(seq, window, grammar_complete)
+    assert got == _one_token_at_a_time(prompt_len + generated, generated, max_tokens, context_length,
+                                       num_blocks * 4, {EOS}, window, grammar_complete)

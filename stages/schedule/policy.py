@@ -8,6 +8,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from unikern import messages as m
 from unikern.stages.kv.blocks import BlockManager, OutOfBlocks, block_hash
 from unikern.stages.schedule.groups import WindowGroup, allocate_windowed, never_fits
@@ -397,37 +399,58 @@ class Scheduler:
             tokens = sampled[work.request_id]
             if isinstance(tokens, int):
                 tokens = [tokens]
-            reports = logprobs.get(work.request_id)
-            fed = len(work.token_ids)  # then one fed token per further lookahead step
-            for i, token in enumerate(tokens):
-                seq.num_computed += fed
-                fed = 1
-                self._commit_full_blocks(seq)
-                first = seq.num_generated == 0
-                seq.tokens.append(token)
-                reason = self._finish_reason(seq, token, work.request_id in stopped and i == len(tokens) - 1)
-                report = reports[i] if reports else None
-                outcome.tokens.append(
-                    m.TokenOut(
-                        seq.request_id, token, last=reason is not None,
-                        stop=seq.params.stop if first else (),
-                        logprob=report.logprob if report else None,
-                        top_logprobs=report.top if report and seq.params.top_logprobs else None,
-                    )
-                )
-                if reason is not None:
-                    outcome.finished.append(self._finish(seq, reason))
-                    break
+            take, reason = self._window_end(seq, tokens, work.request_id in stopped)
+            tokens = tokens[:take]
+            # one fed token per lookahead step after the first; the blocks the window
+            # filled are committed once, after its tokens (a block's hash reads only
+            # tokens below num_computed, all appended by then)
+            seq.num_computed += len(work.token_ids) + take - 1
+            first = seq.num_generated == 0
+            seq.tokens.extend(tokens)
+            self._commit_full_blocks(seq)
+            outcome.tokens.extend(self._token_outs(seq, tokens, logprobs.get(work.request_id), first, reason))
+            if reason is not None:
+                outcome.finished.append(self._finish(seq, reason))
         return outcome
 
-    def _finish_reason(self, seq: Sequence, token: int, grammar_complete: bool = False) -> m.FinishReason | None:
-        if token in self.eos_token_ids or grammar_complete:
-            return "stop"
-        if seq.num_generated >= seq.params.max_tokens or len(seq.tokens) >= self.context_length:
-            return "length"
-        if self.window is None and self.blocks.blocks_needed(len(seq.tokens)) > self.blocks.num_blocks:
-            return "length"  # the next token would not fit even in an empty pool (windowed: it always does)
-        return None
+    def _window_end(self, seq: Sequence, tokens: list[int], grammar_complete: bool) -> tuple[int, m.FinishReason | None]:
+        """How many of a row's sampled tokens stand, and why the row finishes at the last
+        of them (None: it goes on): the first EOS, the grammar's completion at the last,
+        or a length limit after that token's append: max_tokens, the context, or the
+        room of an empty pool (a windowed model's always holds the next token)."""
+        n0, gen0 = len(seq.tokens), seq.num_generated
+        # the count of appended tokens at which a length limit ends the row (at least 1)
+        limit = min(seq.params.max_tokens - gen0, self.context_length - n0)
+        if self.window is None:
+            limit = min(limit, self.blocks.num_blocks * self.blocks.block_size - n0 + 1)
+        limit = max(limit, 1)
+        eos = self.eos_token_ids
+        for i, token in enumerate(tokens[:limit]):
+            if token in eos:
+                return i + 1, "stop"
+        if grammar_complete and len(tokens) <= limit:
+            return len(tokens), "stop"
+        if len(tokens) >= limit:
+            return limit, "length"
+        return len(tokens), None
+
+    @staticmethod
+    def _token_outs(seq: Sequence, tokens: list[int], reports: list[m.Logprobs] | None, first: bool,
+                    reason: m.FinishReason | None) -> list[m.TokenOut]:
+        """A row's TokenOuts: its stop strings ride on its first token, `last` on the one
+        it finishes at."""
+        rid = seq.request_id
+        if reports:
+            top = bool(seq.params.top_logprobs)
+            outs = [m.TokenOut(rid, t, logprob=r.logprob, top_logprobs=r.top if top else None)
+                    for t, r in zip(tokens, reports, strict=False)]
+        else:
+            outs = [m.TokenOut(rid, t) for t in tokens]
+        if first and seq.params.stop:
+            outs[0] = msgspec.structs.replace(outs[0], stop=seq.params.stop)
+        if reason is not None:
+            outs[-1] = msgspec.structs.replace(outs[-1], last=True)
+        return outs
 
     def _commit_full_blocks(self, seq: Sequence) -> None:
         bs = self.blocks.block_size
