@@ -99,7 +99,8 @@ def main() -> None:
                 row = {"concurrency": level, "runs": runs,
                        **{k: statistics.median(r[k] for r in runs) for k in ("wall_ms", "step_ms", "wait_share")}}
                 results.append(row)
-                print(f"c={level:<3} wall {row['wall_ms']:7.1f} ms  model thread {row['step_ms']:.3f} ms per step "
+                walls = [r["wall_ms"] for r in runs]
+                print(f"c={level:<3} wall {row['wall_ms']:7.1f} ms ({min(walls):.1f}-{max(walls):.1f})  model thread {row['step_ms']:.3f} ms per step "
                       f"(alone {alone * 1e3:.3f}): {row['wait_share']:.0%} of its time waiting", flush=True)
 
     anyio.run(main_async)
