@@ -122,11 +122,12 @@ class MLXExecuteParams(StageParams, frozen=True):
     # repeats: 0.88x / 0.94x / 0.97x at 1 / 16 / 64 requests;
     # tools/results/ab-llama-5m-cpu-switch.json); not measured on a GPU yet
     gil_switch_ms: float | None = None
-    # once every stage has started, collect and freeze the objects alive then (gc.freeze:
-    # the imports, the tokenizer, the model's tree) so Python's oldest-generation
-    # collection no longer walks them while the engine serves; they go back to the
-    # collector when the last engine that froze stops (unikern.platform.heap). On the
-    # CPU machine one such collection took 171-187 ms, inside runs of 60-70 ms
+    # once every stage has started, freeze the objects alive then (gc.freeze, after a
+    # collection of the young generations: the imports, the tokenizer, the model's
+    # tree), so Python's oldest-generation collection no longer walks them while the
+    # engine serves; they go back to the collector when the last engine that froze
+    # stops (unikern.platform.heap). On the CPU machine one such collection took
+    # 171-187 ms, inside runs of 60-70 ms (tools/results/host-bound-gc/)
     freeze_heap: bool = True
     # several ranks through mx.distributed (stages/execute/distributed.py): attention
     # heads and MLP columns split across ranks (mlx-lm's Model.shard), or the layers

@@ -399,6 +399,8 @@ class Scheduler:
             tokens = sampled[work.request_id]
             if isinstance(tokens, int):
                 tokens = [tokens]
+            if not tokens:
+                continue
             take, reason = self._window_end(seq, tokens, work.request_id in stopped)
             tokens = tokens[:take]
             # one fed token per lookahead step after the first; the blocks the window
