@@ -98,8 +98,9 @@ class MLXExecuteParams(StageParams, frozen=True):
     # blocks, unquantized, with fuse_projections, one rank); MLX's own ops off CUDA. On an
     # H200 (1B shape, one row) a token's GPU time went 1.182 -> 1.089 ms and its kernels
     # 242 -> 166, but its wall time, one process each, 1.430 -> 1.617 ms
-    # (tools/results/gpu/session13/b-blocks), so "never" by default ("auto": on CUDA;
-    # "always")
+    # (tools/results/gpu/session13/b-blocks); in the engine, one-process A/B (session
+    # 14): 1.04x / 0.92x / 1.02x at 1 / 16 / 64 requests. So "never" by default ("auto":
+    # on CUDA; "always")
     fuse_blocks: Literal["auto", "always", "never"] = "never"
     # decode steps of full-attention layers read keys and values straight from the pool
     # by each row's slot table and length (stages/execute/paged_attention.py): one CUDA
@@ -120,7 +121,9 @@ class MLXExecuteParams(StageParams, frozen=True):
     # interleaved rounds on the CPU machine: tools/results/host-bound-switch/). With a real
     # model on the CPU backend 0.2 was slower (llama-5m, tools/bench_ab.py, 4 paired
     # repeats: 0.88x / 0.94x / 0.97x at 1 / 16 / 64 requests;
-    # tools/results/ab-llama-5m-cpu-switch.json); not measured on a GPU yet
+    # tools/results/ab-llama-5m-cpu-switch.json). On an H200 (1B shape, tools/bench_ab.py,
+    # 6 paired repeats in one process) 1.09x / 1.31x / 0.96x at 1 / 16 / 64 requests
+    # (tools/results/gpu/session14/a-engines): unset by default
     gil_switch_ms: float | None = None
     # once every stage has started, freeze the objects alive then (gc.freeze, after a
     # collection of the young generations: the imports, the tokenizer, the model's
