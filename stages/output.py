@@ -32,6 +32,8 @@ class TextStream:
         """Add a token; return the text now safe to emit. Sets `stopped` on a stop string."""
         self.detok.add_token(token_id)
         self.emitted_tokens += 1
+        if not self.stop:  # nothing to hold back: pending stays empty
+            return self.detok.last_segment
         self.pending += self.detok.last_segment
         return self._release(final=False)
 
