@@ -28,7 +28,9 @@ def _run(code: str, **env: str) -> dict:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, **env})
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1, lines  # nothing but the report on stdout (a worker's protocol)
+    return json.loads(lines[0])
 
 
 def test_tokenizer_stack_without_torch_then_torch_on_demand() -> None:
@@ -68,3 +70,16 @@ cli.entry()
 def test_the_command_line_entry_hides_torch_unless_asked() -> None:
     assert _run(ENTRY) == {"torch_imported": False, "transformers_sees_torch": False}
     assert _run(ENTRY, UNIKERN_IMPORT_TORCH="1")["transformers_sees_torch"]
+
+
+def test_a_stack_that_needs_torch_is_imported_with_it(tmp_path) -> None:
+    """A release that imports PyTorch unguarded: the attempt is undone, and PyTorch and
+    that module import as usual afterwards."""
+    (tmp_path / "needs_torch.py").write_text("import torch\nVALUE = int(torch.ones(2).sum())\n")
+    report = _run(f"import json, sys\nsys.path.insert(0, {str(tmp_path)!r})\n"
+                  "from unikern.platform.imports import import_tokenizer_stack\n"
+                  "did = import_tokenizer_stack(('needs_torch',))\n"
+                  "left = 'needs_torch' in sys.modules or 'torch' in sys.modules\n"
+                  "import needs_torch\n"
+                  "print(json.dumps({'did': did, 'left': left, 'value': needs_torch.VALUE}))")
+    assert report == {"did": False, "left": False, "value": 2}

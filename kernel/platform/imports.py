@@ -17,27 +17,40 @@ the whole process.
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 HIDDEN_WHILE_IMPORTING = ("torch",)  # hidden from transformers' first import only
 NEVER_USED = ("torchvision", "torchaudio")  # unikern never imports these: hidden for good
 
 
-def import_tokenizer_stack() -> bool:
+def import_tokenizer_stack(modules: tuple[str, ...] = ("mlx_lm.utils",)) -> bool:
     """Import mlx-lm (and with it transformers) with PyTorch hidden. Returns False and
     does nothing when transformers or PyTorch is already imported: then the process has
-    chosen already."""
+    chosen already. Should one of them need PyTorch to import after all (a release that
+    imports it unguarded), False: PyTorch is importable again and the rest of the
+    process imports them as usual."""
     if any(name in sys.modules for name in ("transformers", "mlx_lm", *HIDDEN_WHILE_IMPORTING)):
         return False
     for name in (*HIDDEN_WHILE_IMPORTING, *NEVER_USED):
         sys.modules.setdefault(name, None)  # None: `import` raises and `find_spec` says absent
+    failed = False
     try:
-        import mlx_lm.utils  # noqa: F401  (transformers and its availability checks, cached)
+        for module in modules:  # transformers and its availability checks, cached
+            importlib.import_module(module)
         from transformers.utils import is_torch_available
 
         is_torch_available()  # the check is cached: fix it while PyTorch is hidden
-    finally:
-        for name in HIDDEN_WHILE_IMPORTING:
+    except ImportError as exc:  # Python has dropped the module that failed; the ones that
+        # finished keep their view without PyTorch (extension modules cannot be imported twice)
+        failed = True
+        # stderr, not the log: this runs before logging is set up, and a worker's stdout
+        # carries its protocol
+        print(f"unikern: transformers or mlx-lm needs PyTorch to import ({exc}); importing them with it "
+              f"(UNIKERN_IMPORT_TORCH=1 skips the attempt)", file=sys.stderr)
+        return False
+    finally:  # PyTorch comes back; so do torchvision and torchaudio if the stack needs PyTorch
+        for name in (*HIDDEN_WHILE_IMPORTING, *(NEVER_USED if failed else ())):
             if name in sys.modules and sys.modules[name] is None:
                 del sys.modules[name]
     return True
