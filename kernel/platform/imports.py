@@ -10,8 +10,8 @@ process start on the CPU machine.
 `import_tokenizer_stack()` imports them while `import torch` fails, so transformers records
 PyTorch as absent, then lets PyTorch be imported again: unikern's own users of it (the
 zero-copy bridge, the CPU backend's attention) import it directly and still get it.
-Only the command line does this: a program embedding unikern may use transformers'
-models with PyTorch in the same process, and the first import of transformers decides for
+The command line does this first thing. A program embedding unikern may call it too, if it
+does not use transformers' PyTorch models: the first import of transformers decides for
 the whole process.
 """
 
@@ -22,6 +22,7 @@ import sys
 
 HIDDEN_WHILE_IMPORTING = ("torch",)  # hidden from transformers' first import only
 NEVER_USED = ("torchvision", "torchaudio")  # unikern never imports these: hidden for good
+# (unless the stack turns out to need PyTorch)
 
 
 def import_tokenizer_stack(modules: tuple[str, ...] = ("mlx_lm.utils",)) -> bool:
