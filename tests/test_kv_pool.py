@@ -251,11 +251,12 @@ def worker_memory_around_idle(model: str) -> tuple[dict, dict]:
         time.sleep(0.05)
     # the process' RSS a few times more once the books say zero: the lowest, so that a
     # moment's allocation elsewhere in the worker is not read as KV memory kept
+    samples = [idle["memory"]["rss_bytes"]]
     for _ in range(4):
         time.sleep(0.1)
-        again = stats()
-        idle["rss_samples"] = [*idle.get("rss_samples", [idle["memory"]["rss_bytes"]]), again["memory"]["rss_bytes"]]
-    idle["memory"]["rss_bytes"] = min(idle["rss_samples"])
+        samples.append(stats()["memory"]["rss_bytes"])
+    idle["rss_samples"] = samples
+    idle["memory"]["rss_bytes"] = min(samples)
     proc.stdin.close()
     assert proc.wait(60) == 0
     proc.stdout.close()

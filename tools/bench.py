@@ -33,6 +33,12 @@ def make_prompts(n: int, vocab: int, lo: int, hi: int, seed: int) -> list[list[i
     return [[rng.randrange(10, vocab - 10) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+def batch_room(levels: list[int], token_budget: int) -> dict[str, dict]:
+    """The schedule settings a benchmark's largest batch needs: every request of the
+    highest level in one step, and `token_budget` tokens per step for their prefills."""
+    return {"schedule": {"max_num_seqs": max(levels), "max_num_batched_tokens": token_budget}}
+
+
 def engine_overrides(base: dict[str, dict], assignments: list[str]) -> dict[str, dict]:
     """A benchmark's engine settings: `base` (what the benchmark needs, e.g. room for its
     batch), then the user's STAGE.KEY=VALUE assignments over it, key by key."""
@@ -89,8 +95,7 @@ def bench(args) -> dict:
 
     model, tokenizer = load(path)
     vocab = len(tokenizer)
-    overrides = engine_overrides(
-        {"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": args.token_budget}}, args.overrides)
+    overrides = engine_overrides(batch_room(args.concurrency, args.token_budget), args.overrides)
     rows = []
 
     async def main():

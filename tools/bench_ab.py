@@ -53,7 +53,7 @@ def main() -> None:
 
     # isort: split
     import anyio
-    from bench import engine_overrides, make_prompts
+    from bench import batch_room, engine_overrides, make_prompts
     from bench_gpu import run_unikern
 
     from unikern.testing.modelgen import cached_model
@@ -64,8 +64,7 @@ def main() -> None:
     variants = {"a": args.a, "b": args.b}
     overrides, switch = {}, {}
     for name, sets in variants.items():
-        o = engine_overrides(
-            {"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": args.token_budget}}, sets)
+        o = engine_overrides(batch_room(args.concurrency, args.token_budget), sets)
         ms = o.get("execute", {}).pop("gil_switch_ms", None)
         switch[name] = ms / 1e3 if ms is not None else PYTHON_SWITCH_S
         overrides[name] = o

@@ -203,7 +203,7 @@ def cmd_bench(args) -> dict:
 
     # isort: split
     import anyio
-    from bench import engine_overrides, make_prompts, run_mlx_lm
+    from bench import batch_room, engine_overrides, make_prompts, run_mlx_lm
     from mlx_lm import load
 
     from unikern.platform import current_platform
@@ -212,8 +212,7 @@ def cmd_bench(args) -> dict:
     vocab = len(tokenizer)
     levels = args.concurrency
     prompts = {c: make_prompts(c, vocab, args.prompt_tokens, args.prompt_tokens, seed=c) for c in levels}
-    overrides = engine_overrides({"schedule": {"max_num_seqs": max(levels), "max_num_batched_tokens": args.token_budget}},
-                                 args.overrides)
+    overrides = engine_overrides(batch_room(levels, args.token_budget), args.overrides)
     runs = {c: {name: [] for name in ENGINES} for c in levels}
     llama_bin = Path(args.llama_bin) if args.llama_bin else None
 

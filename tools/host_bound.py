@@ -54,7 +54,9 @@ def main() -> None:
 
     # isort: split
     import anyio
-    from bench import engine_overrides, make_prompts  # tools/ is on sys.path when run as a script
+
+    # tools/ is on sys.path when run as a script
+    from bench import batch_room, engine_overrides, make_prompts
     from bench_gpu import run_unikern
 
     from unikern import messages as m
@@ -77,8 +79,7 @@ def main() -> None:
         return m.StepDone(step.step_id, sampled)
 
     ModelRunner.execute = execute
-    overrides = engine_overrides({"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": 4096},
-                                  "execute": {"warmup": "never"}}, args.overrides)
+    overrides = engine_overrides({**batch_room(args.concurrency, 4096), "execute": {"warmup": "never"}}, args.overrides)
     alone = args.host_us / 1e6 + args.gpu_ms / 1e3
     results = []
 

@@ -42,15 +42,16 @@ def main() -> None:
 
     # isort: split
     import anyio
-    from bench import engine_overrides, make_prompts  # tools/ is on sys.path when run as a script
+
+    # tools/ is on sys.path when run as a script
+    from bench import batch_room, engine_overrides, make_prompts
     from bench_gpu import run_unikern
 
     from unikern.stages.execute.runner import ModelRunner
     from unikern.testing.modelgen import cached_model
 
     path = args.model if Path(args.model).exists() else str(cached_model(args.model))
-    overrides = engine_overrides(
-        {"schedule": {"max_num_seqs": max(args.concurrency), "max_num_batched_tokens": args.token_budget}}, args.overrides)
+    overrides = engine_overrides(batch_room(args.concurrency, args.token_budget), args.overrides)
     steps: list[tuple[float, float, int, int, int, bool]] = []  # start, end, num_steps, rows, tokens fed, follow-up
     execute = ModelRunner.execute
 
