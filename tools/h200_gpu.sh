@@ -157,10 +157,11 @@ if named bench-block-gemv; then
 fi
 # two settings of unikern in one process, runs interleaved (tools/bench_ab.py): AB_A and AB_B
 # (space-separated STAGE.KEY=VALUE; empty: the defaults), AB_MODEL (1b, 8b-q4), AB_LABEL
-# names the file; runs only when GPU_STEPS names it
+# names the file, AB_ARGS more of bench_ab's arguments (e.g. "--concurrency 1"); runs only
+# when GPU_STEPS names it
 if named ab; then
   LOG=ab-${AB_MODEL:-1b}${AB_LABEL:-} TAIL=8 step ab "$RES/ab-${AB_MODEL:-1b}${AB_LABEL:-}.json" python3 "$REPO/tools/bench_ab.py" \
-    --model $M/llama-${AB_MODEL:-1b} --a ${AB_A:-} --b ${AB_B:-} --repeats ${AB_REPEATS:-6} \
+    --model $M/llama-${AB_MODEL:-1b} --a ${AB_A:-} --b ${AB_B:-} --repeats ${AB_REPEATS:-6} ${AB_ARGS:-} \
     --label "llama ${AB_MODEL:-1b}${AB_LABEL:-}" --json "$RES/ab-${AB_MODEL:-1b}${AB_LABEL:-}.json"
 fi
 # the engine's run split into time inside the model thread's steps and the gaps between them

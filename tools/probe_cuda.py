@@ -70,6 +70,13 @@ Variants:
                default since session 13, so -mlxnorm is engine-paged-blocks)
   engine-paged-blocks-kernelnorm  engine-paged-blocks with the norms inside the GEMV
                kernels (blocks.KERNEL_NORM = 1: the default before session 13)
+  engine-paged-nographs, engine-paged-blocks-nographs, engine-paged-q-nographs  those
+               with MLX_USE_CUDA_GRAPHS=0 (each kernel launched as MLX encodes it)
+  engine-paged-ops50, engine-paged-ops300  engine-paged with MLX_MAX_OPS_PER_BUFFER at 50
+               or 300 (100 on an H200): CUDA graphs of fewer or more kernels
+The engine variants split the host's time per token: build (the traced step's replay),
+submit (`mx.async_eval`: MLX's encoding and launch), wait (the window's last `mx.eval`)
+and other (the runner's own Python: sampling, tables).
 """
 
 from __future__ import annotations
@@ -124,6 +131,12 @@ VARIANTS = {
     "engine-paged-blocks-mlxboth": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-norm=0",
                                          "blocks-rope=0"]),
     "engine-paged-blocks-kernelnorm": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-norm=1"]),
+    "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
+    "engine-paged-ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["fused", "engine", "paged", "traced"]),
+    "engine-paged-ops300": ({"MLX_MAX_OPS_PER_BUFFER": "300"}, ["fused", "engine", "paged", "traced"]),
+    "engine-paged-blocks-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced", "blocks"]),
+    "engine-paged-q-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "fused-q", "engine", "paged", "traced",
+                                                              "qgemv", "gemv-to-64", "qmma", "wide", "mma-wide"]),
     "engine-paged-u4": ({}, ["fused", "engine", "paged", "traced", "in-flight=4"]),
     "engine-paged-u8": ({}, ["fused", "engine", "paged", "traced", "in-flight=8"]),
     "engine-paged-q-norms": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma",
@@ -250,6 +263,8 @@ def child(args) -> None:
 def engine_run(model, args, features: list[str], notes: dict):
     """A run(n) over unikern's ModelRunner: a prefill, then lookahead windows of 32, for
     --rows requests decoding together (ms_per_token is per step: a token of every row)."""
+    import mlx.core as mx
+
     from unikern import messages as m
     from unikern.stages.execute import paged_attention
     from unikern.stages.execute.model import ModelGeometry
@@ -274,10 +289,20 @@ def engine_run(model, args, features: list[str], notes: dict):
     # distinct prompts: the rows' tokens differ, as a server's do
     prompts = [tuple((7 * j + 13 * r) % 1000 + 5 for j in range(args.prompt)) for r in range(rows)]
 
+    # the host's time per step, split: the traced forward's replay (Python and MLX's graph
+    # copy), MLX's encoding and launch (`mx.async_eval`), the window's last wait (`mx.eval`);
+    # the rest of the wall time is the runner's own Python (sampling, tables)
+    spent = {"build": 0.0, "submit": 0.0, "wait": 0.0}
+    timed(mx, "async_eval", spent, "submit")
+    timed(mx, "eval", spent, "wait")
+    if runner.compiled is not None:
+        timed(runner, "compiled", spent, "build")
+
     def run(n: int, profile=None) -> dict:
         out = runner.run(m.Step(1, tuple(m.SeqWork(f"r{r}", prompts[r], 0, tables[r], True, params)
                                          for r in range(rows)), 1), {})
         tokens, pos = {k: [v[-1]] for k, v in out.items()}, len(prompts[0])
+        spent.update(build=0.0, submit=0.0, wait=0.0)
         start = time.perf_counter()
         while len(tokens["r0"]) <= n:
             work = tuple(m.SeqWork(f"r{r}", (tokens[f"r{r}"][-1],), pos, tables[r], True, params,
@@ -289,10 +314,27 @@ def engine_run(model, args, features: list[str], notes: dict):
                 profile.step()
         wall = time.perf_counter() - start
         done = len(tokens["r0"]) - 1
-        return {"tokens": tokens["r0"][:n], "decoded": done, "ms_per_token": wall * 1e3 / done,
-                "build_ms": float("nan"), "submit_ms": float("nan"), "wait_ms": float("nan")}
+        ms = 1e3 / done
+        return {"tokens": tokens["r0"][:n], "decoded": done, "ms_per_token": wall * ms,
+                **{f"{k}_ms": v * ms for k, v in spent.items()},
+                "other_ms": (wall - sum(spent.values())) * ms}
 
     return run
+
+
+def timed(owner, name: str, spent: dict, key: str) -> None:
+    """Replace owner.name (a callable: a module function or an object) by one that adds
+    its calls' time to spent[key]."""
+    inner = getattr(owner, name)
+
+    def call(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[key] += time.perf_counter() - t
+
+    setattr(owner, name, call)
 
 
 def kernel_profile(run) -> dict:
@@ -370,7 +412,7 @@ def main() -> None:
                   f"  (round {round_ + 1}) same tokens {r.get('same_tokens_as_first', '-')}", flush=True)
             continue
         print(f"{name:24s} {r['ms_per_token']:6.3f} ms/token  build {r['build_ms']:.3f}  submit "
-              f"{r['submit_ms']:.3f}  wait {r['wait_ms']:.3f}  gpu {r.get('gpu_ms_per_token', float('nan')):.3f} "
+              f"{r['submit_ms']:.3f}  wait {r['wait_ms']:.3f}  other {r.get('other_ms', float('nan')):.3f}  gpu {r.get('gpu_ms_per_token', float('nan')):.3f} "
               f"({r.get('kernels_per_token', 0):.0f} kernels) same tokens {r.get('same_tokens_as_first', '-')} "
               f"{r.get('profile_error', '')}", flush=True)
         for k in r.get("top_kernels", [])[:8]:
