@@ -149,6 +149,10 @@ for rows in ${PROBE_ENGINE_ROWS:-1 64}; do
     --variants ${PROBE_ENGINE_VARIANTS:-engine engine-paged engine-paged-group} --repeats 3 --rounds ${PROBE_ROUNDS:-1} \
     --json "$RES/probe-engine-1b-$n.json"
 done
+# the host's cost per MLX primitive, by kind (tools/probe_ops.py); runs only when GPU_STEPS names it
+if named probe-ops; then
+  TAIL=16 step probe-ops "$RES/probe-ops.json" python3 "$REPO/tools/probe_ops.py" --json "$RES/probe-ops.json"
+fi
 # the fused block's GEMV kernel variant by variant against MLX's matmul (which prologue or
 # epilogue is slow; BLOCK_GEMV_ARGS, e.g. "--set UNROLL=1"); runs only when GPU_STEPS names it
 if named bench-block-gemv; then

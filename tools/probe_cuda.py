@@ -286,6 +286,7 @@ def engine_run(model, args, features: list[str], notes: dict):
     rows = args.rows
     tables = [tuple(range(2 + r * blocks, 2 + (r + 1) * blocks)) for r in range(rows)]
     params = m.SamplingParams(max_tokens=args.tokens + window)
+    notes["census"] = graph_census(runner, pool, [(t, args.prompt) for t in tables], window)
     # distinct prompts: the rows' tokens differ, as a server's do
     prompts = [tuple((7 * j + 13 * r) % 1000 + 5 for j in range(args.prompt)) for r in range(rows)]
 
@@ -320,6 +321,31 @@ def engine_run(model, args, features: list[str], notes: dict):
                 "other_ms": (wall - sum(spent.values())) * ms}
 
     return run
+
+
+def graph_census(runner, pool, rows, window: int) -> dict:
+    """The primitives of one traced decode step's graph (what MLX's eval walks per
+    token), counted by type from `mx.export_to_dot`, before any of it is evaluated."""
+    import re
+    import tempfile
+
+    import mlx.core as mx
+
+    from unikern.stages.execute.paged_cache import DecodeWindow
+
+    if runner.compiled is None:
+        return {}
+    layout = DecodeWindow(pool, rows, window, bucketed=True)
+    logits = runner.compiled(pool, layout, mx.zeros((len(rows),), dtype=mx.uint32), 0)
+    token = mx.argmax(logits, axis=-1)
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, token, *pool.keys, *pool.values)
+        labels = re.findall(r'label ="([^"]+)"', f.read())
+    counts: dict[str, int] = {}
+    for label in labels:
+        counts[label] = counts.get(label, 0) + 1
+    mx.eval(token)  # the pool arrays the step wrote are the pool's now
+    return {"primitives": len(labels), "by_type": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
 
 
 def timed(owner, name: str, spent: dict, key: str) -> None:
@@ -415,6 +441,9 @@ def main() -> None:
               f"{r['submit_ms']:.3f}  wait {r['wait_ms']:.3f}  other {r.get('other_ms', float('nan')):.3f}  gpu {r.get('gpu_ms_per_token', float('nan')):.3f} "
               f"({r.get('kernels_per_token', 0):.0f} kernels) same tokens {r.get('same_tokens_as_first', '-')} "
               f"{r.get('profile_error', '')}", flush=True)
+        if r.get("census"):
+            print(f"    graph of one step: {r['census']['primitives']} primitives: "
+                  + ", ".join(f"{k} {v}" for k, v in list(r["census"]["by_type"].items())[:14]), flush=True)
         for k in r.get("top_kernels", [])[:8]:
             print(f"    {k['us_per_token']:8.1f} us  x{k['count_per_token']:5.1f}  {k['name']}")
     if args.json:

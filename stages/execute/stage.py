@@ -99,9 +99,12 @@ class MLXExecuteParams(StageParams, frozen=True):
     # H200 (1B shape, one row) a token's GPU time went 1.182 -> 1.089 ms and its kernels
     # 242 -> 166, but its wall time, one process each, 1.430 -> 1.617 ms
     # (tools/results/gpu/session13/b-blocks); in the engine, one-process A/B (session
-    # 14): 1.04x / 0.92x / 1.02x at 1 / 16 / 64 requests. So "never" by default ("auto":
-    # on CUDA; "always")
-    fuse_blocks: Literal["auto", "always", "never"] = "never"
+    # 14): 1.04x / 0.92x / 1.02x at 1 / 16 / 64 requests (above 4 rows it does not run:
+    # those two are the A/B's noise). Session 15 (session15/a-probes): 4 requests 1.40x,
+    # 12 of 12 repeats won, one request 0.93x, 5 of 12; the runner's one-row token
+    # 2.34 / 2.47 -> 1.86 / 2.43 ms in two rounds of processes, the host's part of it
+    # (the traced replay and mx.async_eval) 2.26 -> 1.81 ms. So "auto" (CUDA) by default
+    fuse_blocks: Literal["auto", "always", "never"] = "auto"
     # decode steps of full-attention layers read keys and values straight from the pool
     # by each row's slot table and length (stages/execute/paged_attention.py): one CUDA
     # kernel per layer instead of a gathered copy and a masked SDPA; elsewhere MLX's own
