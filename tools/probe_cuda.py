@@ -286,7 +286,6 @@ def engine_run(model, args, features: list[str], notes: dict):
     rows = args.rows
     tables = [tuple(range(2 + r * blocks, 2 + (r + 1) * blocks)) for r in range(rows)]
     params = m.SamplingParams(max_tokens=args.tokens + window)
-    notes["census"] = graph_census(runner, pool, [(t, args.prompt) for t in tables], window)
     # distinct prompts: the rows' tokens differ, as a server's do
     prompts = [tuple((7 * j + 13 * r) % 1000 + 5 for j in range(args.prompt)) for r in range(rows)]
 
@@ -303,6 +302,8 @@ def engine_run(model, args, features: list[str], notes: dict):
         out = runner.run(m.Step(1, tuple(m.SeqWork(f"r{r}", prompts[r], 0, tables[r], True, params)
                                          for r in range(rows)), 1), {})
         tokens, pos = {k: [v[-1]] for k, v in out.items()}, len(prompts[0])
+        if "census" not in notes:  # once the pool holds the rows' blocks (it grows as used)
+            notes["census"] = graph_census(runner, pool, [(t, pos) for t in tables], window)
         spent.update(build=0.0, submit=0.0, wait=0.0)
         start = time.perf_counter()
         while len(tokens["r0"]) <= n:

@@ -34,6 +34,9 @@ def chains(compiled_n: int) -> dict:
     def x0():
         return mx.random.normal((1, HIDDEN)).astype(dt)
 
+    def rows(n):
+        return lambda: mx.random.normal((n, HIDDEN)).astype(dt)
+
     def pool0():
         return (mx.zeros(pool_shape, dtype=dt), mx.random.normal((8, 1, D)).astype(dt))
 
@@ -47,7 +50,7 @@ def chains(compiled_n: int) -> dict:
         return (pool, x * 1)
 
     def block(x):  # a residual, a norm and a GEMV: a decoder's pattern
-        return x + mx.fast.rms_norm(x, norm_w, 1e-5) @ w
+        return x + mx.fast.rms_norm(x, norm_w, 1e-5) @ w.T
 
     def compiled_chain(x):
         for _ in range(compiled_n):
@@ -57,7 +60,12 @@ def chains(compiled_n: int) -> dict:
     ops = {
         "add": (x0, lambda x: x + 1),
         "rms_norm": (x0, lambda x: mx.fast.rms_norm(x, norm_w, 1e-5)),
-        "gemv": (x0, lambda x: x @ w),
+        # a Linear's x @ W.T: MLX's own GEMV kernel for one row, cuBLASLt for more (and
+        # for x @ W, whose weight is not the transposed view the GEMV takes)
+        "matmul 1 row (gemv kernel)": (x0, lambda x: x @ w.T),
+        "matmul 1 row, x @ W (cuBLASLt)": (x0, lambda x: x @ w),
+        "matmul 2 rows (cuBLASLt)": (rows(2), lambda x: x @ w.T),
+        "matmul 64 rows (cuBLASLt)": (rows(64), lambda x: x @ w.T),
         "reshape pair (no kernel)": (x0, lambda x: x.reshape(1, H, D).reshape(1, HIDDEN)),
         "transpose pair (no kernel)": (x0, lambda x: x.reshape(1, H, D).transpose(1, 0, 2).transpose(1, 0, 2)
                                        .reshape(1, HIDDEN)),
