@@ -11,6 +11,12 @@ repeat; the ratios are paired per repeat.
     python tools/bench_ab.py --model DIR --a schedule.overlap_windows=true [--b ...]
         [--concurrency 1 16 64] [--repeats 6] [--label L] [--json out.json]
 
+Its own bias: with both engines at the defaults (an A/A, 1B on an H200, 10 repeats), A,
+the engine opened first, ran 1.02x / 1.13x / 1.12x at 1 / 16 / 64 requests
+(tools/results/gpu/session15/b-defaults/ab-1b-aa.json), so ratios within about 1.15x
+there decide nothing. A setting of the process rather than of an engine cannot be
+compared here either: `execute.freeze_heap` freezes the process's heap for both.
+
 `--a` and `--b` take STAGE.KEY=VALUE settings (several each; none: the defaults).
 `execute.gil_switch_ms` is the process's, not an engine's: it is set before each run to
 the variant's value (Python's 5 ms where a variant has none).
