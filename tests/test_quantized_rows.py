@@ -189,7 +189,7 @@ def test_the_kernels_give_mlxs_quantized_matmul(kernel, rows, group_size, monkey
 
 @pytest.mark.anyio
 @pytest.mark.skipif(cuda_is_default(), reason="the refusal is for backends without CUDA")
-@pytest.mark.parametrize("setting", ["quantized_gemv", "quantized_mma"])
+@pytest.mark.parametrize("setting", ["quantized_gemv", "quantized_mma", "dense_mma"])
 async def test_always_on_a_cuda_kernel_without_cuda_is_refused_at_start(setting):
     import unikern
     from unikern.errors import UnikernError

@@ -74,6 +74,8 @@ Variants:
                with MLX_USE_CUDA_GRAPHS=0 (each kernel launched as MLX encodes it)
   engine-paged-ops50, engine-paged-ops300  engine-paged with MLX_MAX_OPS_PER_BUFFER at 50
                or 300 (100 on an H200): CUDA graphs of fewer or more kernels
+  engine-paged-dmma  engine-paged with plain bf16 layers' steps of 5-64 rows through
+               unikern's tensor-core kernel (execute.dense_mma: stages/execute/dense_mma.py)
 The engine variants split the host's time per token: build (the traced step's replay),
 submit (`mx.async_eval`: MLX's encoding and launch), wait (the window's last `mx.eval`)
 and other (the runner's own Python: sampling, tables).
@@ -131,6 +133,7 @@ VARIANTS = {
     "engine-paged-blocks-mlxboth": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-norm=0",
                                          "blocks-rope=0"]),
     "engine-paged-blocks-kernelnorm": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-norm=1"]),
+    "engine-paged-dmma": ({}, ["fused", "engine", "paged", "traced", "dmma"]),
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops300": ({"MLX_MAX_OPS_PER_BUFFER": "300"}, ["fused", "engine", "paged", "traced"]),
@@ -195,6 +198,10 @@ def child(args) -> None:
 
         # as "auto" does: quantized layers too where unikern's 4-bit kernels run them
         notes["fused_groups"] = fuse_projections(model, quantized="fused-q" in features)
+    if "dmma" in features:  # execute.dense_mma=always
+        from unikern.stages.execute.dense_mma import route_dense_layers
+
+        notes["dense_mma_layers"] = route_dense_layers(model)
     if "norms" in features:  # execute.fuse_norms=always
         from unikern.stages.execute.residual import fuse_residual_norms
 

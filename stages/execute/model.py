@@ -116,16 +116,19 @@ class LoadedModel:
     fused_groups: int = 0  # q/k/v and gate/up groups multiplied as one (fused.py)
     norm_blocks: int = 0  # blocks whose residual adds run with the norms after them (residual.py)
     decode_blocks: int = 0  # blocks whose decode steps of few rows run as four GEMV kernels (blocks.py)
+    dense_mma_layers: int = 0  # bf16 linear layers whose steps of 5-64 rows take the tensor-core kernel
 
 
 def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized: bool = False,
-               fuse_norms: bool = False, fuse_blocks: bool = False) -> LoadedModel:
+               fuse_norms: bool = False, fuse_blocks: bool = False, dense_mma: bool = False) -> LoadedModel:
     """Load with mlx-lm; with a world of several ranks, keep this rank's shard only
     (loaded lazily, so only the shard's weights are ever read). `fuse`: q/k/v and
     gate/up projections through one weight each (fused.py), quantized ones too if
     `fuse_quantized`. `fuse_norms`: each block's residual adds and the norms after them
     as one kernel (residual.py; one rank only). `fuse_blocks`: each block's decode steps of
-    few rows as four GEMV kernels (blocks.py; one rank, needs `fuse`)."""
+    few rows as four GEMV kernels (blocks.py; one rank, needs `fuse`). `dense_mma`: plain
+    bfloat16 linear layers' steps of 5-64 rows through unikern's tensor-core kernel
+    (dense_mma.py; one rank)."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     path = resolve_model_path(name)
@@ -159,6 +162,11 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
         from unikern.stages.execute.blocks import fuse_decode_blocks
 
         decode_blocks = fuse_decode_blocks(model)
+    dense_mma_layers = 0
+    if dense_mma and not sharded:
+        from unikern.stages.execute.dense_mma import route_dense_layers
+
+        dense_mma_layers = route_dense_layers(model)
     weights = [w for _, w in tree_flatten(model.parameters())]
     mx.eval(weights)
     geometry = ModelGeometry(model, family)
@@ -168,6 +176,7 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
     digest.update(b"fused" if fused_groups else b"")  # other rounding: its own cached KV
     digest.update(b"norms" if norm_blocks else b"")
     digest.update(b"blocks" if decode_blocks else b"")
+    digest.update(b"dense_mma" if dense_mma_layers else b"")
     for f in sorted(path.glob("*.safetensors")):
         st = f.stat()
         digest.update(f"{f.name}:{st.st_size}".encode())
@@ -187,4 +196,5 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
         fused_groups=fused_groups,
         norm_blocks=norm_blocks,
         decode_blocks=decode_blocks,
+        dense_mma_layers=dense_mma_layers,
     )

@@ -208,7 +208,11 @@ __device__ inline void unikern_mma(float d[4], const unsigned a[4], const unsign
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 """
-_MMA_SOURCE = """
+# The kernel's body with its B fragments' loads left out (MMA_LOAD_B): the 4-bit weights'
+# here, bfloat16 weights' in dense_mma.py. A load fills bf[NT][4][2], tile nt's k-step st
+# for the thread's feature g: the bf16 pairs of k 16t+4st+2h, +1 of the chunk (h = 0, 1),
+# and with SPLIT lost[NT][4][2].
+MMA_TEMPLATE = """
     constexpr int CHUNKS = K / 64;
     const int N = w_shape[0];
     const int M = x_shape[0];
@@ -226,31 +230,9 @@ _MMA_SOURCE = """
         for (int nt = 0; nt < NT; ++nt)
             for (int i = 0; i < 4; ++i) acc[rt][nt][i] = 0.f;
     for (int c = warp; c < CHUNKS; c += MMA_W) {
-        unsigned bf[NT][4][2];  // tile nt, k-step st: nibbles 4st..4st+3 of the thread's 16
+        unsigned bf[NT][4][2];  // tile nt, k-step st: the thread's k 4st..4st+3 as two pairs
         unsigned lost[NT][4][2];  // with SPLIT: what rounding them to bf16 lost
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const size_t feature = (size_t)n0 + nt * 8 + g;
-            const unsigned* wrow = w + feature * (K / 8);
-            const unsigned words[2] = {wrow[c * 8 + 2 * t], wrow[c * 8 + 2 * t + 1]};
-            const size_t gi = feature * (K / GS) + (c * 64 + 16 * t) / GS;
-            const float s = static_cast<float>(scales[gi]);
-            const float b = static_cast<float>(biases[gi]);
-            #pragma unroll
-            for (int st = 0; st < 4; ++st) {
-                const unsigned word = words[st / 2] >> (16 * (st % 2));
-                #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float w0 = s * static_cast<float>((word >> (8 * h)) & 15u) + b;
-                    const float w1 = s * static_cast<float>((word >> (8 * h + 4)) & 15u) + b;
-                    bf[nt][st][h] = unikern_pack(w0, w1);
-                    if (SPLIT) {
-                        lost[nt][st][h] = unikern_pack(w0 - unikern_half(bf[nt][st][h], 0),
-                                                       w1 - unikern_half(bf[nt][st][h], 1));
-                    }
-                }
-            }
-        }
+MMA_LOAD_B
         #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {
             const int ra = r0 + rt * 16 + g;
@@ -294,6 +276,32 @@ _MMA_SOURCE = """
         out[(size_t)row * N + n0 + nt * 8 + 2 * (ln % 4) + (i % 2)] = static_cast<T>(sum);
     }
 """
+_Q4_LOAD_B = """
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {  // nibbles 4st..4st+3 of the thread's 16, dequantized
+            const size_t feature = (size_t)n0 + nt * 8 + g;
+            const unsigned* wrow = w + feature * (K / 8);
+            const unsigned words[2] = {wrow[c * 8 + 2 * t], wrow[c * 8 + 2 * t + 1]};
+            const size_t gi = feature * (K / GS) + (c * 64 + 16 * t) / GS;
+            const float s = static_cast<float>(scales[gi]);
+            const float b = static_cast<float>(biases[gi]);
+            #pragma unroll
+            for (int st = 0; st < 4; ++st) {
+                const unsigned word = words[st / 2] >> (16 * (st % 2));
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float w0 = s * static_cast<float>((word >> (8 * h)) & 15u) + b;
+                    const float w1 = s * static_cast<float>((word >> (8 * h + 4)) & 15u) + b;
+                    bf[nt][st][h] = unikern_pack(w0, w1);
+                    if (SPLIT) {
+                        lost[nt][st][h] = unikern_pack(w0 - unikern_half(bf[nt][st][h], 0),
+                                                       w1 - unikern_half(bf[nt][st][h], 1));
+                    }
+                }
+            }
+        }
+"""
+_MMA_SOURCE = MMA_TEMPLATE.replace("MMA_LOAD_B\n", _Q4_LOAD_B.lstrip("\n"))
 MMA_PASS_TILES = 4  # 16-row tiles per pass at most (64 rows), sharing each B fragment
 # the block's shape, (warps splitting K, tiles of 8 output features per warp). "narrow"
 # (4, 1): a 64-row step's 4096-wide calls took 65 us each, every block reading all of x

@@ -70,7 +70,7 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     # the pipeline's assembly and the tokenizer
     before_s = time.time() - psutil.Process().create_time()
     start = time.perf_counter()
-    for name in ("quantized_gemv", "quantized_mma"):
+    for name in ("quantized_gemv", "quantized_mma", "dense_mma"):
         if getattr(params, name) == "always" and not cuda_is_default():
             raise ConfigError(f"execute.{name}: 'always' needs MLX's CUDA backend (this one is {backend!r}); "
                               "use 'auto' (on where CUDA is) or 'never'")
@@ -79,7 +79,8 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     loaded = load_model(params.model, world, fuse=switch(params.fuse_projections, auto=backend == "cuda"),
                         fuse_quantized=fuses_quantized(params.fuse_projections, gemv or mma),
                         fuse_norms=params.fuse_norms == "always",
-                        fuse_blocks=switch(params.fuse_blocks, auto=backend == "cuda"))
+                        fuse_blocks=switch(params.fuse_blocks, auto=backend == "cuda"),
+                        dense_mma=switch(params.dense_mma, auto=backend == "cuda") and cuda_is_default())
     loaded_at = time.perf_counter()
     wired = wiring.wire(loaded.weights, params.wire_weights)
     startup = {"process_s": round(before_s, 3), "load_s": round(loaded_at - start, 3), "wire_s": round(time.perf_counter() - loaded_at, 3)}

@@ -105,6 +105,13 @@ class MLXExecuteParams(StageParams, frozen=True):
     # 2.34 / 2.47 -> 1.86 / 2.43 ms in two rounds of processes, the host's part of it
     # (the traced replay and mx.async_eval) 2.26 -> 1.81 ms. So "auto" (CUDA) by default
     fuse_blocks: Literal["auto", "always", "never"] = "auto"
+    # plain bfloat16 linear layers (the fused projections' among them), steps of 5 to 64
+    # rows: unikern's tensor-core kernel (stages/execute/dense_mma.py) instead of MLX's
+    # cuBLASLt matmul, whose encoding costs the host 13-17 us per call on an H200 against
+    # 3-4 for a kernel of unikern's (tools/results/gpu/session15/c-ops); a decode step of
+    # the 1B shape runs 65. CUDA only ("always" without CUDA is refused at start); not
+    # measured in the engine yet, so "never" by default ("auto": on CUDA)
+    dense_mma: Literal["auto", "always", "never"] = "never"
     # decode steps of full-attention layers read keys and values straight from the pool
     # by each row's slot table and length (stages/execute/paged_attention.py): one CUDA
     # kernel per layer instead of a gathered copy and a masked SDPA; elsewhere MLX's own
@@ -323,7 +330,8 @@ class MLXExecuteStage(StageBase):
                       "fused_norms": {"blocks": loaded.norm_blocks,
                                       **handed_counts(loaded.model if loaded.norm_blocks else None)},
                       "decode_blocks": {"blocks": loaded.decode_blocks,
-                                        "steps": fused_steps(loaded.model) if loaded.decode_blocks else 0}},
+                                        "steps": fused_steps(loaded.model) if loaded.decode_blocks else 0},
+                      "dense_mma": {"layers": loaded.dense_mma_layers}},
             "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
             "kernels": runner.kernels if runner else {"enabled": False, "reason": "no step run yet"},
             "paged_attention": {**runner.paged_report, "one_row_compiled": runner.compile_one_row}
