@@ -241,11 +241,18 @@ def split_for(K: int, N: int, dtype: mx.Dtype) -> int:
 def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
          norm: tuple[mx.array, mx.array] | None = None, res: mx.array | None = None,
          pos: mx.array | None = None, freq_pi: mx.array | None = None, head_dim: int = 0,
-         rope_pairs: int = 0, q_features: int = 0, traditional: bool = False) -> mx.array | list[mx.array]:
+         rope_pairs: int = 0, q_features: int = 0, traditional: bool = False,
+         out_shape: tuple[int, ...] | None = None) -> mx.array | list[mx.array]:
     """The kernel over x [rows, K] and w [N, K] (see _SOURCE): its output, or for ROPE
     [q, k, v] (q_features of q, the rest halved between k and v). norm: (weight, eps as
-    a float32 [1] array); freq_pi: RoPE's inverse frequencies over pi."""
-    rows, K = x.shape
+    a float32 [1] array); freq_pi: RoPE's inverse frequencies over pi. x may be any
+    contiguous [rows, ...] array of rows x K elements, and the output is given the shape
+    the caller reads it in (`out_shape`; for ROPE, [rows, heads, 1, head_dim] each): the
+    kernel reads and writes flat rows, so no reshape node is added on either side (each
+    costs the host about 1 us per token and layer on an H200: tools/probe_ops.py)."""
+    rows, K = x.shape[0], w.shape[1]
+    if x.size != rows * K:
+        raise ValueError(f"the block kernel's input must hold {rows} rows of {K}, not shape {x.shape}")
     if rows > MAX_ROWS:
         raise ValueError(f"the block kernel takes up to {MAX_ROWS} rows, not {rows}")
     N = w.shape[0]
@@ -261,7 +268,10 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
               res if res is not None else _placeholder(x.dtype),
               pos if pos is not None else _placeholder(mx.int32), freq_pi if freq_pi is not None else f32]
     kv = (N - q_features) // 2
-    shapes = [(rows, nout), (rows, kv), (rows, kv)] if mode == ROPE else [(rows, nout), (1,), (1,)]
+    if mode == ROPE:
+        shapes = [(rows, nout // head_dim, 1, head_dim)] + [(rows, kv // head_dim, 1, head_dim)] * 2
+    else:
+        shapes = [out_shape or (rows, nout), (1,), (1,)]
     kernel = cuda_kernel("unikern_block_gemv", _INPUTS, _SOURCE, _HEADER, ("out", "out_k", "out_v"))
     outs = kernel(inputs=inputs, template=template, grid=(-(-(N // 2) // (WARPS // split)) * WARPS * 32, 1, 1),
                   threadgroup=(WARPS * 32, 1, 1), output_shapes=shapes, output_dtypes=[x.dtype] * 3)

@@ -127,20 +127,24 @@ class FusedDecodeBlock:
         attn, mlp = self.self_attn, self.mlp
         H, D = plan.heads, plan.head_dim
         offset = cache.offset if cache is not None else 0
-        rows = x.reshape(B, width)
+        # the kernels read rows of any [B, ...] array and write the shapes read next: no
+        # reshape nodes (the kernel's outputs are [B, heads, 1, D] already, so the
+        # reshapes below return them as they are)
+        rows = x if plan.use_kernel else x.reshape(B, width)
         # one token per row: [B, 1, H, D] transposed to [B, H, 1, D] is a reshape
-        q, k, v = (t.reshape(B, t.shape[1] // D, 1, D) for t in self._qkv(plan, rows, offset))
+        q, k, v = (t.reshape(B, -1, 1, D) for t in self._qkv(plan, rows, offset))
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         sdpa = getattr(plan.sdpa_module, SDPA_NAME)  # the routed one where paged attention is on
-        o = sdpa(q, k, v, cache=cache, scale=plan.scale, mask=mask).reshape(B, H * D)
+        o = sdpa(q, k, v, cache=cache, scale=plan.scale, mask=mask)
         o_proj, gate_up, down = attn.o_proj, mlp.fused_gate_proj, mlp.down_proj
         if plan.use_kernel:
             h = gemv(o, o_proj["weight"], RESIDUAL, bias=o_proj.get("bias"), res=rows)
             x2, norm = self._norm_input(self.post_attention_layernorm, h, plan.eps[1])
             a = gemv(x2, gate_up["weight"], SWIGLU, bias=gate_up.get("bias"), norm=norm)
-            out = gemv(a, down["weight"], RESIDUAL, bias=down.get("bias"), res=h)
+            out = gemv(a, down["weight"], RESIDUAL, bias=down.get("bias"), res=h, out_shape=(B, 1, width))
         else:
+            o = o.reshape(B, H * D)
             h = rows + _linear(o_proj, o)
             n = self.post_attention_layernorm(h)
             gate, up = mx.split(_linear(gate_up, n), 2, axis=-1)
@@ -148,7 +152,8 @@ class FusedDecodeBlock:
         return out.reshape(B, 1, width)
 
     def _qkv(self, plan: BlockPlan, rows: mx.array, offset: Any) -> list[mx.array]:
-        """q [B, H D] and k [B, Hk D] rotated for their positions, v [B, Hk D]."""
+        """q [B, H D] and k [B, Hk D] rotated for their positions, v [B, Hk D] (from the
+        kernel with its RoPE: [B, H, 1, D], [B, Hk, 1, D] and [B, Hk, 1, D])."""
         B = rows.shape[0]
         H, Hk, D = plan.heads, plan.kv_heads, plan.head_dim
         fused = self.self_attn.fused_q_proj
