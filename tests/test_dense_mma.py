@@ -49,7 +49,7 @@ def test_matmul_launches_the_kernel_over_the_rows_of_any_leading_shape(monkeypat
         launch = emulated(*args, **kwargs)
         return lambda inputs, **kw: launch([a.astype(mx.float32) for a in inputs], **kw)
 
-    monkeypatch.setattr(dense_mma, "cuda_kernel", build)
+    monkeypatch.setattr(quantized, "cuda_kernel", build)
     mx.random.seed(3)
     w = mx.random.normal((48, 128)).astype(mx.bfloat16)
     x = mx.random.normal((3, 4, 128)).astype(mx.bfloat16)

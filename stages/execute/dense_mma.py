@@ -18,9 +18,14 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from unikern.platform.kernel_cache import cuda_kernel
 from unikern.stages.execute import quantized
-from unikern.stages.execute.quantized import MMA_HEADER, MMA_SHAPES, MMA_TEMPLATE, mma_launch
+from unikern.stages.execute.quantized import (
+    MMA_HEADER,
+    MMA_SHAPES,
+    MMA_TEMPLATE,
+    mma_launch,
+    rows_kernel,
+)
 
 # the thread's feature g of tile nt, k 16t..16t+15 of the chunk: eight bf16 pairs, pair
 # 2st+h being k 16t+4st+2h, +1, the fragment slots the template's MMAs take
@@ -61,19 +66,9 @@ def applies(weight: mx.array, x: mx.array) -> bool:
 
 def matmul(x: mx.array, weight: mx.array) -> mx.array:
     """x @ weight.T through the kernel: x [..., K] -> [..., N]."""
-    k, n = x.shape[-1], weight.shape[0]
-    rows = x.size // k
-    constants, blocks = launch(rows, n, k)
+    constants, blocks = launch(x.size // x.shape[-1], weight.shape[0], x.shape[-1])
     warps = MMA_SHAPES[quantized.MMA_SHAPE][0]
-    (out,) = cuda_kernel("unikern_bf16_mma", ("x", "w"), SOURCE, MMA_HEADER)(
-        inputs=[x.reshape(rows, k), weight],
-        template=[("T", x.dtype), *constants.items()],
-        grid=(blocks * warps * 32, 1, 1),
-        threadgroup=(warps * 32, 1, 1),
-        output_shapes=[(rows, n)],
-        output_dtypes=[x.dtype],
-    )
-    return out.reshape(*x.shape[:-1], n)
+    return rows_kernel("unikern_bf16_mma", SOURCE, MMA_HEADER, constants, blocks, warps, x, weight)
 
 
 class MMALinear(nn.Linear):

@@ -158,11 +158,19 @@ def _run_kernel(name: str, source: str, header: str, launch: Any, warps: int, x:
                 scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
     """One of the 4-bit kernels over x [..., K] -> [..., N]: `launch` gives its template
     constants and block count, blocks of `warps` warps."""
+    constants, blocks = launch(x.size // x.shape[-1], w.shape[0], x.shape[-1], group_size)
+    return rows_kernel(name, source, header, constants, blocks, warps, x, w, scales=scales, biases=biases)
+
+
+def rows_kernel(name: str, source: str, header: str, constants: dict[str, int], blocks: int, warps: int,
+                x: mx.array, w: mx.array, **extra: mx.array) -> mx.array:
+    """A kernel over the rows of x [..., K] and weights w [N, ...] (and the `extra` inputs,
+    by name, after them): `blocks` blocks of `warps` warps, x's dtype as T and `constants`
+    as its template; returns [..., N]."""
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
-    constants, blocks = launch(rows, n, k, group_size)
-    (out,) = cuda_kernel(name, ("x", "w", "scales", "biases"), source, header)(
-        inputs=[x.reshape(rows, k), w, scales, biases],
+    (out,) = cuda_kernel(name, ("x", "w", *extra), source, header)(
+        inputs=[x.reshape(rows, k), w, *extra.values()],
         template=[("T", x.dtype), *constants.items()],
         grid=(blocks * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
