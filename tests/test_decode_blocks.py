@@ -144,9 +144,12 @@ def tiny(family, **extra):
 
 
 def decode_logits(model, prompt, steps):
+    """One prompt (or rows of equal length: a list of them) prefilled, then `steps` greedy
+    decode steps' logits."""
+    rows = prompt if isinstance(prompt[0], list) else [prompt]
     cache = [KVCache() for _ in model.layers]
-    model(mx.array([prompt]), cache=cache)
-    token = mx.array([[prompt[-1]]])
+    model(mx.array(rows), cache=cache)
+    token = mx.array([[row[-1]] for row in rows])
     out = []
     for _ in range(steps):
         logits = model(token, cache=cache)[:, -1]
@@ -166,6 +169,27 @@ def test_fused_blocks_through_mlx_ops_are_the_familys_block(family, extra):
     assert blocks.fused_steps(model) == 2 * 3  # the prompt's forward ran the family's code
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_steps_of_more_rows_through_mlx_ops_are_the_familys_block(family):
+    """Steps of more rows than the kernels take, with ops_rows: the fused steps through
+    MLX's ops (2-D matmuls through the weights' transposed views, q and k through one
+    RoPE), bit for bit the family's logits; beyond ops_rows, the family's own code."""
+    prompts = [[5 + r, 9, 11 + 2 * r] for r in range(6)]  # 6 rows: more than MAX_ROWS
+    model = tiny(family)
+    want = decode_logits(model, prompts, 3)
+    fuse_projections(model)
+    assert blocks.fuse_decode_blocks(model, use_kernel=False, ops_rows=6) == 2
+    got = decode_logits(model, prompts, 3)
+    assert blocks.fused_steps(model) == blocks.fused_steps(model, "ops_steps") == 2 * 3
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    narrow = tiny(family)
+    fuse_projections(narrow)
+    blocks.fuse_decode_blocks(narrow, use_kernel=False, ops_rows=5)
+    decode_logits(narrow, prompts, 3)
+    assert blocks.fused_steps(narrow) == 0  # 6 rows > 5: the family's own code
 
 
 @emulation

@@ -79,6 +79,8 @@ NORM_FAMILIES = ("llama", "qwen3", "llama-4bit", "llama-8bit")
 # a block's decode steps as four GEMV kernels (stages/execute/blocks.py): llama's
 # unquantized blocks among these families; the others run as they are
 VARIANTS["blocks"] = {**VARIANTS["paged"], "fuse_blocks": "always"}
+# and steps of more rows than its kernels take through MLX's ops (fuse_blocks_ops_rows)
+VARIANTS["blocks-ops"] = {**VARIANTS["blocks"], "fuse_blocks_ops_rows": 64}
 BLOCK_FAMILIES = ("llama",)
 
 
@@ -89,7 +91,7 @@ async def test_family_greedy_parity(family, variant, paged_decode_calls):
         pytest.skip("the GEMV kernel: CUDA, 4-bit affine weights")
     if variant == "norms" and family not in NORM_FAMILIES:
         pytest.skip("fused norms: the families whose blocks residual.py takes (the others run as in paged)")
-    if variant == "blocks" and family not in BLOCK_FAMILIES:
+    if variant.startswith("blocks") and family not in BLOCK_FAMILIES:
         pytest.skip("fused decode blocks: llama's unquantized blocks (the others are left as they are: "
                     "tests/test_decode_blocks.py)")
     calls = paged_decode_calls
@@ -106,13 +108,15 @@ async def test_family_greedy_parity(family, variant, paged_decode_calls):
     fused_norms = variant == "norms" and family in NORM_FAMILIES
     assert (norms["blocks"] > 0, norms["handed"] > 0, norms["misses"]) == (fused_norms, fused_norms, 0), norms
     decode = stats["model"]["decode_blocks"]
-    fused_blocks = variant == "blocks" and family in BLOCK_FAMILIES
+    fused_blocks = variant.startswith("blocks") and family in BLOCK_FAMILIES
     assert (decode["blocks"] > 0, decode["steps"] > 0) == (fused_blocks, fused_blocks), decode
+    # 14 prompts in flight: steps of more rows than the kernels' 4 take MLX's ops when asked
+    assert (decode["ops_steps"] > 0) == (variant == "blocks-ops" and fused_blocks), decode
     fused = stats["model"]["fused_projections"]
     assert fused["fallback_calls"] == 0  # every projection was handed its slice
     assert (fused["groups"] > 0) == (variant != "plain" and family != "mamba2"), fused
     # nemotron-h's attention calls MLX's SDPA itself (and mamba2 has none): nothing to route
-    paged = variant in ("paged", "gemv", "norms", "blocks") and family not in ("mamba2", "nemotron-h")
+    paged = variant in ("paged", "gemv", "norms", "blocks", "blocks-ops") and family not in ("mamba2", "nemotron-h")
     assert stats["paged_attention"]["enabled"] == paged, stats["paged_attention"]
     # decode steps read the pool through paged_attention.decode, except in layers it does
     # not take: gpt-oss's attention sinks, step3p5-swa's windows (every layer sliding)

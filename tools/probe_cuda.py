@@ -74,6 +74,8 @@ Variants:
                with MLX_USE_CUDA_GRAPHS=0 (each kernel launched as MLX encodes it)
   engine-paged-ops50, engine-paged-ops300  engine-paged with MLX_MAX_OPS_PER_BUFFER at 50
                or 300 (100 on an H200): CUDA graphs of fewer or more kernels
+  engine-paged-blocks-ops  engine-paged-blocks with steps of 5-64 rows through the fused
+               block's MLX ops instead of the family's code (execute.fuse_blocks_ops_rows=64)
   engine-paged-dmma  engine-paged with plain bf16 layers' steps of 5-64 rows through
                unikern's tensor-core kernel (execute.dense_mma: stages/execute/dense_mma.py)
 The engine variants split the host's time per token: build (the traced step's replay),
@@ -134,6 +136,7 @@ VARIANTS = {
                                          "blocks-rope=0"]),
     "engine-paged-blocks-kernelnorm": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-norm=1"]),
     "engine-paged-dmma": ({}, ["fused", "engine", "paged", "traced", "dmma"]),
+    "engine-paged-blocks-ops": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-ops"]),
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops300": ({"MLX_MAX_OPS_PER_BUFFER": "300"}, ["fused", "engine", "paged", "traced"]),
@@ -209,7 +212,8 @@ def child(args) -> None:
     if "blocks" in features:  # execute.fuse_blocks=always
         from unikern.stages.execute import blocks
 
-        notes["decode_blocks"] = blocks.fuse_decode_blocks(model)
+        # blocks-ops: steps of more rows through MLX's ops (execute.fuse_blocks_ops_rows=64)
+        notes["decode_blocks"] = blocks.fuse_decode_blocks(model, ops_rows=64 if "blocks-ops" in features else 0)
     if "qgemv" in features:  # as execute.quantized_gemv does, with dequantize_rows' 8 (or 65)
         from unikern.stages.execute import quantized
         from unikern.stages.execute.quantized import route_quantized_layers

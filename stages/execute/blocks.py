@@ -29,13 +29,18 @@ first version took a token from 242 kernels to 134 but its GPU time from 1.17 to
 ms: its GEMVs ran at half the speed of MLX's (see block_gemv._SOURCE). With MLX's norm
 kernels before the q/k/v and gate/up GEMVs (KERNEL_NORM below) a token is 166 kernels and
 1.09 ms of GPU time against 242 and 1.18; in one process each, its wall time was 1.62
-against 1.43 ms, so the option stays off by default until the engine's runs show it.
+against 1.43 ms. Session 15 measured the host's share of the token (1.81 against 2.26
+ms) and the engine at 4 requests (1.40x, 12 of 12 repeats): `auto` (CUDA) by default.
 
 Elsewhere (`use_kernel` False: MLX's CPU backend, the tests) the same five steps run as
 the family's own ops (`mx.fast.rms_norm`, matmuls through the fused projections'
 weights, the attention module's RoPE, mlx-lm's `swiglu`), so on a CPU a fused block
-computes what the family's code does. Steps of more rows, or of several tokens
-(prefill), run the family's own `__call__`. Families: BLOCKS (their attention and MLP
+computes what the family's code does. Steps of more rows run the same steps through
+those ops where `ops_rows` allows (execute.fuse_blocks_ops_rows): 2-D matmuls through the
+weights' transposed views, made once, q and k through one RoPE call, no round trips
+through the family's [B, heads, L, D] layout, so fewer graph nodes for MLX to encode per
+step than the family's code; steps of still more rows, or of several tokens (prefill),
+run the family's own `__call__`. Families: BLOCKS (their attention and MLP
 code is what the steps above repeat; tests/test_decode_blocks.py holds mlx-lm's source
 to it), with q/k/v and gate/up fused (execute.fuse_projections), unquantized layers,
 RoPE over the whole head (nn.RoPE or Llama3RoPE), one rank."""
@@ -108,11 +113,23 @@ class BlockPlan:
     eps: tuple[mx.array, mx.array]  # the two norms' eps, float32 [1]
     sdpa_module: Any  # the module whose `scaled_dot_product_attention` the attention calls
     use_kernel: bool
+    # steps of more rows than the kernels take (MAX_ROWS), up to this many, run the same
+    # block through MLX's ops (execute.fuse_blocks_ops_rows; 0: the family's own code)
+    ops_rows: int = 0
+    # the four projections' weights transposed once, evaluated (views of the weights: no
+    # copy), so a step's matmuls add no transpose node of their own (keyed by projection)
+    transposed: dict | None = None
     steps: int = 0  # fused steps built (a traced step counts once)
+    ops_steps: int = 0  # of those, steps of more than MAX_ROWS rows (through MLX's ops)
 
 
-def _linear(layer: nn.Linear, x: mx.array) -> mx.array:
-    return mx.addmm(layer["bias"], x, layer["weight"].T) if "bias" in layer else x @ layer["weight"].T
+def _linear(layer: nn.Linear, x: mx.array, plan: BlockPlan | None = None) -> mx.array:
+    """x @ W.T (+ bias) as nn.Linear computes it, through the plan's evaluated transposed
+    view of W where it holds one."""
+    wt = plan.transposed.get(id(layer)) if plan is not None and plan.transposed else None
+    if wt is None:
+        wt = layer["weight"].T
+    return mx.addmm(layer["bias"], x, wt) if "bias" in layer else x @ wt
 
 
 class FusedDecodeBlock:
@@ -121,43 +138,44 @@ class FusedDecodeBlock:
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         plan: BlockPlan = self.__dict__["_block_plan"]
         B, L, width = x.shape
-        if L != 1 or B > MAX_ROWS or x.dtype != self.input_layernorm["weight"].dtype:
+        if L != 1 or B > max(MAX_ROWS, plan.ops_rows) or x.dtype != self.input_layernorm["weight"].dtype:
             return super().__call__(x, mask, cache)
         plan.steps += 1
+        plan.ops_steps += B > MAX_ROWS
+        kernel = plan.use_kernel and B <= MAX_ROWS
         attn, mlp = self.self_attn, self.mlp
         H, D = plan.heads, plan.head_dim
         offset = cache.offset if cache is not None else 0
         # the kernels read rows of any [B, ...] array and write the shapes read next: no
         # reshape nodes (the kernel's outputs are [B, heads, 1, D] already, so the
         # reshapes below return them as they are)
-        rows = x if plan.use_kernel else x.reshape(B, width)
+        rows = x if kernel else x.reshape(B, width)
         # one token per row: [B, 1, H, D] transposed to [B, H, 1, D] is a reshape
-        q, k, v = (t.reshape(B, -1, 1, D) for t in self._qkv(plan, rows, offset))
+        q, k, v = (t.reshape(B, -1, 1, D) for t in self._qkv(plan, rows, offset, kernel))
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         sdpa = getattr(plan.sdpa_module, SDPA_NAME)  # the routed one where paged attention is on
         o = sdpa(q, k, v, cache=cache, scale=plan.scale, mask=mask)
         o_proj, gate_up, down = attn.o_proj, mlp.fused_gate_proj, mlp.down_proj
-        if plan.use_kernel:
+        if kernel:
             h = gemv(o, o_proj["weight"], RESIDUAL, bias=o_proj.get("bias"), res=rows)
             x2, norm = self._norm_input(self.post_attention_layernorm, h, plan.eps[1])
             a = gemv(x2, gate_up["weight"], SWIGLU, bias=gate_up.get("bias"), norm=norm)
             out = gemv(a, down["weight"], RESIDUAL, bias=down.get("bias"), res=h, out_shape=(B, 1, width))
         else:
             o = o.reshape(B, H * D)
-            h = rows + _linear(o_proj, o)
+            h = rows + _linear(o_proj, o, plan)
             n = self.post_attention_layernorm(h)
-            gate, up = mx.split(_linear(gate_up, n), 2, axis=-1)
-            out = h + _linear(down, swiglu(gate, up))
+            gate, up = mx.split(_linear(gate_up, n, plan), 2, axis=-1)
+            out = h + _linear(down, swiglu(gate, up), plan)
         return out.reshape(B, 1, width)
 
-    def _qkv(self, plan: BlockPlan, rows: mx.array, offset: Any) -> list[mx.array]:
-        """q [B, H D] and k [B, Hk D] rotated for their positions, v [B, Hk D] (from the
-        kernel with its RoPE: [B, H, 1, D], [B, Hk, 1, D] and [B, Hk, 1, D])."""
+    def _qkv(self, plan: BlockPlan, rows: mx.array, offset: Any, kernel: bool) -> list[mx.array]:
+        """q [B, H, 1, D] and k [B, Hk, 1, D] rotated for their positions, v [B, Hk, 1, D]."""
         B = rows.shape[0]
         H, Hk, D = plan.heads, plan.kv_heads, plan.head_dim
         fused = self.self_attn.fused_q_proj
-        if plan.use_kernel:
+        if kernel:
             x, norm = self._norm_input(self.input_layernorm, rows, plan.eps[0])
             if KERNEL_ROPE:
                 pos = offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
@@ -167,13 +185,12 @@ class FusedDecodeBlock:
                             traditional=plan.traditional)
             y = gemv(x, fused["weight"], PLAIN, bias=fused.get("bias"), norm=norm)
         else:
-            y = _linear(fused, self.input_layernorm(rows))
-
-        def rotated(part: mx.array, heads: int) -> mx.array:
-            t = part.reshape(B, 1, heads, D).transpose(0, 2, 1, 3)
-            return plan.rope(t, offset=offset).transpose(0, 2, 1, 3).reshape(B, heads * D)
-
-        return [rotated(y[:, : H * D], H), rotated(y[:, H * D : (H + Hk) * D], Hk), y[:, (H + Hk) * D :]]
+            y = _linear(fused, self.input_layernorm(rows), plan)
+        # q's and k's heads side by side through one RoPE (each head rotates alone, so
+        # this is the two calls' result): two view nodes and a kernel fewer than rotating
+        # each in the family's [B, heads, L, D] layout and back
+        qk = plan.rope(y[:, : (H + Hk) * D].reshape(B, H + Hk, 1, D), offset=offset)
+        return [qk[:, :H], qk[:, H:], y[:, (H + Hk) * D :].reshape(B, Hk, 1, D)]
 
     @staticmethod
     def _norm_input(norm: nn.RMSNorm, x: mx.array, eps: mx.array) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
@@ -189,7 +206,7 @@ def _family_class(block: Any) -> type | None:
     return next((c for c in type(block).__mro__ if (c.__module__, c.__name__) in BLOCKS), None)
 
 
-def _plan(block: Any, use_kernel: bool) -> BlockPlan | None:
+def _plan(block: Any, use_kernel: bool, ops_rows: int = 0) -> BlockPlan | None:
     """The block's plan, or None where it is not one the fused steps take."""
     attn, mlp = block.get("self_attn"), block.get("mlp")
     if attn is None or mlp is None or _family_class(block) is None:
@@ -217,16 +234,21 @@ def _plan(block: Any, use_kernel: bool) -> BlockPlan | None:
     if module is None:
         return None
     eps = tuple(mx.array([n.eps], dtype=mx.float32) for n in norms)
-    return BlockPlan(H, Hk, D, attn.scale, attn.rope, rope[0] / math.pi, rope[1], eps, module, use_kernel)
+    transposed = {id(layer): layer["weight"].T for layer in linears}
+    mx.eval(list(transposed.values()))  # views: the weights' own buffers
+    return BlockPlan(H, Hk, D, attn.scale, attn.rope, rope[0] / math.pi, rope[1], eps, module, use_kernel,
+                     ops_rows, transposed)
 
 
-def fuse_decode_blocks(model: Any, use_kernel: bool | None = None) -> int:
+def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int = 0) -> int:
     """Give every block of `model` that the fused steps take their `__call__`; returns how
     many blocks (0: the model as it was). `use_kernel`: the CUDA kernels (default: where
-    MLX's default device is CUDA)."""
+    MLX's default device is CUDA), for steps of up to MAX_ROWS rows. `ops_rows`: steps of
+    more rows, up to this many, run the fused steps through MLX's ops (0: the family's
+    own code)."""
     use_kernel = cuda_is_default() if use_kernel is None else use_kernel
     layers = layers_of(model)
-    plans = [_plan(block, use_kernel) for block in layers]
+    plans = [_plan(block, use_kernel, ops_rows) for block in layers]
     if not layers or any(p is None for p in plans):
         return 0
     for block, plan in zip(layers, plans, strict=True):
@@ -238,6 +260,7 @@ def fuse_decode_blocks(model: Any, use_kernel: bool | None = None) -> int:
     return len(layers)
 
 
-def fused_steps(model: Any) -> int:
-    """How many block steps took the fused path (a traced step counts once)."""
-    return sum(p.steps for b in layers_of(model) if (p := b.__dict__.get("_block_plan")) is not None)
+def fused_steps(model: Any, field: str = "steps") -> int:
+    """How many block steps took the fused path (a traced step counts once); `ops_steps`:
+    how many of them had more than MAX_ROWS rows (MLX's ops)."""
+    return sum(getattr(p, field) for b in layers_of(model) if (p := b.__dict__.get("_block_plan")) is not None)

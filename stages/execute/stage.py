@@ -105,6 +105,16 @@ class MLXExecuteParams(StageParams, frozen=True):
     # 2.34 / 2.47 -> 1.86 / 2.43 ms in two rounds of processes, the host's part of it
     # (the traced replay and mx.async_eval) 2.26 -> 1.81 ms. So "auto" (CUDA) by default
     fuse_blocks: Literal["auto", "always", "never"] = "auto"
+    # with fuse_blocks, decode steps of more rows than its kernels take (4), up to this
+    # many, run the same block through MLX's ops instead of the family's code: 2-D
+    # matmuls through the weights' transposed views made once, q and k through one RoPE,
+    # no layout round trips: fewer graph nodes for MLX to encode each step (on an H200
+    # ~1 us of the host's time per view, 2-4 us per kernel: tools/results/gpu/session15;
+    # a 1B step there held 711 nodes, 44 per block). On the CPU machine a 16-row step of
+    # llama-5m went from 420 nodes to 324 (tools/probe_cuda.py's census), its values bit
+    # for bit the family's (tests/test_decode_blocks.py); not measured on a GPU yet, so
+    # 0 (off) by default
+    fuse_blocks_ops_rows: int = 0
     # plain bfloat16 linear layers (the fused projections' among them), steps of 5 to 64
     # rows: unikern's tensor-core kernel (stages/execute/dense_mma.py) instead of MLX's
     # cuBLASLt matmul, whose encoding costs the host 13-17 us per call on an H200 against
@@ -158,6 +168,8 @@ class MLXExecuteParams(StageParams, frozen=True):
         problems = []
         if isinstance(self.dequantize_rows, int) and self.dequantize_rows < 1:
             problems.append(f"dequantize_rows: must be >= 1, \"auto\" or \"never\", got {self.dequantize_rows}")
+        if self.fuse_blocks_ops_rows < 0:
+            problems.append(f"fuse_blocks_ops_rows: must be >= 0 (0: off), got {self.fuse_blocks_ops_rows}")
         if self.gil_switch_ms is not None and not self.gil_switch_ms > 0:
             problems.append(f"gil_switch_ms: must be > 0 (ms) or unset for Python's own 5 ms, got {self.gil_switch_ms}")
         if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
@@ -330,7 +342,9 @@ class MLXExecuteStage(StageBase):
                       "fused_norms": {"blocks": loaded.norm_blocks,
                                       **handed_counts(loaded.model if loaded.norm_blocks else None)},
                       "decode_blocks": {"blocks": loaded.decode_blocks,
-                                        "steps": fused_steps(loaded.model) if loaded.decode_blocks else 0},
+                                        "steps": fused_steps(loaded.model) if loaded.decode_blocks else 0,
+                                        "ops_steps": fused_steps(loaded.model, "ops_steps")
+                                        if loaded.decode_blocks else 0},
                       "dense_mma": {"layers": loaded.dense_mma_layers}},
             "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
             "kernels": runner.kernels if runner else {"enabled": False, "reason": "no step run yet"},
