@@ -82,6 +82,8 @@ VARIANTS["blocks"] = {**VARIANTS["paged"], "fuse_blocks": "always"}
 # and steps of more rows than its kernels take through MLX's ops (fuse_blocks_ops_rows)
 VARIANTS["blocks-ops"] = {**VARIANTS["blocks"], "fuse_blocks_ops_rows": 64}
 BLOCK_FAMILIES = ("llama",)
+# (4-bit blocks: MLX's ops only, when fuse_blocks_ops_rows asks for them)
+BLOCK_OPS_FAMILIES = ("llama", "llama-4bit")
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -91,9 +93,9 @@ async def test_family_greedy_parity(family, variant, paged_decode_calls):
         pytest.skip("the GEMV kernel: CUDA, 4-bit affine weights")
     if variant == "norms" and family not in NORM_FAMILIES:
         pytest.skip("fused norms: the families whose blocks residual.py takes (the others run as in paged)")
-    if variant.startswith("blocks") and family not in BLOCK_FAMILIES:
-        pytest.skip("fused decode blocks: llama's unquantized blocks (the others are left as they are: "
-                    "tests/test_decode_blocks.py)")
+    if family not in {"blocks": BLOCK_FAMILIES, "blocks-ops": BLOCK_OPS_FAMILIES}.get(variant, (family,)):
+        pytest.skip("fused decode blocks: llama's blocks, 4-bit ones with blocks-ops only (the others are left "
+                    "as they are: tests/test_decode_blocks.py)")
     calls = paged_decode_calls
     path = family_model(family)
     batch = prompts()
@@ -108,7 +110,7 @@ async def test_family_greedy_parity(family, variant, paged_decode_calls):
     fused_norms = variant == "norms" and family in NORM_FAMILIES
     assert (norms["blocks"] > 0, norms["handed"] > 0, norms["misses"]) == (fused_norms, fused_norms, 0), norms
     decode = stats["model"]["decode_blocks"]
-    fused_blocks = variant.startswith("blocks") and family in BLOCK_FAMILIES
+    fused_blocks = variant.startswith("blocks")  # (the others were skipped above)
     assert (decode["blocks"] > 0, decode["steps"] > 0) == (fused_blocks, fused_blocks), decode
     # 14 prompts in flight: steps of more rows than the kernels' 4 take MLX's ops when asked
     assert (decode["ops_steps"] > 0) == (variant == "blocks-ops" and fused_blocks), decode

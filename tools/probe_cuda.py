@@ -76,6 +76,8 @@ Variants:
                or 300 (100 on an H200): CUDA graphs of fewer or more kernels
   engine-paged-blocks-ops  engine-paged-blocks with steps of 5-64 rows through the fused
                block's MLX ops instead of the family's code (execute.fuse_blocks_ops_rows=64)
+  engine-paged-q-blocks-ops  engine-paged-q with every step of up to 64 rows through the
+               fused block's MLX ops (4-bit blocks: execute.fuse_blocks_ops_rows=64)
   engine-paged-dmma  engine-paged with plain bf16 layers' steps of 5-64 rows through
                unikern's tensor-core kernel (execute.dense_mma: stages/execute/dense_mma.py)
 The engine variants split the host's time per token: build (the traced step's replay),
@@ -137,6 +139,8 @@ VARIANTS = {
     "engine-paged-blocks-kernelnorm": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-norm=1"]),
     "engine-paged-dmma": ({}, ["fused", "engine", "paged", "traced", "dmma"]),
     "engine-paged-blocks-ops": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-ops"]),
+    "engine-paged-q-blocks-ops": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
+                                       "qmma", "wide", "mma-wide", "blocks", "blocks-ops"]),
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops300": ({"MLX_MAX_OPS_PER_BUFFER": "300"}, ["fused", "engine", "paged", "traced"]),

@@ -119,13 +119,17 @@ class BlockPlan:
     # the four projections' weights transposed once, evaluated (views of the weights: no
     # copy), so a step's matmuls add no transpose node of their own (keyed by projection)
     transposed: dict | None = None
+    max_rows: int = MAX_ROWS  # steps of up to this many rows take the fused steps
+    ops_from: int = MAX_ROWS  # and those of more rows than this are ops_rows' (0: quantized, all)
     steps: int = 0  # fused steps built (a traced step counts once)
-    ops_steps: int = 0  # of those, steps of more than MAX_ROWS rows (through MLX's ops)
+    ops_steps: int = 0  # of those, the steps ops_rows added (more than ops_from rows)
 
 
 def _linear(layer: nn.Linear, x: mx.array, plan: BlockPlan | None = None) -> mx.array:
     """x @ W.T (+ bias) as nn.Linear computes it, through the plan's evaluated transposed
-    view of W where it holds one."""
+    view of W where it holds one; a quantized layer through its own call."""
+    if isinstance(layer, nn.QuantizedLinear):
+        return layer(x)
     wt = plan.transposed.get(id(layer)) if plan is not None and plan.transposed else None
     if wt is None:
         wt = layer["weight"].T
@@ -138,10 +142,10 @@ class FusedDecodeBlock:
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         plan: BlockPlan = self.__dict__["_block_plan"]
         B, L, width = x.shape
-        if L != 1 or B > max(MAX_ROWS, plan.ops_rows) or x.dtype != self.input_layernorm["weight"].dtype:
+        if L != 1 or B > plan.max_rows or x.dtype != self.input_layernorm["weight"].dtype:
             return super().__call__(x, mask, cache)
         plan.steps += 1
-        plan.ops_steps += B > MAX_ROWS
+        plan.ops_steps += B > plan.ops_from
         kernel = plan.use_kernel and B <= MAX_ROWS
         attn, mlp = self.self_attn, self.mlp
         H, D = plan.heads, plan.head_dim
@@ -212,32 +216,41 @@ def _plan(block: Any, use_kernel: bool, ops_rows: int = 0) -> BlockPlan | None:
     if attn is None or mlp is None or _family_class(block) is None:
         return None
     linears = [attn.get("fused_q_proj"), attn.get("o_proj"), mlp.get("fused_gate_proj"), mlp.get("down_proj")]
-    if any(type(layer) is not nn.Linear for layer in linears):
-        return None  # unfused or quantized projections
+    # quantized projections: MLX's ops only (the kernels read unquantized weights), and
+    # only when asked (ops_rows), for any number of rows up to it
+    quantized = all(isinstance(layer, nn.QuantizedLinear) for layer in linears)
+    if quantized and not ops_rows:
+        return None
+    if not quantized and any(type(layer) is not nn.Linear for layer in linears):
+        return None  # unfused projections, or some quantized and some not
     norms = [block.get("input_layernorm"), block.get("post_attention_layernorm")]
     if any(not isinstance(n, nn.RMSNorm) for n in norms):
         return None
     H, Hk = attn.n_heads, attn.n_kv_heads
-    D = attn.o_proj["weight"].shape[1] // H
+    D, odd = divmod(linears[0]["weight"].shape[0], H + 2 * Hk)  # the fused q/k/v's features
     rope = inverse_frequencies(attn.rope, D)
-    if rope is None:
+    if rope is None or odd or D % 2:
         return None
-    dtype = linears[0]["weight"].dtype
-    if dtype not in ITEMSIZE or any(layer["weight"].shape[1] % (16 // ITEMSIZE[dtype]) for layer in linears):
-        return None  # 16-byte loads along every weight row
-    parameters = [a for layer in linears for a in (layer["weight"], layer.get("bias")) if a is not None]
-    if any(a.dtype != dtype for a in [*parameters, *(n["weight"] for n in norms)]):
-        return None  # the kernel reads every weight, bias and norm as the rows' T
-    if linears[0]["weight"].shape[0] != (H + 2 * Hk) * D or D % 2:
-        return None
+    if quantized:
+        dtype = linears[0]["scales"].dtype  # the rows'
+        if any(layer["scales"].dtype != dtype for layer in linears) or any(n["weight"].dtype != dtype for n in norms):
+            return None
+    else:
+        dtype = linears[0]["weight"].dtype
+        if dtype not in ITEMSIZE or any(layer["weight"].shape[1] % (16 // ITEMSIZE[dtype]) for layer in linears):
+            return None  # 16-byte loads along every weight row
+        parameters = [a for layer in linears for a in (layer["weight"], layer.get("bias")) if a is not None]
+        if any(a.dtype != dtype for a in [*parameters, *(n["weight"] for n in norms)]):
+            return None  # the kernel reads every weight, bias and norm as the rows' T
     module = sdpa_module(attn)
     if module is None:
         return None
     eps = tuple(mx.array([n.eps], dtype=mx.float32) for n in norms)
-    transposed = {id(layer): layer["weight"].T for layer in linears}
+    transposed = {} if quantized else {id(layer): layer["weight"].T for layer in linears}
     mx.eval(list(transposed.values()))  # views: the weights' own buffers
-    return BlockPlan(H, Hk, D, attn.scale, attn.rope, rope[0] / math.pi, rope[1], eps, module, use_kernel,
-                     ops_rows, transposed)
+    max_rows = ops_rows if quantized else max(MAX_ROWS, ops_rows)
+    return BlockPlan(H, Hk, D, attn.scale, attn.rope, rope[0] / math.pi, rope[1], eps, module,
+                     use_kernel and not quantized, ops_rows, transposed, max_rows, 0 if quantized else MAX_ROWS)
 
 
 def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int = 0) -> int:
@@ -262,5 +275,6 @@ def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int
 
 def fused_steps(model: Any, field: str = "steps") -> int:
     """How many block steps took the fused path (a traced step counts once); `ops_steps`:
-    how many of them had more than MAX_ROWS rows (MLX's ops)."""
+    how many of them only fuse_blocks_ops_rows sent there (more rows than the kernels
+    take, or any step of quantized blocks)."""
     return sum(getattr(p, field) for b in layers_of(model) if (p := b.__dict__.get("_block_plan")) is not None)

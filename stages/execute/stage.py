@@ -106,7 +106,8 @@ class MLXExecuteParams(StageParams, frozen=True):
     # (the traced replay and mx.async_eval) 2.26 -> 1.81 ms. So "auto" (CUDA) by default
     fuse_blocks: Literal["auto", "always", "never"] = "auto"
     # with fuse_blocks, decode steps of more rows than its kernels take (4), up to this
-    # many, run the same block through MLX's ops instead of the family's code: 2-D
+    # many, run the same block through MLX's ops instead of the family's code (4-bit
+    # blocks, which the kernels do not take: every step of up to this many rows): 2-D
     # matmuls through the weights' transposed views made once, q and k through one RoPE,
     # no layout round trips: fewer graph nodes for MLX to encode each step (on an H200
     # ~1 us of the host's time per view, 2-4 us per kernel: tools/results/gpu/session15;
