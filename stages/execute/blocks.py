@@ -42,8 +42,9 @@ through the family's [B, heads, L, D] layout, so fewer graph nodes for MLX to en
 step than the family's code; steps of still more rows, or of several tokens (prefill),
 run the family's own `__call__`. Families: BLOCKS (their attention and MLP
 code is what the steps above repeat; tests/test_decode_blocks.py holds mlx-lm's source
-to it), with q/k/v and gate/up fused (execute.fuse_projections), unquantized layers,
-RoPE over the whole head (nn.RoPE or Llama3RoPE), one rank."""
+to it), with q/k/v and gate/up fused (execute.fuse_projections), unquantized layers
+(4-bit ones through MLX's ops only, with `ops_rows`), RoPE over the whole head (nn.RoPE or
+Llama3RoPE), one rank."""
 
 from __future__ import annotations
 
@@ -119,10 +120,16 @@ class BlockPlan:
     # the four projections' weights transposed once, evaluated (views of the weights: no
     # copy), so a step's matmuls add no transpose node of their own (keyed by projection)
     transposed: dict | None = None
-    max_rows: int = MAX_ROWS  # steps of up to this many rows take the fused steps
-    ops_from: int = MAX_ROWS  # and those of more rows than this are ops_rows' (0: quantized, all)
+    # steps of up to this many rows the fused block takes without ops_rows: MAX_ROWS, or 0
+    # for quantized blocks (the kernels read unquantized weights)
+    own_rows: int = MAX_ROWS
     steps: int = 0  # fused steps built (a traced step counts once)
-    ops_steps: int = 0  # of those, the steps ops_rows added (more than ops_from rows)
+    ops_steps: int = 0  # of those, the steps ops_rows added (more than own_rows rows)
+
+    @property
+    def max_rows(self) -> int:
+        """Steps of up to this many rows take the fused steps."""
+        return max(self.own_rows, self.ops_rows)
 
 
 def _linear(layer: nn.Linear, x: mx.array, plan: BlockPlan | None = None) -> mx.array:
@@ -145,7 +152,7 @@ class FusedDecodeBlock:
         if L != 1 or B > plan.max_rows or x.dtype != self.input_layernorm["weight"].dtype:
             return super().__call__(x, mask, cache)
         plan.steps += 1
-        plan.ops_steps += B > plan.ops_from
+        plan.ops_steps += B > plan.own_rows
         kernel = plan.use_kernel and B <= MAX_ROWS
         attn, mlp = self.self_attn, self.mlp
         H, D = plan.heads, plan.head_dim
@@ -248,9 +255,8 @@ def _plan(block: Any, use_kernel: bool, ops_rows: int = 0) -> BlockPlan | None:
     eps = tuple(mx.array([n.eps], dtype=mx.float32) for n in norms)
     transposed = {} if quantized else {id(layer): layer["weight"].T for layer in linears}
     mx.eval(list(transposed.values()))  # views: the weights' own buffers
-    max_rows = ops_rows if quantized else max(MAX_ROWS, ops_rows)
     return BlockPlan(H, Hk, D, attn.scale, attn.rope, rope[0] / math.pi, rope[1], eps, module,
-                     use_kernel and not quantized, ops_rows, transposed, max_rows, 0 if quantized else MAX_ROWS)
+                     use_kernel and not quantized, ops_rows, transposed, 0 if quantized else MAX_ROWS)
 
 
 def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int = 0) -> int:
