@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
+import re
 import shutil
 import subprocess
 import tempfile
@@ -119,6 +120,11 @@ def available() -> bool:
     return probe.returncode == 0
 
 
+def written_inputs(source: str) -> list[str]:
+    """The inputs a kernel's source writes in place (through `const_cast<T*>(name)`)."""
+    return re.findall(r"const_cast<[^>]*>\(\s*(\w+)\s*\)", source)
+
+
 def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, int], blocks: int, threads: int,
                output_shape: tuple[int, ...], header: str = "",
                outputs: dict[str, tuple[int, ...]] | None = None) -> np.ndarray | dict[str, np.ndarray]:
@@ -126,7 +132,8 @@ def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, 
     or uint32 arrays, each with its `<name>_shape`), `constants` as the kernel's
     template parameters (T is float), one float32 output `out` of `output_shape` (or,
     with `outputs`, one per name and shape, returned by name), and `header` (C++
-    helpers, e.g. TENSOR_CORE_HEADER) before the kernel."""
+    helpers, e.g. TENSOR_CORE_HEADER) before the kernel. Float32 inputs the source
+    writes in place (`written_inputs`) are written back into the given numpy arrays."""
     assert threads % 32 == 0 and threads // 32 <= 64
     params, shapes, reads = [], [], []
     for name, a in inputs.items():
@@ -141,7 +148,9 @@ def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, 
     call_args = ", ".join([f"{name}_data.data()" for name in inputs] + [f"{name}.data()" for name in shapes_out])
     out_params = "".join(f", T* {name}" for name in shapes_out)
     out_vectors = " ".join(f"std::vector<float> {name}({int(np.prod(shape))});" for name, shape in shapes_out.items())
+    written = [n for n in dict.fromkeys(written_inputs(source)) if n in inputs and inputs[n].dtype == np.float32]
     out_writes = " ".join(f"fwrite({name}.data(), 4, {name}.size(), stdout);" for name in shapes_out)
+    out_writes += " ".join(f"fwrite({name}_data.data(), 4, {name}_data.size(), stdout);" for name in written)
     code = f"""{_PRELUDE}
 {header}
 typedef float T;
@@ -173,6 +182,9 @@ int main() {{
     for name, shape in shapes_out.items():
         size = int(np.prod(shape))
         results[name], flat = flat[:size].reshape(shape), flat[size:]
+    for name in written:
+        size = inputs[name].size
+        inputs[name][...], flat = flat[:size].reshape(inputs[name].shape), flat[size:]
     return results if outputs else results["out"]
 
 
@@ -216,7 +228,13 @@ def emulated_cuda_kernels(launched: list[str] | None = None, header: str | None 
         def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
             if launched is not None:
                 launched.append(base)
-            arrays = {n: np.array(a) for n, a in zip(input_names, inputs, strict=True)}
+            # the inputs the kernel writes in place: views of the MLX arrays' own buffers
+            # (MLX's CPU arrays hand numpy writable views), so the writes land in them
+            written = set(written_inputs(source))
+            for n, a in zip(input_names, inputs, strict=True):
+                if n in written:
+                    mx.eval(a)
+            arrays = {n: np.array(a, copy=n not in written) for n, a in zip(input_names, inputs, strict=True)}
             constants = {k: v for k, v in template if k != "T"}
             out = run_kernel(source, arrays, constants, grid[0] // threadgroup[0], threadgroup[0], output_shapes[0],
                              header if own_header is None else own_header,

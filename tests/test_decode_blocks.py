@@ -33,10 +33,11 @@ def run_source(x, w, mode, bias=None, norm=None, res=None, pos=None, freq_pi=Non
     one = np.zeros(1, np.float32)
     inputs = {"x": x, "w": w, "bias": one if bias is None else bias, "norm_w": one if norm is None else norm[0],
               "eps": np.array([norm[1] if norm else 0.0], np.float32), "res": one if res is None else res,
-              "pos": np.zeros(1, np.int32) if pos is None else pos, "freq_pi": one if freq_pi is None else freq_pi}
+              "pos": np.zeros(1, np.int32) if pos is None else pos, "freq_pi": one if freq_pi is None else freq_pi,
+              "k_pool": one, "v_pool": one.copy(), "slots": np.zeros(1, np.int32)}
     constants = {"K": K, "N": N, "NOUT": nout, "ROWS": 1 << (rows - 1).bit_length(), "WARPS": block_gemv.WARPS,
                  "SPLIT": split, "U": block_gemv.UNROLL, "NORM": int(norm is not None), "BIAS": int(bias is not None),
-                 "MODE": mode, "HD": head_dim, "ROPE_PAIRS": rope_pairs, "QN": q_features or N, "TRAD": int(trad)}
+                 "MODE": mode, "HD": head_dim, "ROPE_PAIRS": rope_pairs, "QN": q_features or N, "TRAD": int(trad), "POOL": 0}
     kv = (N - q_features) // 2
     outputs = {"out": (rows, nout), "out_k": (rows, kv) if kv else (1,), "out_v": (rows, kv) if kv else (1,)}
     grid = -(-(N // 2) // (block_gemv.WARPS // split))
@@ -241,6 +242,68 @@ def test_fused_blocks_through_the_kernels_give_the_familys_logits(family, kernel
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+def greedy(model, prompt, n):
+    """mlx-lm's greedy continuation of one prompt (KVCache), n tokens."""
+    cache = [KVCache() for _ in model.layers]
+    logits = model(mx.array([prompt]), cache=cache)[:, -1]
+    out = []
+    for _ in range(n):
+        token = int(mx.argmax(logits, axis=-1).item())
+        out.append(token)
+        logits = model(mx.array([[token]]), cache=cache)[:, -1]
+    return out
+
+
+@emulation
+def test_the_qkv_kernel_writes_k_and_v_into_the_pool_the_paged_kernel_reads(monkeypatch):
+    """Where the paged attention kernel reads the pool (CUDA), the fused block's q/k/v
+    kernel writes each row's new key and value into the pool itself, in place of the
+    cache's two scatters: both kernels in the emulation, a runner's prefill and decode
+    window of two rows give the family's greedy tokens, and no decode step scatters."""
+    pool_writes_case(monkeypatch, emulate=True)
+
+
+def pool_writes_case(monkeypatch, emulate: bool) -> None:
+    from unikern import messages as m
+    from unikern.stages.execute import paged_attention
+    from unikern.stages.execute import runner as runner_module
+    from unikern.stages.execute.model import ModelGeometry
+    from unikern.stages.kv.pool import KVPool
+
+    launched = []
+    if emulate:
+        monkeypatch.setattr(block_gemv, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(
+            launched, cuda_emulation.UNPACK_HEADER))
+        monkeypatch.setattr(paged_attention, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
+        monkeypatch.setattr(runner_module, "cuda_is_default", lambda: True)  # the paged attention's kernel mode
+    model = tiny("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # head_dim 32
+    prompts, steps = {"a": [5, 9, 11, 40, 7], "b": [6, 8, 21]}, 4
+    want = {r: greedy(model, p, steps + 1) for r, p in prompts.items()}
+    fuse_projections(model)
+    assert blocks.fuse_decode_blocks(model, use_kernel=True) == 2
+    geo = ModelGeometry(model)
+    pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, dtype=geo.dtype,
+                  block_size=4, kernel_block_size=4, num_blocks=8, slab_blocks=8)
+    runner = runner_module.ModelRunner(model, pool, paged_attention=True, geometry=geo)
+    assert runner.paged == "kernel"
+    params = m.SamplingParams(max_tokens=16)
+    tables = {"a": (2, 3, 4), "b": (5, 6, 7)}  # blocks 0 and 1 are reserved (paged_cache)
+    first = runner.run(m.Step(0, tuple(m.SeqWork(r, tuple(p), 0, tables[r], True, params)
+                                       for r, p in prompts.items()), 1), {})
+    scatters = []
+    put = mx.put_along_axis
+    monkeypatch.setattr(mx, "put_along_axis", lambda *a, **k: scatters.append(1) or put(*a, **k))
+    launched.clear()
+    work = tuple(m.SeqWork(r, (first[r][0],), len(p), tables[r], True, params, num_generated=1)
+                 for r, p in prompts.items())
+    got = runner.run(m.Step(1, work, steps), {})
+    assert {r: first[r] + got[r] for r in prompts} == want
+    assert blocks.fused_steps(model, "pool_steps") == 2 * steps and not scatters
+    if emulate:
+        assert launched.count("unikern_block_gemv") == 4 * 2 * steps
+        assert sum(name.startswith("unikern_paged_decode_") for name in launched) >= 2 * steps
+
+
 cuda = pytest.mark.skipif(not cuda_is_default(), reason="the kernels run on a CUDA GPU")
 
 
@@ -283,6 +346,13 @@ def test_the_kernels_on_cuda_give_mlxs_ops(dtype, rows):
     assert relative_error(block_gemv.gemv(x, w, block_gemv.SWIGLU, norm=(nw, eps)), nn.silu(gate) * up) < tol
     a, w = rand(rows, inter), rand(hidden, inter, scale=inter**-0.5)
     assert relative_error(block_gemv.gemv(a, w, block_gemv.RESIDUAL, res=x), f32(a) @ f32(w).T + f32(x)) < tol
+
+
+@cuda
+def test_the_qkv_kernel_writes_the_pool_on_cuda(monkeypatch):
+    """The same on a CUDA GPU, where MLX orders the attention after the write only
+    through q (run with MLX_ENABLE_TF32=0)."""
+    pool_writes_case(monkeypatch, emulate=False)
 
 
 @cuda

@@ -55,7 +55,9 @@ template <> __device__ inline void unikern_unpack<__half>(const uint4& v, float*
 # SWIGLU). NORM: x goes through the RMS norm (norm_w, eps) first. BIAS: w's bias. MODE:
 # the epilogue (PLAIN, RESIDUAL: + res [rows, NOUT], ROPE: the first ROPE_PAIRS pairs
 # rotated by pi * pos [rows] * freq_pi [HD / 2], and the features in three outputs:
-# out [rows, QN] (q), out_k and out_v [rows, (N - QN) / 2], so each is contiguous;
+# out [rows, QN] (q), out_k and out_v [rows, (N - QN) / 2], so each is contiguous, or
+# with POOL k and v written in place into k_pool and v_pool [kv heads, slots, HD] at
+# each row's slot (slots [rows]) instead of out_k and out_v;
 # SWIGLU: silu(gate) * up, gate = features [0, N / 2), up = [N / 2, N)). A pair's K is
 # split over SPLIT warps of the block, whose sums meet in shared memory. Each warp issues
 # its first pass' weight loads first; with NORM it then sums the squares of the whole
@@ -181,6 +183,7 @@ _SOURCE = """
     if (!live || lane != 0) return;
     T* dst = out;  // and the columns and width of the output the pair belongs to
     int c0 = f0, c1 = f1, width = NOUT;
+    bool pooled = false;
     if (MODE == 2 && f0 >= QN) {
         const int kn = (N - QN) / 2;
         const bool is_v = f0 >= QN + kn;
@@ -188,6 +191,10 @@ _SOURCE = """
         c0 -= is_v ? QN + kn : QN;
         c1 -= is_v ? QN + kn : QN;
         width = kn;
+        if (POOL) {  // k and v go straight into the layer's pool [kv heads, slots, HD], in place
+            dst = is_v ? const_cast<T*>(v_pool) : const_cast<T*>(k_pool);
+            pooled = true;
+        }
     }
     for (int r = 0; r < rows; ++r) {
         float s0 = acc0[r], s1 = acc1[r];
@@ -197,7 +204,9 @@ _SOURCE = """
         }
         const float y0 = static_cast<float>(static_cast<T>(s0));  // the matmul's output, rounded
         const float y1 = static_cast<float>(static_cast<T>(s1));
-        T* o = dst + (size_t)r * width;
+        // a pair is one head's (HD even): row r's slot of that head's slots
+        T* o = pooled ? dst + (size_t)(c0 / HD) * (k_pool_shape[1] - 1) * HD + (size_t)slots[r] * HD
+                      : dst + (size_t)r * width;
         if (MODE == 1) {
             o[c0] = static_cast<T>(y0 + static_cast<float>(res[(size_t)r * NOUT + f0]));
             o[c1] = static_cast<T>(y1 + static_cast<float>(res[(size_t)r * NOUT + f1]));
@@ -216,7 +225,7 @@ _SOURCE = """
         }
     }
 """
-_INPUTS = ("x", "w", "bias", "norm_w", "eps", "res", "pos", "freq_pi")
+_INPUTS = ("x", "w", "bias", "norm_w", "eps", "res", "pos", "freq_pi", "k_pool", "v_pool", "slots")
 _placeholders: dict[Any, mx.array] = {}
 
 
@@ -242,14 +251,22 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
          norm: tuple[mx.array, mx.array] | None = None, res: mx.array | None = None,
          pos: mx.array | None = None, freq_pi: mx.array | None = None, head_dim: int = 0,
          rope_pairs: int = 0, q_features: int = 0, traditional: bool = False,
-         out_shape: tuple[int, ...] | None = None) -> mx.array | list[mx.array]:
+         out_shape: tuple[int, ...] | None = None,
+         pool: tuple[mx.array, mx.array, mx.array] | None = None) -> mx.array | list[mx.array]:
     """The kernel over x [rows, K] and w [N, K] (see _SOURCE): its output, or for ROPE
     [q, k, v] (q_features of q, the rest halved between k and v). norm: (weight, eps as
     a float32 [1] array); freq_pi: RoPE's inverse frequencies over pi. x may be any
     contiguous [rows, ...] array of rows x K elements, and the output is given the shape
     the caller reads it in (`out_shape`; for ROPE, [rows, heads, 1, head_dim] each): the
     kernel reads and writes flat rows, so no reshape node is added on either side (each
-    costs the host about 1 us per token and layer on an H200: tools/probe_ops.py)."""
+    costs the host about 1 us per token and layer on an H200: tools/probe_ops.py).
+    pool (ROPE): (k_pool, v_pool, slots), a layer's pool arrays [kv heads, slots,
+    head_dim] and each row's slot (int32 [rows]): k and v are written there in place, not
+    returned (their outputs are placeholders), in place of two scatters per layer. The
+    arrays must be the pool's own contiguous ones (the kernel writes into their buffers;
+    MLX would copy a strided input and the write would go to the copy), and whatever
+    reads them back must depend on q (the paged attention kernel takes q) so MLX orders
+    it after this kernel."""
     rows, K = x.shape[0], w.shape[1]
     if x.size != rows * K:
         raise ValueError(f"the block kernel's input must hold {rows} rows of {K}, not shape {x.shape}")
@@ -262,14 +279,18 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
     template = [("T", x.dtype), ("K", K), ("N", N), ("NOUT", nout), ("ROWS", 1 << (rows - 1).bit_length()),
                 ("WARPS", WARPS), ("SPLIT", split), ("U", UNROLL), ("NORM", int(norm is not None)),
                 ("BIAS", int(bias is not None)), ("MODE", mode), ("HD", head_dim or 2), ("ROPE_PAIRS", rope_pairs),
-                ("QN", q_features if mode == ROPE else N), ("TRAD", int(traditional))]
+                ("QN", q_features if mode == ROPE else N), ("TRAD", int(traditional)), ("POOL", int(pool is not None))]
     inputs = [x, w, bias if bias is not None else _placeholder(x.dtype),
               norm[0] if norm else _placeholder(x.dtype), norm[1] if norm else f32,
               res if res is not None else _placeholder(x.dtype),
-              pos if pos is not None else _placeholder(mx.int32), freq_pi if freq_pi is not None else f32]
+              pos if pos is not None else _placeholder(mx.int32), freq_pi if freq_pi is not None else f32,
+              *(pool if pool is not None else (_placeholder(x.dtype), _placeholder(x.dtype), _placeholder(mx.int32)))]
+    if pool is not None and (mode != ROPE or pool[0].dtype != x.dtype or pool[0].shape[-1] != head_dim):
+        raise ValueError(f"the block kernel writes the pool from ROPE steps of its dtype and head_dim only: mode "
+                         f"{mode}, pool {pool[0].dtype} {pool[0].shape}, input {x.dtype}, head_dim {head_dim}")
     kv = (N - q_features) // 2
     if mode == ROPE:
-        shapes = [(rows, nout // head_dim, 1, head_dim)] + [(rows, kv // head_dim, 1, head_dim)] * 2
+        shapes = [(rows, nout // head_dim, 1, head_dim)] + [(1,) if pool else (rows, kv // head_dim, 1, head_dim)] * 2
     else:
         shapes = [out_shape or (rows, nout), (1,), (1,)]
     kernel = cuda_kernel("unikern_block_gemv", _INPUTS, _SOURCE, _HEADER, ("out", "out_k", "out_v"))

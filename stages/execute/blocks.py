@@ -9,7 +9,9 @@ tools/results/gpu/H200-issue17.md, session 9). Here the block's steps of up to M
 rows and one token each run as
 
   1. RMS norm -> q/k/v GEMV -> RoPE on q and k   (one kernel; v as it comes)
-  2. the pool writes and the decode attention     (the cache's own, unchanged)
+  2. the pool writes and the decode attention     (the cache's own; where the paged
+                                                   attention kernel reads the pool, the
+                                                   writes are step 1's, in place)
   3. output GEMV -> + residual                    (one kernel)
   4. RMS norm -> gate/up GEMV -> SwiGLU           (one kernel)
   5. down GEMV -> + residual                      (one kernel)
@@ -125,6 +127,7 @@ class BlockPlan:
     own_rows: int = MAX_ROWS
     steps: int = 0  # fused steps built (a traced step counts once)
     ops_steps: int = 0  # of those, the steps ops_rows added (more than own_rows rows)
+    pool_steps: int = 0  # of those, the steps whose q/k/v kernel wrote k and v into the pool
 
     @property
     def max_rows(self) -> int:
@@ -161,9 +164,16 @@ class FusedDecodeBlock:
         # reshape nodes (the kernel's outputs are [B, heads, 1, D] already, so the
         # reshapes below return them as they are)
         rows = x if kernel else x.reshape(B, width)
-        # one token per row: [B, 1, H, D] transposed to [B, H, 1, D] is a reshape
-        q, k, v = (t.reshape(B, -1, 1, D) for t in self._qkv(plan, rows, offset, kernel))
-        if cache is not None:
+        # the q/k/v kernel writes k and v into the pool itself where the paged attention
+        # kernel reads them back (two scatters fewer per layer and token)
+        target = None
+        if kernel and KERNEL_ROPE and hasattr(cache, "pool_target"):
+            target = cache.pool_target(H, D, x.dtype)
+        q, k, v = self._qkv(plan, rows, offset, kernel, target)
+        if target is not None:
+            plan.pool_steps += 1
+            cache.written_in_place()
+        elif cache is not None:
             k, v = cache.update_and_fetch(k, v)
         sdpa = getattr(plan.sdpa_module, SDPA_NAME)  # the routed one where paged attention is on
         o = sdpa(q, k, v, cache=cache, scale=plan.scale, mask=mask)
@@ -181,8 +191,11 @@ class FusedDecodeBlock:
             out = h + _linear(down, swiglu(gate, up), plan)
         return out.reshape(B, 1, width)
 
-    def _qkv(self, plan: BlockPlan, rows: mx.array, offset: Any, kernel: bool) -> list[mx.array]:
-        """q [B, H, 1, D] and k [B, Hk, 1, D] rotated for their positions, v [B, Hk, 1, D]."""
+    def _qkv(self, plan: BlockPlan, rows: mx.array, offset: Any, kernel: bool,
+             pool: tuple[mx.array, mx.array, mx.array] | None = None) -> list[mx.array]:
+        """q [B, H, 1, D] and k [B, Hk, 1, D] rotated for their positions, v [B, Hk, 1, D]
+        (with `pool`, k and v written into the pool by the kernel: placeholders here). One
+        token per row: [B, 1, H, D] transposed to [B, H, 1, D] is a reshape."""
         B = rows.shape[0]
         H, Hk, D = plan.heads, plan.kv_heads, plan.head_dim
         fused = self.self_attn.fused_q_proj
@@ -193,7 +206,7 @@ class FusedDecodeBlock:
                 pos = mx.broadcast_to(pos.astype(mx.int32), (B,))
                 return gemv(x, fused["weight"], ROPE, bias=fused.get("bias"), norm=norm, pos=pos,
                             freq_pi=plan.freq_pi, head_dim=D, rope_pairs=(H + Hk) * D // 2, q_features=H * D,
-                            traditional=plan.traditional)
+                            traditional=plan.traditional, pool=pool)
             y = gemv(x, fused["weight"], PLAIN, bias=fused.get("bias"), norm=norm)
         else:
             y = _linear(fused, self.input_layernorm(rows), plan)
@@ -282,5 +295,6 @@ def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int
 def fused_steps(model: Any, field: str = "steps") -> int:
     """How many block steps took the fused path (a traced step counts once); `ops_steps`:
     how many of them only fuse_blocks_ops_rows sent there (more rows than the kernels
-    take, or any step of quantized blocks)."""
+    take, or any step of quantized blocks); `pool_steps`: how many wrote k and v into
+    the pool from the q/k/v kernel."""
     return sum(getattr(p, field) for b in layers_of(model) if (p := b.__dict__.get("_block_plan")) is not None)

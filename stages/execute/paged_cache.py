@@ -233,14 +233,34 @@ class PagedLayerCache:
         if self.paged is not None and T == 1 and self.window is None:
             # the routed SDPA reads the pool itself (paged_decode); the gathers below stay
             # lazy and unused, so MLX never computes them, unless a call falls back to them
-            offsets = lay.offsets
-            lengths = offsets + 1 if isinstance(offsets, mx.array) else mx.array([offsets + 1], dtype=mx.int32)
-            self._paged_inputs = (pool_k, pool_v, lay.read_slots, lengths)
+            self.written_in_place()
         # [H, B, L, D] -> [B, H, L, D]: each (row, head) stays one contiguous L x D matrix
         k = pool_k[:, lay.read_slots]
         v = pool_v[:, lay.read_slots]
         self.head_major = True
         return k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3)
+
+    def pool_target(self, heads: int, head_dim: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array] | None:
+        """Where a decode step's one new key and value per row go, for a kernel that
+        writes them into the pool itself (blocks.py's q/k/v kernel): this layer's pool
+        arrays and the rows' slots, or None where the step is not one the paged kernel
+        reads back (prefill, one row through slices, a windowed layer, MLX's ops for the
+        attention: only the kernel takes q as an input, which orders it after the write,
+        since MLX sees no write to the pool arrays)."""
+        lay, pool = self.layout, self.pool
+        if (self.paged != "kernel" or lay.span is not None or lay.read_slots is None or lay.write_slots is None
+                or self.window is not None or pool.keys[self.layer].dtype != dtype
+                or not paged_attention.supports(head_dim, heads, pool.keys[self.layer].shape[0])):
+            return None
+        return pool.keys[self.layer], pool.values[self.layer], lay.write_slots
+
+    def written_in_place(self) -> None:
+        """This decode step's keys and values are in the pool: the routed SDPA reads them
+        from there (paged_decode)."""
+        offsets = self.layout.offsets
+        lengths = offsets + 1 if isinstance(offsets, mx.array) else mx.array([offsets + 1], dtype=mx.int32)
+        self._paged_inputs = (self.pool.keys[self.layer], self.pool.values[self.layer], self.layout.read_slots,
+                              lengths)
 
     def paged_decode(self, q: mx.array, scale: float) -> mx.array | None:
         """This layer's decode attention straight from the pool, or None when this step

@@ -344,8 +344,8 @@ class MLXExecuteStage(StageBase):
                                       **handed_counts(loaded.model if loaded.norm_blocks else None)},
                       "decode_blocks": {"blocks": loaded.decode_blocks,
                                         "steps": fused_steps(loaded.model) if loaded.decode_blocks else 0,
-                                        "ops_steps": fused_steps(loaded.model, "ops_steps")
-                                        if loaded.decode_blocks else 0},
+                                        "ops_steps": fused_steps(loaded.model, "ops_steps"),
+                                        "pool_steps": fused_steps(loaded.model, "pool_steps")},
                       "dense_mma": {"layers": loaded.dense_mma_layers}},
             "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
             "kernels": runner.kernels if runner else {"enabled": False, "reason": "no step run yet"},
