@@ -114,6 +114,9 @@ async def test_family_greedy_parity(family, variant, paged_decode_calls):
     assert (decode["blocks"] > 0, decode["steps"] > 0) == (fused_blocks, fused_blocks), decode
     # 14 prompts in flight: steps of more rows than the kernels' 4 take MLX's ops when asked
     assert (decode["ops_steps"] > 0) == (variant == "blocks-ops" and fused_blocks), decode
+    # on CUDA the q/k/v kernel writes the keys and values into the pool the paged kernel
+    # reads (unquantized blocks: the kernels' own steps)
+    assert (decode["pool_steps"] > 0) == (fused_blocks and family == "llama" and cuda_is_default()), decode
     fused = stats["model"]["fused_projections"]
     assert fused["fallback_calls"] == 0  # every projection was handed its slice
     assert (fused["groups"] > 0) == (variant != "plain" and family != "mamba2"), fused
