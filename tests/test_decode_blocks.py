@@ -332,8 +332,9 @@ def test_the_kernels_on_cuda_give_mlxs_ops(dtype, rows):
     w, bias = rand((H + 2 * Hk) * D, hidden, scale=hidden**-0.5), rand((H + 2 * Hk) * D)
     pos = mx.array([7, 900, 3][:rows], dtype=mx.int32)
     inv_freq, _ = blocks.inverse_frequencies(nn.RoPE(D, base=10000.0), D)
-    got = mx.concatenate(block_gemv.gemv(x, w, block_gemv.ROPE, bias=bias, norm=(nw, eps), pos=pos, freq_pi=inv_freq / np.pi,
-                                     head_dim=D, rope_pairs=(H + Hk) * D // 2, q_features=H * D), axis=-1)
+    got = mx.concatenate([t.reshape(rows, -1) for t in block_gemv.gemv(
+        x, w, block_gemv.ROPE, bias=bias, norm=(nw, eps), pos=pos, freq_pi=inv_freq / np.pi, head_dim=D,
+        rope_pairs=(H + Hk) * D // 2, q_features=H * D)], axis=-1)  # q, k, v: [rows, heads, 1, D] each
     y = n @ f32(w).T + f32(bias)
     parts = [mx.fast.rope(y[:, a:b].reshape(rows, -1, 1, D), D, traditional=False, base=10000.0, scale=1.0,
                           offset=pos) for a, b in ((0, H * D), (H * D, (H + Hk) * D))]
