@@ -193,20 +193,22 @@ def test_steps_of_more_rows_through_mlx_ops_are_the_familys_block(family):
     assert blocks.fused_steps(narrow) == 0  # 6 rows > 5: the family's own code
 
 
-def test_quantized_blocks_take_mlx_ops_only_when_asked():
-    """4-bit projections: no fused steps by default (the kernels read unquantized weights);
-    with ops_rows, every step of up to that many rows through MLX's ops, one row or six,
-    bit for bit the family's logits."""
+def test_quantized_blocks_take_mlx_ops():
+    """4-bit projections: the kernels' steps (up to 4 rows) through MLX's ops, each matmul
+    through the layer's own call; more rows with ops_rows only; bit for bit the family's
+    logits at one row and at six."""
     model = tiny("llama")
     nn.quantize(model, group_size=32, bits=4)
     one, six = [5, 9, 11], [[5 + r, 9, 11 + 2 * r] for r in range(6)]
     want = decode_logits(model, one, 3), decode_logits(model, six, 3)
     fuse_projections(model, quantized=True)
-    assert blocks.fuse_decode_blocks(model, use_kernel=True) == 0  # not without ops_rows
-    assert blocks.fuse_decode_blocks(model, use_kernel=True, ops_rows=6) == 2
+    assert blocks.fuse_decode_blocks(model, use_kernel=True) == 2
     got = decode_logits(model, one, 3), decode_logits(model, six, 3)
-    assert blocks.fused_steps(model) == blocks.fused_steps(model, "ops_steps") == 2 * 3 * 2
-    for a, b in zip([*got[0], *got[1]], [*want[0], *want[1]], strict=True):
+    assert blocks.fused_steps(model) == 2 * 3 and blocks.fused_steps(model, "ops_steps") == 0  # one row only
+    assert blocks.fuse_decode_blocks(model, use_kernel=True, ops_rows=6) == 2
+    again = decode_logits(model, six, 3)
+    assert blocks.fused_steps(model, "ops_steps") == 2 * 3
+    for a, b in zip([*got[0], *got[1], *again], [*want[0], *want[1], *want[1]], strict=True):
         np.testing.assert_array_equal(a, b)
 
 

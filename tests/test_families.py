@@ -81,9 +81,8 @@ NORM_FAMILIES = ("llama", "qwen3", "llama-4bit", "llama-8bit")
 VARIANTS["blocks"] = {**VARIANTS["paged"], "fuse_blocks": "always"}
 # and steps of more rows than its kernels take through MLX's ops (fuse_blocks_ops_rows)
 VARIANTS["blocks-ops"] = {**VARIANTS["blocks"], "fuse_blocks_ops_rows": 64}
-BLOCK_FAMILIES = ("llama",)
-# (4-bit blocks: MLX's ops only, when fuse_blocks_ops_rows asks for them)
-BLOCK_OPS_FAMILIES = ("llama", "llama-4bit")
+# (4-bit blocks: MLX's ops only, their matmuls through unikern's 4-bit kernels on CUDA)
+BLOCK_FAMILIES = ("llama", "llama-4bit")
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -93,9 +92,9 @@ async def test_family_greedy_parity(family, variant, paged_decode_calls):
         pytest.skip("the GEMV kernel: CUDA, 4-bit affine weights")
     if variant == "norms" and family not in NORM_FAMILIES:
         pytest.skip("fused norms: the families whose blocks residual.py takes (the others run as in paged)")
-    if family not in {"blocks": BLOCK_FAMILIES, "blocks-ops": BLOCK_OPS_FAMILIES}.get(variant, (family,)):
-        pytest.skip("fused decode blocks: llama's blocks, 4-bit ones with blocks-ops only (the others are left "
-                    "as they are: tests/test_decode_blocks.py)")
+    if variant.startswith("blocks") and family not in BLOCK_FAMILIES:
+        pytest.skip("fused decode blocks: llama's blocks, plain and 4-bit (the others are left as they are: "
+                    "tests/test_decode_blocks.py)")
     calls = paged_decode_calls
     path = family_model(family)
     batch = prompts()

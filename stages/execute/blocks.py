@@ -33,6 +33,9 @@ kernels before the q/k/v and gate/up GEMVs (KERNEL_NORM below) a token is 166 ke
 1.09 ms of GPU time against 242 and 1.18; in one process each, its wall time was 1.62
 against 1.43 ms. Session 15 measured the host's share of the token (1.81 against 2.26
 ms) and the engine at 4 requests (1.40x, 12 of 12 repeats): `auto` (CUDA) by default.
+Session 16 moved the pool writes into the q/k/v kernel where the paged attention
+kernel reads the pool (one 1B token: 133 primitives and 1.81-2.04 ms against 199 and
+2.36-2.45 with the cache's scatters; tools/results/gpu/session16/a-pool-writes).
 
 Elsewhere (`use_kernel` False: MLX's CPU backend, the tests) the same five steps run as
 the family's own ops (`mx.fast.rms_norm`, matmuls through the fused projections'
@@ -45,8 +48,11 @@ step than the family's code; steps of still more rows, or of several tokens (pre
 run the family's own `__call__`. Families: BLOCKS (their attention and MLP
 code is what the steps above repeat; tests/test_decode_blocks.py holds mlx-lm's source
 to it), with q/k/v and gate/up fused (execute.fuse_projections), unquantized layers
-(4-bit ones through MLX's ops only, with `ops_rows`), RoPE over the whole head (nn.RoPE or
-Llama3RoPE), one rank."""
+(quantized ones through MLX's ops only, their matmuls through the layers' own calls: on
+an H200 an 8B 4-bit token took 4.22 against 5.27 ms in the runner, 827 primitives against
+1,211, and the engine at one request was 1.16x faster, 6 of 6 repeats;
+tools/results/gpu/session16), RoPE over the whole head (nn.RoPE or Llama3RoPE), one
+rank."""
 
 from __future__ import annotations
 
@@ -122,17 +128,14 @@ class BlockPlan:
     # the four projections' weights transposed once, evaluated (views of the weights: no
     # copy), so a step's matmuls add no transpose node of their own (keyed by projection)
     transposed: dict | None = None
-    # steps of up to this many rows the fused block takes without ops_rows: MAX_ROWS, or 0
-    # for quantized blocks (the kernels read unquantized weights)
-    own_rows: int = MAX_ROWS
     steps: int = 0  # fused steps built (a traced step counts once)
-    ops_steps: int = 0  # of those, the steps ops_rows added (more than own_rows rows)
+    ops_steps: int = 0  # of those, the steps ops_rows added (more than MAX_ROWS rows)
     pool_steps: int = 0  # of those, the steps whose q/k/v kernel wrote k and v into the pool
 
     @property
     def max_rows(self) -> int:
         """Steps of up to this many rows take the fused steps."""
-        return max(self.own_rows, self.ops_rows)
+        return max(MAX_ROWS, self.ops_rows)
 
 
 def _linear(layer: nn.Linear, x: mx.array, plan: BlockPlan | None = None) -> mx.array:
@@ -155,7 +158,7 @@ class FusedDecodeBlock:
         if L != 1 or B > plan.max_rows or x.dtype != self.input_layernorm["weight"].dtype:
             return super().__call__(x, mask, cache)
         plan.steps += 1
-        plan.ops_steps += B > plan.own_rows
+        plan.ops_steps += B > MAX_ROWS
         kernel = plan.use_kernel and B <= MAX_ROWS
         attn, mlp = self.self_attn, self.mlp
         H, D = plan.heads, plan.head_dim
@@ -236,11 +239,9 @@ def _plan(block: Any, use_kernel: bool, ops_rows: int = 0) -> BlockPlan | None:
     if attn is None or mlp is None or _family_class(block) is None:
         return None
     linears = [attn.get("fused_q_proj"), attn.get("o_proj"), mlp.get("fused_gate_proj"), mlp.get("down_proj")]
-    # quantized projections: MLX's ops only (the kernels read unquantized weights), and
-    # only when asked (ops_rows), for any number of rows up to it
+    # quantized projections: MLX's ops only (the kernels read unquantized weights), each
+    # matmul through the layer's own call (unikern's 4-bit kernels on CUDA)
     quantized = all(isinstance(layer, nn.QuantizedLinear) for layer in linears)
-    if quantized and not ops_rows:
-        return None
     if not quantized and any(type(layer) is not nn.Linear for layer in linears):
         return None  # unfused projections, or some quantized and some not
     norms = [block.get("input_layernorm"), block.get("post_attention_layernorm")]
@@ -269,7 +270,7 @@ def _plan(block: Any, use_kernel: bool, ops_rows: int = 0) -> BlockPlan | None:
     transposed = {} if quantized else {id(layer): layer["weight"].T for layer in linears}
     mx.eval(list(transposed.values()))  # views: the weights' own buffers
     return BlockPlan(H, Hk, D, attn.scale, attn.rope, rope[0] / math.pi, rope[1], eps, module,
-                     use_kernel and not quantized, ops_rows, transposed, 0 if quantized else MAX_ROWS)
+                     use_kernel and not quantized, ops_rows, transposed)
 
 
 def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int = 0) -> int:
@@ -285,9 +286,10 @@ def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int
         return 0
     for block, plan in zip(layers, plans, strict=True):
         cls = type(block)
-        if cls not in _CLASSES:
-            _CLASSES[cls] = type(f"FusedDecode{cls.__name__}", (FusedDecodeBlock, cls), {})
-        block.__class__ = _CLASSES[cls]
+        if not isinstance(block, FusedDecodeBlock):  # (a fused block again: a new plan only)
+            if cls not in _CLASSES:
+                _CLASSES[cls] = type(f"FusedDecode{cls.__name__}", (FusedDecodeBlock, cls), {})
+            block.__class__ = _CLASSES[cls]
         block.__dict__["_block_plan"] = plan
     return len(layers)
 
@@ -295,6 +297,6 @@ def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int
 def fused_steps(model: Any, field: str = "steps") -> int:
     """How many block steps took the fused path (a traced step counts once); `ops_steps`:
     how many of them only fuse_blocks_ops_rows sent there (more rows than the kernels
-    take, or any step of quantized blocks); `pool_steps`: how many wrote k and v into
+    take); `pool_steps`: how many wrote k and v into
     the pool from the q/k/v kernel."""
     return sum(getattr(p, field) for b in layers_of(model) if (p := b.__dict__.get("_block_plan")) is not None)
