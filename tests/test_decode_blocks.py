@@ -257,15 +257,17 @@ def greedy(model, prompt, n):
 
 
 @emulation
-def test_the_qkv_kernel_writes_k_and_v_into_the_pool_the_paged_kernel_reads(monkeypatch):
-    """Where the paged attention kernel reads the pool (CUDA), the fused block's q/k/v
-    kernel writes each row's new key and value into the pool itself, in place of the
-    cache's two scatters: both kernels in the emulation, a runner's prefill and decode
-    window of two rows give the family's greedy tokens, and no decode step scatters."""
-    pool_writes_case(monkeypatch, emulate=True)
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_steps_write_the_pool_in_place_where_the_paged_kernel_reads_it(fused, monkeypatch):
+    """Where the paged attention kernel reads the pool (CUDA), a decode step's keys and
+    values go into the pool in place of the cache's two scatters per layer: from the
+    fused block's q/k/v kernel itself, or (the family's own block) through one write
+    kernel for both. The kernels in the emulation: a runner's prefill and decode window
+    of two rows give the family's greedy tokens, and no decode step scatters."""
+    pool_writes_case(monkeypatch, emulate=True, fused=fused)
 
 
-def pool_writes_case(monkeypatch, emulate: bool) -> None:
+def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True) -> None:
     from unikern import messages as m
     from unikern.stages.execute import paged_attention
     from unikern.stages.execute import runner as runner_module
@@ -282,7 +284,8 @@ def pool_writes_case(monkeypatch, emulate: bool) -> None:
     prompts, steps = {"a": [5, 9, 11, 40, 7], "b": [6, 8, 21]}, 4
     want = {r: greedy(model, p, steps + 1) for r, p in prompts.items()}
     fuse_projections(model)
-    assert blocks.fuse_decode_blocks(model, use_kernel=True) == 2
+    if fused:
+        assert blocks.fuse_decode_blocks(model, use_kernel=True) == 2
     geo = ModelGeometry(model)
     pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, dtype=geo.dtype,
                   block_size=4, kernel_block_size=4, num_blocks=8, slab_blocks=8)
@@ -300,9 +303,10 @@ def pool_writes_case(monkeypatch, emulate: bool) -> None:
                  for r, p in prompts.items())
     got = runner.run(m.Step(1, work, steps), {})
     assert {r: first[r] + got[r] for r in prompts} == want
-    assert blocks.fused_steps(model, "pool_steps") == 2 * steps and not scatters
+    assert blocks.fused_steps(model, "pool_steps") == 2 * steps * fused and not scatters
     if emulate:
-        assert launched.count("unikern_block_gemv") == 4 * 2 * steps
+        assert launched.count("unikern_block_gemv") == 4 * 2 * steps * fused
+        assert launched.count("unikern_pool_write") == 2 * steps * (not fused)
         assert sum(name.startswith("unikern_paged_decode_") for name in launched) >= 2 * steps
 
 
@@ -352,10 +356,11 @@ def test_the_kernels_on_cuda_give_mlxs_ops(dtype, rows):
 
 
 @cuda
-def test_the_qkv_kernel_writes_the_pool_on_cuda(monkeypatch):
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_steps_write_the_pool_in_place_on_cuda(fused, monkeypatch):
     """The same on a CUDA GPU, where MLX orders the attention after the write only
-    through q (run with MLX_ENABLE_TF32=0)."""
-    pool_writes_case(monkeypatch, emulate=False)
+    through q (fused) or `mx.depends` (run with MLX_ENABLE_TF32=0)."""
+    pool_writes_case(monkeypatch, emulate=False, fused=fused)
 
 
 @cuda

@@ -4,7 +4,7 @@ time is spent on it.
 
 Each kernel is launched as the engine launches it (paged attention whole, split and
 merged, at several positions in flight; the 4-bit GEMV and tensor-core kernels; the
-residual add and norm; a decoder block's GEMV kernels) with `mx.fast.cuda_kernel` replaced by a stand-in that records
+residual add and norm; a decoder block's GEMV kernels; the pool writes) with `mx.fast.cuda_kernel` replaced by a stand-in that records
 the call. The recorded source is wrapped as MLX's CUDA backend wraps a custom kernel
 (a `__global__` function whose parameters are the inputs, their shapes where the source
 reads them, and the outputs; template arguments as constants in its body) over a small
@@ -151,6 +151,9 @@ def record_launches() -> list[Build]:
                         kernel_cache.cuda_kernel.cache_clear()
                         paged_attention.decode(q, pool, pool, mx.zeros((1, width), dtype=mx.int32), mx.array([8]),
                                                D**-0.5, use_kernel=True)
+                # the decode step's keys and values written into the pool in place
+                new = mx.zeros((3, Hk, 1, D), dtype=dtype)
+                paged_attention.write(new, new, pool, pool, mx.zeros((3,), dtype=mx.int32))
             for hidden in (2048, 4096):
                 norm = nn.RMSNorm(hidden)
                 norm.weight = norm.weight.astype(dtype)
@@ -165,6 +168,10 @@ def record_launches() -> list[Build]:
                     block_gemv.gemv(x, qkv, block_gemv.ROPE, bias=qkv[:, 0], norm=norm, pos=mx.zeros((rows,), dtype=mx.int32),
                                 freq_pi=mx.zeros((D // 2,), dtype=mx.float32), head_dim=D, rope_pairs=(H + Hk) * D // 2,
                                 q_features=H * D)
+                    pool = mx.zeros((Hk, 64, D), dtype=dtype)  # k and v into the pool in place
+                    block_gemv.gemv(x, qkv, block_gemv.ROPE, norm=norm, pos=mx.zeros((rows,), dtype=mx.int32),
+                                freq_pi=mx.zeros((D // 2,), dtype=mx.float32), head_dim=D, rope_pairs=(H + Hk) * D // 2,
+                                q_features=H * D, pool=(pool, pool, mx.zeros((rows,), dtype=mx.int32)))
                     block_gemv.gemv(mx.zeros((rows, H * D), dtype=dtype), mx.zeros((hidden, H * D), dtype=dtype),
                                 block_gemv.RESIDUAL, res=x)
                     block_gemv.gemv(x, mx.zeros((2 * inter, hidden), dtype=dtype), block_gemv.SWIGLU, norm=norm)

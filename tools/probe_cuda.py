@@ -76,9 +76,10 @@ Variants:
                or 300 (100 on an H200): CUDA graphs of fewer or more kernels
   engine-paged-blocks-ops  engine-paged-blocks with steps of 5-64 rows through the fused
                block's MLX ops instead of the family's code (execute.fuse_blocks_ops_rows=64)
-  engine-paged-blocks-scatter  engine-paged-blocks with the keys and values written into
-               the pool by the cache's two scatters per layer, as before session 16, not by
-               the q/k/v kernel itself (PagedLayerCache.pool_target off)
+  engine-paged-blocks-scatter, engine-paged-scatter  engine-paged-blocks and engine-paged
+               with the keys and values written into the pool by the cache's two scatters
+               per layer, as before session 16, not in place by the q/k/v kernel or one
+               write kernel (PagedLayerCache._kernel_reads off)
   engine-paged-q-blocks-ops  engine-paged-q with every step of up to 64 rows through the
                fused block's MLX ops (4-bit blocks: execute.fuse_blocks_ops_rows=64)
   engine-paged-dmma  engine-paged with plain bf16 layers' steps of 5-64 rows through
@@ -143,6 +144,7 @@ VARIANTS = {
     "engine-paged-dmma": ({}, ["fused", "engine", "paged", "traced", "dmma"]),
     "engine-paged-blocks-ops": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-ops"]),
     "engine-paged-blocks-scatter": ({}, ["fused", "engine", "paged", "traced", "blocks", "pool-scatter"]),
+    "engine-paged-scatter": ({}, ["fused", "engine", "paged", "traced", "pool-scatter"]),
     "engine-paged-q-blocks-ops": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
                                        "qmma", "wide", "mma-wide", "blocks", "blocks-ops"]),
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
@@ -222,10 +224,10 @@ def child(args) -> None:
 
         # blocks-ops: steps of more rows through MLX's ops (execute.fuse_blocks_ops_rows=64)
         notes["decode_blocks"] = blocks.fuse_decode_blocks(model, ops_rows=64 if "blocks-ops" in features else 0)
-    if "pool-scatter" in features:  # the q/k/v kernel leaves the pool writes to the cache's scatters
+    if "pool-scatter" in features:  # the pool writes by the cache's two scatters per layer, as before
         from unikern.stages.execute.paged_cache import PagedLayerCache
 
-        PagedLayerCache.pool_target = lambda *_: None
+        PagedLayerCache._kernel_reads = lambda *_: False
     if "qgemv" in features:  # as execute.quantized_gemv does, with dequantize_rows' 8 (or 65)
         from unikern.stages.execute import quantized
         from unikern.stages.execute.quantized import route_quantized_layers

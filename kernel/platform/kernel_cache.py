@@ -56,5 +56,7 @@ def cuda_kernel(base: str, input_names: tuple[str, ...], source: str, header: st
     source's)."""
     import mlx.core as mx
 
-    return mx.fast.cuda_kernel(name=kernel_name(base, source, header), input_names=list(input_names),
+    # the inputs and outputs are the generated kernel's signature: in the name's digest too
+    name = kernel_name(base, source, header, ",".join(input_names), ",".join(outputs))
+    return mx.fast.cuda_kernel(name=name, input_names=list(input_names),
                                output_names=list(outputs), source=source, header=header)

@@ -308,6 +308,43 @@ def uses_group_kernel(H: int, Hk: int, D: int) -> bool:
     return KERNEL == "group" and WARPS * (H // Hk) * D * 4 <= GROUP_SHARED_BYTES
 
 
+# keys and values [B, Hk, 1, D] written into the pools [Hk, S, D] at each row's slot, in
+# place (the pool arrays are inputs: MLX sees no write to them, so what reads them back
+# reads them through `mx.depends` on `done`, which orders it after this kernel)
+_WRITE_SOURCE = """
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;  // over B * Hk * D
+    const int Hk = k_pool_shape[0], S = k_pool_shape[1], D = k_pool_shape[2];
+    if (i < slots_shape[0] * Hk * D) {
+        const int d = i % D, h = (i / D) % Hk, b = i / (D * Hk);
+        const size_t to = ((size_t)h * S + slots[b]) * D + d;
+        const_cast<T*>(k_pool)[to] = keys[i];
+        const_cast<T*>(v_pool)[to] = values[i];
+    }
+    if (i == 0) done[0] = 1;
+"""
+WRITE_THREADS = 256
+
+
+def write(keys: mx.array, values: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array) -> mx.array:
+    """One decode step's keys and values [B, Hk, 1, D] into a layer's pool arrays [Hk, S,
+    D] at the rows' slots (int32 [B]), in place, by one kernel for both (on an H200 each of
+    MLX's two scatters it replaces cost the host about 9 us per layer and token to encode:
+    tools/probe_ops.py). Returns a one-element array that whatever reads the pool back
+    must depend on (`mx.depends`). The pool arrays must be the pool's own contiguous ones
+    (MLX would copy a strided input, and the writes would go to the copy)."""
+    B, Hk, T, D = keys.shape
+    if T != 1 or pool_k.dtype != keys.dtype or pool_k.shape[0] != Hk or pool_k.shape[2] != D:
+        raise ValueError(f"the pool write takes one token per row in the pool's dtype and heads: keys {keys.shape} "
+                         f"{keys.dtype}, pool {pool_k.shape} {pool_k.dtype}")
+    kernel = cuda_kernel("unikern_pool_write", ("keys", "values", "k_pool", "v_pool", "slots"), _WRITE_SOURCE,
+                         outputs=("done",))
+    n = B * Hk * D
+    (done,) = kernel(inputs=[keys, values, pool_k, pool_v, slots.astype(mx.int32)], template=[("T", keys.dtype)],
+                     grid=(-(-n // WRITE_THREADS) * WRITE_THREADS, 1, 1), threadgroup=(WRITE_THREADS, 1, 1),
+                     output_shapes=[(1,)], output_dtypes=[keys.dtype])
+    return done
+
+
 def decode(q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, lengths: mx.array,
            scale: float, use_kernel: bool) -> mx.array:
     """Attention of one query per row over positions [0, lengths[b]) of its slot table."""

@@ -220,25 +220,41 @@ class PagedLayerCache:
                 raise RuntimeError(f"layer {self.layer} would read position {lo}, before the row's first "
                                    f"held block (position {lay.span_from})")
             return pool_k[None, :, base + lo : base + end], pool_v[None, :, base + lo : base + end]
+        if T == 1 and self._kernel_reads(D, keys.dtype) and lay.write_slots is not None:
+            # a decode step the paged kernel reads back: one kernel writes both in place
+            # (paged_attention.write); what reads the pool in this step reads it through
+            # arrays that depend on the write (the pool keeps its own, unchanged arrays)
+            done = paged_attention.write(keys, values, pool_k, pool_v, lay.write_slots)
+            pool_k, pool_v = mx.depends([pool_k, pool_v], [done])
+            self.written_in_place(pool_k, pool_v)
+        else:
+            pool_k, pool_v = self._scatter(keys, values)
+            if lay.read_slots is None:  # fresh prompts: nothing earlier to read back
+                return keys, values
+            if self.paged is not None and T == 1 and self.window is None:
+                # the routed SDPA reads the pool itself (paged_decode); the gathers below
+                # stay lazy and unused, so MLX never computes them, unless a call falls
+                # back to them (attention sinks, a layer whose SDPA is not routed)
+                self.written_in_place(pool_k, pool_v)
+        # [H, B, L, D] -> [B, H, L, D]: each (row, head) stays one contiguous L x D matrix
+        k = pool_k[:, lay.read_slots]
+        v = pool_v[:, lay.read_slots]
+        self.head_major = True
+        return k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3)
+
+    def _scatter(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The step's keys and values [B, H, T, D] into the pool at the layout's slots;
+        the layer's new pool arrays."""
+        pool, lay = self.pool, self.layout
         # [B, H, T, D] -> [H, B*T, D], scattered into the slot axis in place (the pool
         # array is donated). One ScatterAxis with the slots broadcast over heads and
         # features: `pool_k[:, slots] = ...` builds an arange over the heads and two index
         # casts, four kernels per write instead of one (the H200 profile showed them)
         new_k, new_v = _head_major(keys), _head_major(values)
         index = mx.broadcast_to(lay.write_slots[None, :, None], new_k.shape)
-        pool_k = pool.keys[self.layer] = mx.put_along_axis(pool_k, index, new_k, axis=1)
-        pool_v = pool.values[self.layer] = mx.put_along_axis(pool_v, index, new_v, axis=1)
-        if lay.read_slots is None:  # fresh prompts: nothing earlier to read back
-            return keys, values
-        if self.paged is not None and T == 1 and self.window is None:
-            # the routed SDPA reads the pool itself (paged_decode); the gathers below stay
-            # lazy and unused, so MLX never computes them, unless a call falls back to them
-            self.written_in_place()
-        # [H, B, L, D] -> [B, H, L, D]: each (row, head) stays one contiguous L x D matrix
-        k = pool_k[:, lay.read_slots]
-        v = pool_v[:, lay.read_slots]
-        self.head_major = True
-        return k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3)
+        pool.keys[self.layer] = mx.put_along_axis(pool.keys[self.layer], index, new_k, axis=1)
+        pool.values[self.layer] = mx.put_along_axis(pool.values[self.layer], index, new_v, axis=1)
+        return pool.keys[self.layer], pool.values[self.layer]
 
     def pool_target(self, heads: int, head_dim: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array] | None:
         """Where a decode step's one new key and value per row go, for a kernel that
@@ -247,20 +263,30 @@ class PagedLayerCache:
         reads back (prefill, one row through slices, a windowed layer, MLX's ops for the
         attention: only the kernel takes q as an input, which orders it after the write,
         since MLX sees no write to the pool arrays)."""
-        lay, pool = self.layout, self.pool
-        if (self.paged != "kernel" or lay.span is not None or lay.read_slots is None or lay.write_slots is None
-                or self.window is not None or pool.keys[self.layer].dtype != dtype
-                or not paged_attention.supports(head_dim, heads, pool.keys[self.layer].shape[0])):
+        if not self._kernel_reads(head_dim, dtype, heads) or self.layout.write_slots is None:
             return None
-        return pool.keys[self.layer], pool.values[self.layer], lay.write_slots
+        return self.pool.keys[self.layer], self.pool.values[self.layer], self.layout.write_slots
 
-    def written_in_place(self) -> None:
+    def _kernel_reads(self, head_dim: int, dtype: mx.Dtype, heads: int | None = None) -> bool:
+        """Whether a decode step of this layer is one the paged attention kernel reads back
+        from the pool: a table read, a full-attention layer, a head size and dtype the
+        kernel takes (`heads`: the query heads where known; paged_decode checks them
+        otherwise)."""
+        lay, pool_k = self.layout, self.pool.keys[self.layer]
+        if self.paged != "kernel" or lay.span is not None or lay.read_slots is None or self.window is not None:
+            return False
+        kv_heads = pool_k.shape[0]
+        return pool_k.dtype == dtype and paged_attention.supports(head_dim, heads or kv_heads, kv_heads)
+
+    def written_in_place(self, pool_k: mx.array | None = None, pool_v: mx.array | None = None) -> None:
         """This decode step's keys and values are in the pool: the routed SDPA reads them
-        from there (paged_decode)."""
+        from there (paged_decode), through `pool_k` and `pool_v` where given (arrays that
+        depend on the write), else the pool's own."""
         offsets = self.layout.offsets
         lengths = offsets + 1 if isinstance(offsets, mx.array) else mx.array([offsets + 1], dtype=mx.int32)
-        self._paged_inputs = (self.pool.keys[self.layer], self.pool.values[self.layer], self.layout.read_slots,
-                              lengths)
+        pool_k = self.pool.keys[self.layer] if pool_k is None else pool_k
+        pool_v = self.pool.values[self.layer] if pool_v is None else pool_v
+        self._paged_inputs = (pool_k, pool_v, self.layout.read_slots, lengths)
 
     def paged_decode(self, q: mx.array, scale: float) -> mx.array | None:
         """This layer's decode attention straight from the pool, or None when this step
