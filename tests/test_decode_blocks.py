@@ -261,9 +261,11 @@ def greedy(model, prompt, n):
 def test_decode_steps_write_the_pool_in_place_where_the_paged_kernel_reads_it(fused, monkeypatch):
     """Where the paged attention kernel reads the pool (CUDA), a decode step's keys and
     values go into the pool in place of the cache's two scatters per layer: from the
-    fused block's q/k/v kernel itself, or (the family's own block) through one write
-    kernel for both. The kernels in the emulation: a runner's prefill and decode window
-    of two rows give the family's greedy tokens, and no decode step scatters."""
+    fused block's q/k/v kernel itself, or (the family's own block, with
+    paged_attention.WRITE_IN_PLACE) through one write kernel for both, which the attention
+    kernel takes as its `after` input. The kernels in the emulation: a runner's prefill and
+    decode window of two rows give the family's greedy tokens, and no decode step
+    scatters."""
     pool_writes_case(monkeypatch, emulate=True, fused=fused)
 
 
@@ -275,6 +277,7 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True) -> None:
     from unikern.stages.kv.pool import KVPool
 
     launched = []
+    monkeypatch.setattr(paged_attention, "WRITE_IN_PLACE", True)  # (off by default: not yet held on a GPU)
     if emulate:
         monkeypatch.setattr(block_gemv, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(
             launched, cuda_emulation.UNPACK_HEADER))
@@ -359,7 +362,9 @@ def test_the_kernels_on_cuda_give_mlxs_ops(dtype, rows):
 @pytest.mark.parametrize("fused", [True, False])
 def test_decode_steps_write_the_pool_in_place_on_cuda(fused, monkeypatch):
     """The same on a CUDA GPU, where MLX orders the attention after the write only
-    through q (fused) or `mx.depends` (run with MLX_ENABLE_TF32=0)."""
+    through q (fused) or `after` (run with MLX_ENABLE_TF32=0). Session 16's H200 run of the
+    unfused case, with the attention ordered through `mx.depends` instead, failed: the
+    tokens one step late."""
     pool_writes_case(monkeypatch, emulate=False, fused=fused)
 
 

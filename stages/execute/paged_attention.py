@@ -310,7 +310,11 @@ def uses_group_kernel(H: int, Hk: int, D: int) -> bool:
 
 # keys and values [B, Hk, 1, D] written into the pools [Hk, S, D] at each row's slot, in
 # place (the pool arrays are inputs: MLX sees no write to them, so what reads them back
-# reads them through `mx.depends` on `done`, which orders it after this kernel)
+# takes `done` as an input of its own kernel, which orders it after this one; MLX's CUDA
+# graph orders a kernel after the kernels that wrote its inputs' buffers, nothing else:
+# through `mx.depends` on `done` the attention ran beside the write on an H200 and missed
+# the step's own key, tools/results/gpu/session16/d-write-kernel). Off (WRITE_IN_PLACE)
+# until an H200 run holds it: with `after` below it is tested in the emulation only.
 _WRITE_SOURCE = """
     const int i = blockIdx.x * blockDim.x + threadIdx.x;  // over B * Hk * D
     const int Hk = k_pool_shape[0], S = k_pool_shape[1], D = k_pool_shape[2];
@@ -323,6 +327,7 @@ _WRITE_SOURCE = """
     if (i == 0) done[0] = 1;
 """
 WRITE_THREADS = 256
+WRITE_IN_PLACE = False  # decode steps' pool writes through `write` (PagedLayerCache)
 
 
 def write(keys: mx.array, values: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array) -> mx.array:
@@ -330,8 +335,9 @@ def write(keys: mx.array, values: mx.array, pool_k: mx.array, pool_v: mx.array, 
     D] at the rows' slots (int32 [B]), in place, by one kernel for both (on an H200 each of
     MLX's two scatters it replaces cost the host about 9 us per layer and token to encode:
     tools/probe_ops.py). Returns a one-element array that whatever reads the pool back
-    must depend on (`mx.depends`). The pool arrays must be the pool's own contiguous ones
-    (MLX would copy a strided input, and the writes would go to the copy)."""
+    takes as an input of its kernel (decode's `after`). The pool arrays must be the pool's
+    own contiguous ones (MLX would copy a strided input, and the writes would go to the
+    copy)."""
     B, Hk, T, D = keys.shape
     if T != 1 or pool_k.dtype != keys.dtype or pool_k.shape[0] != Hk or pool_k.shape[2] != D:
         raise ValueError(f"the pool write takes one token per row in the pool's dtype and heads: keys {keys.shape} "
@@ -346,20 +352,25 @@ def write(keys: mx.array, values: mx.array, pool_k: mx.array, pool_v: mx.array, 
 
 
 def decode(q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, lengths: mx.array,
-           scale: float, use_kernel: bool) -> mx.array:
-    """Attention of one query per row over positions [0, lengths[b]) of its slot table."""
+           scale: float, use_kernel: bool, after: mx.array | None = None) -> mx.array:
+    """Attention of one query per row over positions [0, lengths[b]) of its slot table;
+    `after`: an array the kernel takes and does not read (write's), so it runs after the
+    kernel that made it."""
     B, H, T, D = q.shape
     Hk = pool_k.shape[0]
     if not use_kernel or T != 1 or not supports(D, H, Hk) or pool_k.dtype != q.dtype:
+        if after is not None:
+            raise ValueError("the pool written in place is read back by the attention kernel only (`after`)")
         return reference(q, pool_k, pool_v, slots, lengths, scale)
     P = partitions(B, Hk, slots.shape[1]) if uses_group_kernel(H, Hk, D) else 1
     name, source, constants, blocks = launch(B, H, Hk, D, P)
-    kernel = cuda_kernel(f"unikern_paged_decode_{name}", ("q", "k_pool", "v_pool", "slots", "lengths", "scale"),
-                         source)
+    kernel = cuda_kernel(f"unikern_paged_decode_{name}",
+                         ("q", "k_pool", "v_pool", "slots", "lengths", "scale", "after"), source)
     if scale not in _scales:
         _scales[scale] = mx.array([scale], dtype=mx.float32)
     (out,) = kernel(
-        inputs=[q, pool_k, pool_v, slots.astype(mx.int32), lengths.astype(mx.int32), _scales[scale]],
+        inputs=[q, pool_k, pool_v, slots.astype(mx.int32), lengths.astype(mx.int32), _scales[scale],
+                _scales[scale] if after is None else after],
         template=[("T", q.dtype), *constants.items()],
         grid=(blocks * constants["NW"] * 32, 1, 1),
         threadgroup=(constants["NW"] * 32, 1, 1),

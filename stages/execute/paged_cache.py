@@ -220,13 +220,16 @@ class PagedLayerCache:
                 raise RuntimeError(f"layer {self.layer} would read position {lo}, before the row's first "
                                    f"held block (position {lay.span_from})")
             return pool_k[None, :, base + lo : base + end], pool_v[None, :, base + lo : base + end]
-        if T == 1 and self._kernel_reads(D, keys.dtype) and lay.write_slots is not None:
+        read = lay.read_slots
+        if (paged_attention.WRITE_IN_PLACE and T == 1 and self._kernel_reads(D, keys.dtype)
+                and lay.write_slots is not None):
             # a decode step the paged kernel reads back: one kernel writes both in place
-            # (paged_attention.write); what reads the pool in this step reads it through
-            # arrays that depend on the write (the pool keeps its own, unchanged arrays)
+            # (paged_attention.write), the attention kernel takes its marker (`after`); the
+            # gathers below, for a call that falls back to them (attention sinks, a layer
+            # whose SDPA is not routed), take it through their slots
             done = paged_attention.write(keys, values, pool_k, pool_v, lay.write_slots)
-            pool_k, pool_v = mx.depends([pool_k, pool_v], [done])
-            self.written_in_place(pool_k, pool_v)
+            self.written_in_place(after=done)
+            read = read + (done[:1] * 0).astype(read.dtype)
         else:
             pool_k, pool_v = self._scatter(keys, values)
             if lay.read_slots is None:  # fresh prompts: nothing earlier to read back
@@ -235,10 +238,10 @@ class PagedLayerCache:
                 # the routed SDPA reads the pool itself (paged_decode); the gathers below
                 # stay lazy and unused, so MLX never computes them, unless a call falls
                 # back to them (attention sinks, a layer whose SDPA is not routed)
-                self.written_in_place(pool_k, pool_v)
+                self.written_in_place()
         # [H, B, L, D] -> [B, H, L, D]: each (row, head) stays one contiguous L x D matrix
-        k = pool_k[:, lay.read_slots]
-        v = pool_v[:, lay.read_slots]
+        k = pool_k[:, read]
+        v = pool_v[:, read]
         self.head_major = True
         return k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3)
 
@@ -278,23 +281,22 @@ class PagedLayerCache:
         kv_heads = pool_k.shape[0]
         return pool_k.dtype == dtype and paged_attention.supports(head_dim, heads or kv_heads, kv_heads)
 
-    def written_in_place(self, pool_k: mx.array | None = None, pool_v: mx.array | None = None) -> None:
+    def written_in_place(self, after: mx.array | None = None) -> None:
         """This decode step's keys and values are in the pool: the routed SDPA reads them
-        from there (paged_decode), through `pool_k` and `pool_v` where given (arrays that
-        depend on the write), else the pool's own."""
+        from there (paged_decode), its kernel after `after` (paged_attention.write's
+        marker) where given."""
         offsets = self.layout.offsets
         lengths = offsets + 1 if isinstance(offsets, mx.array) else mx.array([offsets + 1], dtype=mx.int32)
-        pool_k = self.pool.keys[self.layer] if pool_k is None else pool_k
-        pool_v = self.pool.values[self.layer] if pool_v is None else pool_v
-        self._paged_inputs = (pool_k, pool_v, self.layout.read_slots, lengths)
+        self._paged_inputs = (self.pool.keys[self.layer], self.pool.values[self.layer], self.layout.read_slots,
+                              lengths, after)
 
     def paged_decode(self, q: mx.array, scale: float) -> mx.array | None:
         """This layer's decode attention straight from the pool, or None when this step
         is not one it takes (prefill, a windowed layer, one row through slices)."""
         if self._paged_inputs is None or q.shape[2] != 1:
             return None
-        pool_k, pool_v, slots, lengths = self._paged_inputs
-        return paged_attention.decode(q, pool_k, pool_v, slots, lengths, scale, self.paged == "kernel")
+        pool_k, pool_v, slots, lengths, after = self._paged_inputs
+        return paged_attention.decode(q, pool_k, pool_v, slots, lengths, scale, self.paged == "kernel", after)
 
     def attention(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
         """SDPA for MLX's CPU backend (see cpu_kernels): grouped query heads share their
