@@ -76,10 +76,12 @@ Variants:
                or 300 (100 on an H200): CUDA graphs of fewer or more kernels
   engine-paged-blocks-ops  engine-paged-blocks with steps of 5-64 rows through the fused
                block's MLX ops instead of the family's code (execute.fuse_blocks_ops_rows=64)
-  engine-paged-blocks-scatter, engine-paged-scatter  engine-paged-blocks and engine-paged
-               with the keys and values written into the pool by the cache's two scatters
-               per layer, as before session 16, not in place by the q/k/v kernel or one
-               write kernel (PagedLayerCache._kernel_reads off)
+  engine-paged-blocks-scatter  engine-paged-blocks with the keys and values written into
+               the pool by the cache's two scatters per layer, as before session 16, not in
+               place by the q/k/v kernel (PagedLayerCache._kernel_reads off)
+  engine-paged-write  engine-paged with steps the blocks do not take (more than 4 rows)
+               writing the pool through one in-place kernel instead of two scatters per
+               layer (paged_attention.WRITE_IN_PLACE = 1; off by default)
   engine-paged-q-blocks-ops  engine-paged-q with every step of up to 64 rows through the
                fused block's MLX ops (4-bit blocks: execute.fuse_blocks_ops_rows=64)
   engine-paged-dmma  engine-paged with plain bf16 layers' steps of 5-64 rows through
@@ -144,7 +146,7 @@ VARIANTS = {
     "engine-paged-dmma": ({}, ["fused", "engine", "paged", "traced", "dmma"]),
     "engine-paged-blocks-ops": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-ops"]),
     "engine-paged-blocks-scatter": ({}, ["fused", "engine", "paged", "traced", "blocks", "pool-scatter"]),
-    "engine-paged-scatter": ({}, ["fused", "engine", "paged", "traced", "pool-scatter"]),
+    "engine-paged-write": ({}, ["fused", "engine", "paged", "traced", "pool-write=1"]),
     "engine-paged-q-blocks-ops": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
                                        "qmma", "wide", "mma-wide", "blocks", "blocks-ops"]),
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
@@ -165,7 +167,8 @@ SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("p
             "split-min": ("paged_attention", "SPLIT_MIN_POSITIONS"),
             "in-flight": ("paged_attention", "POSITIONS_IN_FLIGHT"),
             "blocks-unroll": ("block_gemv", "UNROLL"), "blocks-target": ("block_gemv", "TARGET_BLOCKS"),
-            "blocks-norm": ("blocks", "KERNEL_NORM"), "blocks-rope": ("blocks", "KERNEL_ROPE")}
+            "blocks-norm": ("blocks", "KERNEL_NORM"), "blocks-rope": ("blocks", "KERNEL_ROPE"),
+            "pool-write": ("paged_attention", "WRITE_IN_PLACE")}
 
 
 def compile_mlp_halves(model) -> int:
