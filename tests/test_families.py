@@ -77,7 +77,7 @@ VARIANTS["gemv"] = {**VARIANTS["paged"], "quantized_gemv": "always", "dequantize
 VARIANTS["norms"] = {**VARIANTS["paged"], "fuse_norms": "always"}
 NORM_FAMILIES = ("llama", "qwen3", "llama-4bit", "llama-8bit")
 # a block's decode steps as four GEMV kernels (stages/execute/blocks.py): llama's
-# unquantized blocks among these families; the others run as they are
+# blocks among these families; the others run as they are
 VARIANTS["blocks"] = {**VARIANTS["paged"], "fuse_blocks": "always"}
 # and steps of more rows than its kernels take through MLX's ops (fuse_blocks_ops_rows)
 VARIANTS["blocks-ops"] = {**VARIANTS["blocks"], "fuse_blocks_ops_rows": 64}

@@ -364,13 +364,14 @@ def decode(q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, len
         return reference(q, pool_k, pool_v, slots, lengths, scale)
     P = partitions(B, Hk, slots.shape[1]) if uses_group_kernel(H, Hk, D) else 1
     name, source, constants, blocks = launch(B, H, Hk, D, P)
-    kernel = cuda_kernel(f"unikern_paged_decode_{name}",
-                         ("q", "k_pool", "v_pool", "slots", "lengths", "scale", "after"), source)
+    # `after` only where given: the kernel built as ever otherwise (the signature is in its name)
+    names = ("q", "k_pool", "v_pool", "slots", "lengths", "scale") + (("after",) if after is not None else ())
+    kernel = cuda_kernel(f"unikern_paged_decode_{name}", names, source)
     if scale not in _scales:
         _scales[scale] = mx.array([scale], dtype=mx.float32)
     (out,) = kernel(
         inputs=[q, pool_k, pool_v, slots.astype(mx.int32), lengths.astype(mx.int32), _scales[scale],
-                _scales[scale] if after is None else after],
+                *([after] if after is not None else [])],
         template=[("T", q.dtype), *constants.items()],
         grid=(blocks * constants["NW"] * 32, 1, 1),
         threadgroup=(constants["NW"] * 32, 1, 1),
