@@ -22,6 +22,7 @@ import numpy as np
 _STD_HEADER = "emulation_std.h"
 _STD_INCLUDES = """
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstddef>
@@ -62,6 +63,9 @@ static int __shfl_sync(unsigned, int v, int lane) {  // through the float buffer
     float f; std::memcpy(&f, &v, 4); f = exchange_lanes(f, lane); int r; std::memcpy(&r, &f, 4); return r;
 }
 static void __syncthreads() { block_bar->arrive_and_wait(); }
+static void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+static unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
+static unsigned atomicExch(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).exchange(v); }
 static float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 """
 

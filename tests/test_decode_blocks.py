@@ -24,8 +24,9 @@ emulation = pytest.mark.skipif(not cuda_emulation.available(), reason="the emula
 
 
 def run_source(x, w, mode, bias=None, norm=None, res=None, pos=None, freq_pi=None, head_dim=2, rope_pairs=0,
-               trad=False, q_features=0, split=None):
-    """The kernel's source over float32 arrays (ROPE: [q, k, v])."""
+               trad=False, q_features=0, split=None, ss=None, hand_ss=False):
+    """The kernel's source over float32 arrays (ROPE: [q, k, v]; hand_ss: (out, the
+    rows' sums of squares of out))."""
     rows, K = x.shape
     N = w.shape[0]
     nout = N // 2 if mode == block_gemv.SWIGLU else q_features if mode == block_gemv.ROPE else N
@@ -34,15 +35,20 @@ def run_source(x, w, mode, bias=None, norm=None, res=None, pos=None, freq_pi=Non
     inputs = {"x": x, "w": w, "bias": one if bias is None else bias, "norm_w": one if norm is None else norm[0],
               "eps": np.array([norm[1] if norm else 0.0], np.float32), "res": one if res is None else res,
               "pos": np.zeros(1, np.int32) if pos is None else pos, "freq_pi": one if freq_pi is None else freq_pi,
-              "k_pool": one, "v_pool": one.copy(), "slots": np.zeros(1, np.int32)}
+              "k_pool": one, "v_pool": one.copy(), "slots": np.zeros(1, np.int32),
+              "ss": one if ss is None else ss, "counter": np.zeros(1, np.uint32)}
     constants = {"K": K, "N": N, "NOUT": nout, "ROWS": 1 << (rows - 1).bit_length(), "WARPS": block_gemv.WARPS,
                  "SPLIT": split, "U": block_gemv.UNROLL, "NORM": int(norm is not None), "BIAS": int(bias is not None),
-                 "MODE": mode, "HD": head_dim, "ROPE_PAIRS": rope_pairs, "QN": q_features or N, "TRAD": int(trad), "POOL": 0}
+                 "MODE": mode, "HD": head_dim, "ROPE_PAIRS": rope_pairs, "QN": q_features or N, "TRAD": int(trad), "POOL": 0,
+                 "SSI": int(ss is not None), "SSO": int(hand_ss)}
     kv = (N - q_features) // 2
-    outputs = {"out": (rows, nout), "out_k": (rows, kv) if kv else (1,), "out_v": (rows, kv) if kv else (1,)}
     grid = -(-(N // 2) // (block_gemv.WARPS // split))
+    outputs = {"out": (rows, nout), "out_k": (rows, kv) if kv else (1,), "out_v": (rows, kv) if kv else (1,),
+               "out_ss": (rows,) if hand_ss else (1,), "out_part": (rows, grid) if hand_ss else (1,)}
     got = cuda_emulation.run_kernel(block_gemv._SOURCE, inputs, constants, grid, block_gemv.WARPS * 32, (rows, nout),
                                     cuda_emulation.UNPACK_HEADER, outputs)
+    if hand_ss:
+        return got["out"], got["out_ss"]
     return [got["out"], got["out_k"], got["out_v"]] if mode == block_gemv.ROPE else got["out"]
 
 
@@ -66,6 +72,26 @@ def rotate(y, pos, inv_freq, head_dim, heads, trad):
             else:
                 head[: head_dim // 2], head[head_dim // 2 :] = lo, hi
     return y
+
+
+@emulation
+@pytest.mark.parametrize("rows, split, N", [(3, None, 48), (1, 1, 48), (2, None, 520)])
+def test_the_residual_kernel_hands_its_rows_sums_of_squares_to_the_next_norm(rows, split, N):
+    """RESIDUAL with hand_ss: the output and each row's sum of its squares (every block's
+    share, added by the last block done; 520 features: 65 blocks, more than a warp's 32
+    lanes); the next kernel's norm from those sums gives the norm of the output."""
+    rng = np.random.default_rng(rows + N)
+    K = 1040
+    x = rng.standard_normal((rows, K)).astype(np.float32)
+    w = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)
+    res = rng.standard_normal((rows, N)).astype(np.float32)
+    out, ss = run_source(x, w, block_gemv.RESIDUAL, res=res, split=split, hand_ss=True)
+    np.testing.assert_allclose(out, x @ w.T + res, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(ss, (out * out).sum(axis=-1), rtol=1e-5)
+    nw = rng.standard_normal(N).astype(np.float32)
+    w2 = (rng.standard_normal((48, N)) / np.sqrt(N)).astype(np.float32)
+    got = run_source(out, w2, block_gemv.PLAIN, norm=(nw, 1e-5), ss=ss)
+    np.testing.assert_allclose(got, rms_norm(out, nw, 1e-5) @ w2.T, rtol=1e-4, atol=1e-4)
 
 
 @emulation
@@ -214,11 +240,13 @@ def test_quantized_blocks_take_mlx_ops():
 
 @emulation
 @pytest.mark.parametrize("family, kernel_norm, kernel_rope", [("llama", 1, 1), ("qwen2", 1, 1), ("llama", 0, 1),
-                                                               ("llama", 1, 0)])
+                                                               ("llama", 1, 0), ("llama", 2, 1), ("qwen2", 2, 1)])
 def test_fused_blocks_through_the_kernels_give_the_familys_logits(family, kernel_norm, kernel_rope, monkeypatch):
     """The four kernel launches of a block as a CUDA machine runs them, in the emulation:
     the decode steps' logits as the family's own block gives them (float32). With
-    KERNEL_NORM or KERNEL_ROPE off, MLX's norm or RoPE runs around a plain GEMV."""
+    KERNEL_NORM or KERNEL_ROPE off, MLX's norm or RoPE runs around a plain GEMV; with
+    KERNEL_NORM 2 the residual kernels hand the rows' sums of squares to the next norm
+    (the first block's input norm stays MLX's)."""
     launched, calls = [], []
     monkeypatch.setattr(block_gemv, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched,
                                                                                      cuda_emulation.UNPACK_HEADER))
@@ -226,7 +254,7 @@ def test_fused_blocks_through_the_kernels_give_the_familys_logits(family, kernel
     monkeypatch.setattr(blocks, "KERNEL_ROPE", kernel_rope)
 
     def recorded(x, w, mode, **kw):
-        calls.append((mode, kw.get("norm") is not None))
+        calls.append((mode, kw.get("norm") is not None, kw.get("ss") is not None, kw.get("hand_ss") is not None))
         return block_gemv.gemv(x, w, mode, **kw)
 
     monkeypatch.setattr(blocks, "gemv", recorded)
@@ -237,9 +265,15 @@ def test_fused_blocks_through_the_kernels_give_the_familys_logits(family, kernel
     got = decode_logits(model, [5, 9, 11, 40], 2)
     assert launched.count("unikern_block_gemv") == 4 * 2 * 2
     qkv_mode = block_gemv.ROPE if kernel_rope else block_gemv.PLAIN
-    per_block = [(qkv_mode, bool(kernel_norm)), (block_gemv.RESIDUAL, False), (block_gemv.SWIGLU, bool(kernel_norm)),
-                 (block_gemv.RESIDUAL, False)]
-    assert calls == per_block * 2 * 2
+
+    def expected(i):  # block i's four launches: (mode, norm, handed sums, hands sums on)
+        handed = kernel_norm == 2
+        return [(qkv_mode, kernel_norm == 1 or handed and i > 0, handed and i > 0, False),
+                (block_gemv.RESIDUAL, False, False, handed),
+                (block_gemv.SWIGLU, kernel_norm > 0, handed, False),
+                (block_gemv.RESIDUAL, False, False, handed and i == 0)]  # (the last block hands nothing on)
+
+    assert calls == (expected(0) + expected(1)) * 2
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
@@ -370,7 +404,7 @@ def test_decode_steps_write_the_pool_in_place_on_cuda(fused, monkeypatch):
 
 @cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("kernel_norm, kernel_rope", [(1, 1), (0, 1), (0, 0)])
+@pytest.mark.parametrize("kernel_norm, kernel_rope", [(1, 1), (0, 1), (0, 0), (2, 1)])
 def test_fused_blocks_on_cuda_give_the_familys_logits(dtype, kernel_norm, kernel_rope, monkeypatch):
     monkeypatch.setattr(blocks, "KERNEL_NORM", kernel_norm)
     monkeypatch.setattr(blocks, "KERNEL_ROPE", kernel_rope)

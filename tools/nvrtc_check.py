@@ -177,6 +177,11 @@ def record_launches() -> list[Build]:
                     block_gemv.gemv(x, mx.zeros((2 * inter, hidden), dtype=dtype), block_gemv.SWIGLU, norm=norm)
                     block_gemv.gemv(mx.zeros((rows, inter), dtype=dtype), mx.zeros((hidden, inter), dtype=dtype),
                                 block_gemv.RESIDUAL, res=x)
+                    # KERNEL_NORM 2: the residual kernel hands the sums of squares, the next takes them
+                    counter, ss = mx.zeros((1,), dtype=mx.uint32), mx.zeros((rows,), dtype=mx.float32)
+                    block_gemv.gemv(mx.zeros((rows, inter), dtype=dtype), mx.zeros((hidden, inter), dtype=dtype),
+                                block_gemv.RESIDUAL, res=x, hand_ss=counter)
+                    block_gemv.gemv(x, mx.zeros((2 * inter, hidden), dtype=dtype), block_gemv.SWIGLU, norm=norm, ss=ss)
         w, scales, biases = mx.quantize(mx.zeros((64, 4096), dtype=mx.bfloat16), group_size=64, bits=4)
         for wide in (True, False):  # the defaults, then session 8's 4-byte loads and narrow blocks
             quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = wide, "wide" if wide else "narrow"

@@ -70,6 +70,8 @@ Variants:
                default since session 13, so -mlxnorm is engine-paged-blocks)
   engine-paged-blocks-kernelnorm  engine-paged-blocks with the norms inside the GEMV
                kernels (blocks.KERNEL_NORM = 1: the default before session 13)
+  engine-paged-blocks-handnorm  engine-paged-blocks with the norms inside the GEMV kernels
+               from the sums of squares the residual kernels hand over (KERNEL_NORM = 2)
   engine-paged-nographs, engine-paged-blocks-nographs, engine-paged-q-nographs  those
                with MLX_USE_CUDA_GRAPHS=0 (each kernel launched as MLX encodes it)
   engine-paged-ops50, engine-paged-ops300  engine-paged with MLX_MAX_OPS_PER_BUFFER at 50
@@ -143,6 +145,7 @@ VARIANTS = {
     "engine-paged-blocks-mlxboth": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-norm=0",
                                          "blocks-rope=0"]),
     "engine-paged-blocks-kernelnorm": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-norm=1"]),
+    "engine-paged-blocks-handnorm": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-norm=2"]),
     "engine-paged-dmma": ({}, ["fused", "engine", "paged", "traced", "dmma"]),
     "engine-paged-blocks-ops": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-ops"]),
     "engine-paged-blocks-scatter": ({}, ["fused", "engine", "paged", "traced", "blocks", "pool-scatter"]),

@@ -103,7 +103,9 @@ _SOURCE = """
     #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         float s = 0.f;
-        if (NORM && live && r < rows) {
+        if (NORM && SSI && r < rows) {
+            s = ss[r];  // handed over by the kernel that wrote x (SSO)
+        } else if (NORM && live && r < rows) {
             const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)r * K);
             #pragma unroll 8
             for (int c = lane; c < C; c += 32) {
@@ -173,14 +175,18 @@ _SOURCE = """
                 sums[warp][2 * r + 1] = acc1[r];
             }
         __syncthreads();
-        if (warp % SPLIT != 0) return;
-        for (int r = 0; r < ROWS; ++r)
-            for (int q = 1; q < SPLIT; ++q) {
-                acc0[r] += sums[warp + q][2 * r];
-                acc1[r] += sums[warp + q][2 * r + 1];
-            }
+        if (warp % SPLIT == 0)
+            for (int r = 0; r < ROWS; ++r)
+                for (int q = 1; q < SPLIT; ++q) {
+                    acc0[r] += sums[warp + q][2 * r];
+                    acc1[r] += sums[warp + q][2 * r + 1];
+                }
     }
-    if (!live || lane != 0) return;
+    // (no return before SSO's barriers below: every thread reaches them)
+    const bool writer = live && lane == 0 && warp % SPLIT == 0;
+    float sq[ROWS];  // SSO: this pair's outputs squared, per row
+    for (int r = 0; r < ROWS; ++r) sq[r] = 0.f;
+    if (writer) {
     T* dst = out;  // and the columns and width of the output the pair belongs to
     int c0 = f0, c1 = f1, width = NOUT;
     bool pooled = false;
@@ -208,8 +214,12 @@ _SOURCE = """
         T* o = pooled ? dst + (size_t)(c0 / HD) * (k_pool_shape[1] - 1) * HD + (size_t)slots[r] * HD
                       : dst + (size_t)r * width;
         if (MODE == 1) {
-            o[c0] = static_cast<T>(y0 + static_cast<float>(res[(size_t)r * NOUT + f0]));
-            o[c1] = static_cast<T>(y1 + static_cast<float>(res[(size_t)r * NOUT + f1]));
+            const T v0 = static_cast<T>(y0 + static_cast<float>(res[(size_t)r * NOUT + f0]));
+            const T v1 = static_cast<T>(y1 + static_cast<float>(res[(size_t)r * NOUT + f1]));
+            o[c0] = v0;
+            o[c1] = v1;
+            const float a0 = static_cast<float>(v0), a1 = static_cast<float>(v1);
+            sq[r] += a0 * a0 + a1 * a1;
         } else if (MODE == 2 && p < ROPE_PAIRS) {
             float s, c;  // the angle in units of pi: an exact range reduction, no slow path
             sincospif(static_cast<float>(pos[r]) * freq_pi[p % (HD / 2)], &s, &c);
@@ -224,8 +234,39 @@ _SOURCE = """
             o[c1] = static_cast<T>(y1);
         }
     }
+    }
+    if (SSO) {  // each row's sum of squares of this kernel's outputs, for the next RMS norm
+        __shared__ float blk[WARPS][ROWS];
+        __shared__ int last;
+        if (lane == 0)
+            for (int r = 0; r < ROWS; ++r) blk[warp][r] = writer ? sq[r] : 0.f;
+        __syncthreads();
+        if (threadIdx.x == 0) {  // the block's share, then whether it is the last block done
+            for (int r = 0; r < rows; ++r) {
+                float t = 0.f;
+                for (int w = 0; w < WARPS; ++w) t += blk[w][r];
+                out_part[(size_t)r * gridDim.x + blockIdx.x] = t;
+            }
+            __threadfence();
+            last = atomicAdd(const_cast<unsigned*>(counter), 1u) == gridDim.x - 1;
+        }
+        __syncthreads();
+        if (last && warp == 0) {  // the last block adds every block's share, in a fixed order
+            __threadfence();
+            const volatile float* part = out_part;
+            for (int r = 0; r < rows; ++r) {
+                float t = 0.f;
+                for (int b = lane; b < (int)gridDim.x; b += 32) t += part[(size_t)r * gridDim.x + b];
+                for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffff, t, o);
+                if (lane == 0) out_ss[r] = t;
+            }
+            if (lane == 0) atomicExch(const_cast<unsigned*>(counter), 0u);  // ready for the next launch
+        }
+    }
 """
-_INPUTS = ("x", "w", "bias", "norm_w", "eps", "res", "pos", "freq_pi", "k_pool", "v_pool", "slots")
+_INPUTS = ("x", "w", "bias", "norm_w", "eps", "res", "pos", "freq_pi", "k_pool", "v_pool", "slots", "ss",
+           "counter")
+_OUTPUTS = ("out", "out_k", "out_v", "out_ss", "out_part")
 _placeholders: dict[Any, mx.array] = {}
 
 
@@ -252,7 +293,8 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
          pos: mx.array | None = None, freq_pi: mx.array | None = None, head_dim: int = 0,
          rope_pairs: int = 0, q_features: int = 0, traditional: bool = False,
          out_shape: tuple[int, ...] | None = None,
-         pool: tuple[mx.array, mx.array, mx.array] | None = None) -> mx.array | list[mx.array]:
+         pool: tuple[mx.array, mx.array, mx.array] | None = None, ss: mx.array | None = None,
+         hand_ss: mx.array | None = None) -> mx.array | list[mx.array] | tuple[mx.array, mx.array]:
     """The kernel over x [rows, K] and w [N, K] (see _SOURCE): its output, or for ROPE
     [q, k, v] (q_features of q, the rest halved between k and v). norm: (weight, eps as
     a float32 [1] array); freq_pi: RoPE's inverse frequencies over pi. x may be any
@@ -266,7 +308,13 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
     arrays must be the pool's own contiguous ones (the kernel writes into their buffers;
     MLX would copy a strided input and the write would go to the copy), and whatever
     reads them back must depend on q (the paged attention kernel takes q) so MLX orders
-    it after this kernel."""
+    it after this kernel.
+    hand_ss (RESIDUAL): a uint32 [1] counter, zero, kept for this call site (the kernel
+    leaves it zero): returns (out, ss), ss the rows' sums of squares of the outputs as
+    rounded (float32 [rows], added in a fixed order, so the same every run), for the next
+    kernel's norm. ss (with norm): those sums, so the kernel does not add the row's
+    squares itself: the RMS norm of x with no kernel of its own and no warp reading the
+    whole row first (execute.fuse_blocks' KERNEL_NORM = 2)."""
     rows, K = x.shape[0], w.shape[1]
     if x.size != rows * K:
         raise ValueError(f"the block kernel's input must hold {rows} rows of {K}, not shape {x.shape}")
@@ -279,12 +327,18 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
     template = [("T", x.dtype), ("K", K), ("N", N), ("NOUT", nout), ("ROWS", 1 << (rows - 1).bit_length()),
                 ("WARPS", WARPS), ("SPLIT", split), ("U", UNROLL), ("NORM", int(norm is not None)),
                 ("BIAS", int(bias is not None)), ("MODE", mode), ("HD", head_dim or 2), ("ROPE_PAIRS", rope_pairs),
-                ("QN", q_features if mode == ROPE else N), ("TRAD", int(traditional)), ("POOL", int(pool is not None))]
+                ("QN", q_features if mode == ROPE else N), ("TRAD", int(traditional)), ("POOL", int(pool is not None)),
+                ("SSI", int(ss is not None)), ("SSO", int(hand_ss is not None))]
     inputs = [x, w, bias if bias is not None else _placeholder(x.dtype),
               norm[0] if norm else _placeholder(x.dtype), norm[1] if norm else f32,
               res if res is not None else _placeholder(x.dtype),
               pos if pos is not None else _placeholder(mx.int32), freq_pi if freq_pi is not None else f32,
-              *(pool if pool is not None else (_placeholder(x.dtype), _placeholder(x.dtype), _placeholder(mx.int32)))]
+              *(pool if pool is not None else (_placeholder(x.dtype), _placeholder(x.dtype), _placeholder(mx.int32))),
+              ss if ss is not None else f32, hand_ss if hand_ss is not None else _placeholder(mx.uint32)]
+    if (ss is not None and norm is None) or (hand_ss is not None and mode != RESIDUAL):
+        raise ValueError("the block kernel takes handed sums of squares with a norm, and hands them from RESIDUAL "
+                         f"steps (mode {mode}, norm {norm is not None}, ss {ss is not None}, hand_ss "
+                         f"{hand_ss is not None})")
     if pool is not None and (mode != ROPE or pool[0].dtype != x.dtype or pool[0].shape[-1] != head_dim):
         raise ValueError(f"the block kernel writes the pool from ROPE steps of its dtype and head_dim only: mode "
                          f"{mode}, pool {pool[0].dtype} {pool[0].shape}, input {x.dtype}, head_dim {head_dim}")
@@ -293,7 +347,11 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
         shapes = [(rows, nout // head_dim, 1, head_dim)] + [(1,) if pool else (rows, kv // head_dim, 1, head_dim)] * 2
     else:
         shapes = [out_shape or (rows, nout), (1,), (1,)]
-    kernel = cuda_kernel("unikern_block_gemv", _INPUTS, _SOURCE, _HEADER, ("out", "out_k", "out_v"))
-    outs = kernel(inputs=inputs, template=template, grid=(-(-(N // 2) // (WARPS // split)) * WARPS * 32, 1, 1),
-                  threadgroup=(WARPS * 32, 1, 1), output_shapes=shapes, output_dtypes=[x.dtype] * 3)
-    return list(outs) if mode == ROPE else outs[0]
+    blocks = -(-(N // 2) // (WARPS // split))
+    shapes += [(rows,), (rows, blocks)] if hand_ss is not None else [(1,), (1,)]
+    kernel = cuda_kernel("unikern_block_gemv", _INPUTS, _SOURCE, _HEADER, _OUTPUTS)
+    outs = kernel(inputs=inputs, template=template, grid=(blocks * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+                  output_shapes=shapes, output_dtypes=[x.dtype] * 3 + [mx.float32] * 2)
+    if hand_ss is not None:
+        return outs[0], outs[3]
+    return list(outs[:3]) if mode == ROPE else outs[0]

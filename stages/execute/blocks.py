@@ -89,7 +89,12 @@ BLOCKS = {
 # 344), 1.089 with MLX's norms (166 kernels: gate/up 305 us, q/k/v with RoPE 138), 1.091
 # with MLX's norms and RoPE (194 kernels), against MLX's own path's 1.182 (242 kernels).
 # Each warp summing the row's squares itself and normalizing as it multiplies costs the
-# GEMV more than MLX's norm kernel does (2.2 us per call).
+# GEMV more than MLX's norm kernel does (2.2 us per call). 2: the norms in the GEMVs, the
+# rows' sums of squares handed over by the residual kernels that wrote the rows
+# (block_gemv's hand_ss: every block adds its share, the last block done adds those up),
+# so no warp reads the whole row first and 30 of a 1B token's 33 norm kernels go (the
+# first block's input norm and the model's last norm stay MLX's); not yet measured on a
+# GPU, so not the default.
 KERNEL_NORM = 0
 KERNEL_ROPE = 1
 
@@ -128,6 +133,12 @@ class BlockPlan:
     # the four projections' weights transposed once, evaluated (views of the weights: no
     # copy), so a step's matmuls add no transpose node of their own (keyed by projection)
     transposed: dict | None = None
+    # KERNEL_NORM 2: the next fused block's plan (None for the last), the (rows, sums of
+    # squares) this block's output handed it in the forward being built, and this block's
+    # two counters for the residual kernels' last-block-done (uint32 [1], left at zero)
+    next: Any = None
+    handed: tuple[mx.array, mx.array] | None = None
+    counters: tuple[mx.array, mx.array] | None = None
     steps: int = 0  # fused steps built (a traced step counts once)
     ops_steps: int = 0  # of those, the steps ops_rows added (more than MAX_ROWS rows)
     pool_steps: int = 0  # of those, the steps whose q/k/v kernel wrote k and v into the pool
@@ -154,6 +165,7 @@ class FusedDecodeBlock:
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         plan: BlockPlan = self.__dict__["_block_plan"]
+        handed, plan.handed = plan.handed, None  # (only for the very rows it was handed with)
         B, L, width = x.shape
         if L != 1 or B > plan.max_rows or x.dtype != self.input_layernorm["weight"].dtype:
             return super().__call__(x, mask, cache)
@@ -172,7 +184,8 @@ class FusedDecodeBlock:
         target = None
         if kernel and KERNEL_ROPE and hasattr(cache, "pool_target"):
             target = cache.pool_target(H, D, x.dtype)
-        q, k, v = self._qkv(plan, rows, offset, kernel, target)
+        ss = handed[1] if kernel and handed is not None and handed[0] is x else None
+        q, k, v = self._qkv(plan, rows, offset, kernel, target, ss)
         if target is not None:
             plan.pool_steps += 1
             cache.written_in_place()
@@ -182,10 +195,18 @@ class FusedDecodeBlock:
         o = sdpa(q, k, v, cache=cache, scale=plan.scale, mask=mask)
         o_proj, gate_up, down = attn.o_proj, mlp.fused_gate_proj, mlp.down_proj
         if kernel:
-            h = gemv(o, o_proj["weight"], RESIDUAL, bias=o_proj.get("bias"), res=rows)
-            x2, norm = self._norm_input(self.post_attention_layernorm, h, plan.eps[1])
-            a = gemv(x2, gate_up["weight"], SWIGLU, bias=gate_up.get("bias"), norm=norm)
-            out = gemv(a, down["weight"], RESIDUAL, bias=down.get("bias"), res=h, out_shape=(B, 1, width))
+            h = gemv(o, o_proj["weight"], RESIDUAL, bias=o_proj.get("bias"), res=rows,
+                     hand_ss=plan.counters[0] if KERNEL_NORM == 2 else None)
+            h, ss = h if KERNEL_NORM == 2 else (h, None)
+            x2, norm = self._norm_input(self.post_attention_layernorm, h, plan.eps[1], ss)
+            a = gemv(x2, gate_up["weight"], SWIGLU, bias=gate_up.get("bias"), norm=norm, ss=ss)
+            hand = KERNEL_NORM == 2 and plan.next is not None
+            out = gemv(a, down["weight"], RESIDUAL, bias=down.get("bias"), res=h, out_shape=(B, 1, width),
+                       hand_ss=plan.counters[1] if hand else None)
+            if hand:
+                plan.next.handed = out  # (the next block's rows, their sums of squares)
+                out = out[0]
+            return out  # [B, 1, width] already: the very array the next block is handed
         else:
             o = o.reshape(B, H * D)
             h = rows + _linear(o_proj, o, plan)
@@ -195,7 +216,7 @@ class FusedDecodeBlock:
         return out.reshape(B, 1, width)
 
     def _qkv(self, plan: BlockPlan, rows: mx.array, offset: Any, kernel: bool,
-             pool: tuple[mx.array, mx.array, mx.array] | None = None) -> list[mx.array]:
+             pool: tuple[mx.array, mx.array, mx.array] | None = None, ss: mx.array | None = None) -> list[mx.array]:
         """q [B, H, 1, D] and k [B, Hk, 1, D] rotated for their positions, v [B, Hk, 1, D]
         (with `pool`, k and v written into the pool by the kernel: placeholders here). One
         token per row: [B, 1, H, D] transposed to [B, H, 1, D] is a reshape."""
@@ -203,14 +224,14 @@ class FusedDecodeBlock:
         H, Hk, D = plan.heads, plan.kv_heads, plan.head_dim
         fused = self.self_attn.fused_q_proj
         if kernel:
-            x, norm = self._norm_input(self.input_layernorm, rows, plan.eps[0])
+            x, norm = self._norm_input(self.input_layernorm, rows, plan.eps[0], ss)
             if KERNEL_ROPE:
                 pos = offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
                 pos = mx.broadcast_to(pos.astype(mx.int32), (B,))
                 return gemv(x, fused["weight"], ROPE, bias=fused.get("bias"), norm=norm, pos=pos,
                             freq_pi=plan.freq_pi, head_dim=D, rope_pairs=(H + Hk) * D // 2, q_features=H * D,
-                            traditional=plan.traditional, pool=pool)
-            y = gemv(x, fused["weight"], PLAIN, bias=fused.get("bias"), norm=norm)
+                            traditional=plan.traditional, pool=pool, ss=ss)
+            y = gemv(x, fused["weight"], PLAIN, bias=fused.get("bias"), norm=norm, ss=ss)
         else:
             y = _linear(fused, self.input_layernorm(rows), plan)
         # q's and k's heads side by side through one RoPE (each head rotates alone, so
@@ -220,10 +241,13 @@ class FusedDecodeBlock:
         return [qk[:, :H], qk[:, H:], y[:, (H + Hk) * D :].reshape(B, Hk, 1, D)]
 
     @staticmethod
-    def _norm_input(norm: nn.RMSNorm, x: mx.array, eps: mx.array) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
-        """A kernel's input and its `norm` argument: the norm in the kernel (KERNEL_NORM),
-        or MLX's RMS norm kernel before it."""
-        return (x, (norm["weight"], eps)) if KERNEL_NORM else (norm(x), None)
+    def _norm_input(norm: nn.RMSNorm, x: mx.array, eps: mx.array,
+                    ss: mx.array | None = None) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
+        """A kernel's input and its `norm` argument: the norm in the kernel (KERNEL_NORM
+        1, or 2 with the rows' sums of squares `ss` handed over), or MLX's RMS norm kernel
+        before it."""
+        inside = KERNEL_NORM == 1 or (KERNEL_NORM == 2 and ss is not None)
+        return (x, (norm["weight"], eps)) if inside else (norm(x), None)
 
 
 _CLASSES: dict[type, type] = {}
@@ -284,6 +308,10 @@ def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int
     plans = [_plan(block, use_kernel, ops_rows) for block in layers]
     if not layers or any(p is None for p in plans):
         return 0
+    for plan, after in zip(plans, [*plans[1:], None], strict=True):
+        plan.next = after
+        plan.counters = (mx.zeros((1,), dtype=mx.uint32), mx.zeros((1,), dtype=mx.uint32))
+    mx.eval([c for p in plans for c in p.counters])
     for block, plan in zip(layers, plans, strict=True):
         cls = type(block)
         if not isinstance(block, FusedDecodeBlock):  # (a fused block again: a new plan only)
