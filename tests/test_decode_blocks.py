@@ -238,6 +238,33 @@ def test_quantized_blocks_take_mlx_ops():
         np.testing.assert_array_equal(a, b)
 
 
+def test_quantized_blocks_add_their_residuals_inside_the_gemv_when_asked(monkeypatch):
+    """4-bit blocks with unikern's GEMV routing and quantized.GEMV_RESIDUAL: the o and down
+    projections' residual adds go inside the GEMV (a stand-in with MLX's kernel here),
+    the family's logits bit for bit."""
+    from unikern.stages.execute import quantized
+
+    model = tiny("llama")
+    nn.quantize(model, group_size=32, bits=4)
+    want = decode_logits(model, [5, 9, 11], 3)
+    fuse_projections(model, quantized=True)
+    quantized.route_quantized_layers(model, 8, gemv=True)
+    calls = []
+
+    def fake(x, w, s, b, gs, res=None):
+        calls.append(res is not None)
+        y = mx.quantized_matmul(x, w, scales=s, biases=b, transpose=True, group_size=gs, bits=4)
+        return y if res is None else res + y
+
+    monkeypatch.setattr(quantized, "gemv", fake)
+    monkeypatch.setattr(quantized, "GEMV_RESIDUAL", True)
+    assert blocks.fuse_decode_blocks(model, use_kernel=True) == 2
+    got = decode_logits(model, [5, 9, 11], 3)
+    assert calls.count(True) == 2 * 2 * 3  # two adds per block and step (the prompt's forward: not a block step)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @emulation
 @pytest.mark.parametrize("family, kernel_norm, kernel_rope", [("llama", 1, 1), ("qwen2", 1, 1), ("llama", 0, 1),
                                                                ("llama", 1, 0), ("llama", 2, 1), ("qwen2", 2, 1)])

@@ -85,12 +85,15 @@ def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, 
     w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=4)
     x = mx.random.normal((rows, k))
     constants, blocks = quantized.gemv_launch(rows, n, k, group_size)
-    inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases)}
+    res = mx.random.normal((rows, n))
+    inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases),
+              "res": np.array(res)}
     assert constants["MT"] == {1: 1, 2: 2, 3: 4, 8: 8, 21: 16}[rows] and constants["GEMV_WPL"] == (4 if wide else 1)
-    got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, constants, blocks,
-                                    quantized.GEMV_WARPS * 32, (rows, n))
     want = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
-    np.testing.assert_allclose(got, np.array(want), rtol=1e-4, atol=1e-4)
+    for with_res in (0, 1):  # and the residual added inside (RES: blocks.py's 4-bit blocks)
+        got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, {**constants, "RES": with_res}, blocks,
+                                        quantized.GEMV_WARPS * 32, (rows, n))
+        np.testing.assert_allclose(got, np.array(want + res if with_res else want), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
@@ -141,6 +144,30 @@ def test_few_rows_of_4bit_layers_take_the_gemv_when_asked(monkeypatch):
     eight_bit(x_few)  # the kernel takes 4-bit weights only
     assert len(calls) == 2
     assert route_quantized_layers(quantized_model(4), None, gemv=True) == 2  # the GEMV alone
+
+
+def test_plus_adds_the_residual_inside_the_gemv_when_asked(monkeypatch):
+    """A routed 4-bit layer's `plus(x, res)` (blocks.py's 4-bit blocks): res + layer(x),
+    through the GEMV with `res` under GEMV_RESIDUAL, the add after it otherwise; the same
+    values either way."""
+    layer = quantized_model(4).layers[1]  # (no bias)
+    x, res = mx.random.normal((2, 256)), mx.random.normal((2, 64))
+    many, res_many = mx.random.normal((9, 256)), mx.random.normal((9, 64))  # 9 rows: dequantized weights
+    want, want_many = res + layer(x), res_many + layer(many)  # MLX's own layer
+    route_quantized_layers(layer, 8, gemv=True)
+    calls = []
+
+    def fake(x, w, s, b, gs, res=None):
+        calls.append(res is not None)
+        y = mx.quantized_matmul(x, w, scales=s, biases=b, transpose=True, group_size=gs, bits=4)
+        return y if res is None else res + y
+
+    monkeypatch.setattr(quantized, "gemv", fake)
+    assert mx.array_equal(layer.plus(x, res), want) and calls == [False]  # off: the add after
+    monkeypatch.setattr(quantized, "GEMV_RESIDUAL", True)
+    assert mx.array_equal(layer.plus(x, res), want) and calls == [False, True]
+    np.testing.assert_allclose(np.array(layer.plus(many, res_many)), np.array(want_many), rtol=1e-5, atol=1e-5)
+    assert calls == [False, True]
 
 
 def test_steps_above_the_gemvs_rows_take_the_tensor_core_kernel_when_asked(monkeypatch):

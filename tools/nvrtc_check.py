@@ -189,6 +189,7 @@ def record_launches() -> list[Build]:
             for rows in (1, 9, 64):
                 x = mx.zeros((rows, 4096), dtype=mx.bfloat16)
                 quantized.gemv(x, w, scales, biases, 64)
+                quantized.gemv(x, w, scales, biases, 64, res=mx.zeros((rows, 64), dtype=mx.bfloat16))
                 for split in (False, True):
                     quantized.mma(x, w, scales, biases, 64, split=split)
     finally:  # the stand-in and its kernels go: a test process goes on with the real ones

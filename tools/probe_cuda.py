@@ -84,6 +84,11 @@ Variants:
   engine-paged-write  engine-paged with steps the blocks do not take (more than 4 rows)
                writing the pool through one in-place kernel instead of two scatters per
                layer (paged_attention.WRITE_IN_PLACE = 1; off by default)
+  engine-paged-q-blocks  engine-paged-q with the 4-bit blocks' steps of up to 4 rows through
+               the fused block's MLX ops (the default since session 16)
+  engine-paged-q-blocks-res, -write, -res-write  engine-paged-q-blocks with the residual
+               adds inside the 4-bit GEMV (quantized.GEMV_RESIDUAL = 1), the pool writes
+               through one in-place kernel (paged_attention.WRITE_IN_PLACE = 1), or both
   engine-paged-q-blocks-ops  engine-paged-q with every step of up to 64 rows through the
                fused block's MLX ops (4-bit blocks: execute.fuse_blocks_ops_rows=64)
   engine-paged-dmma  engine-paged with plain bf16 layers' steps of 5-64 rows through
@@ -152,6 +157,14 @@ VARIANTS = {
     "engine-paged-write": ({}, ["fused", "engine", "paged", "traced", "pool-write=1"]),
     "engine-paged-q-blocks-ops": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
                                        "qmma", "wide", "mma-wide", "blocks", "blocks-ops"]),
+    "engine-paged-q-blocks": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma",
+                                   "wide", "mma-wide", "blocks"]),
+    "engine-paged-q-blocks-res": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
+                                       "qmma", "wide", "mma-wide", "blocks", "q-res=1"]),
+    "engine-paged-q-blocks-write": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
+                                         "qmma", "wide", "mma-wide", "blocks", "pool-write=1"]),
+    "engine-paged-q-blocks-res-write": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
+                                             "qmma", "wide", "mma-wide", "blocks", "q-res=1", "pool-write=1"]),
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops300": ({"MLX_MAX_OPS_PER_BUFFER": "300"}, ["fused", "engine", "paged", "traced"]),
@@ -171,7 +184,7 @@ SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("p
             "in-flight": ("paged_attention", "POSITIONS_IN_FLIGHT"),
             "blocks-unroll": ("block_gemv", "UNROLL"), "blocks-target": ("block_gemv", "TARGET_BLOCKS"),
             "blocks-norm": ("blocks", "KERNEL_NORM"), "blocks-rope": ("blocks", "KERNEL_ROPE"),
-            "pool-write": ("paged_attention", "WRITE_IN_PLACE")}
+            "pool-write": ("paged_attention", "WRITE_IN_PLACE"), "q-res": ("quantized", "GEMV_RESIDUAL")}
 
 
 def compile_mlp_halves(model) -> int:

@@ -160,6 +160,13 @@ def _linear(layer: nn.Linear, x: mx.array, plan: BlockPlan | None = None) -> mx.
     return mx.addmm(layer["bias"], x, wt) if "bias" in layer else x @ wt
 
 
+def _plus(layer: nn.Linear, x: mx.array, res: mx.array, plan: BlockPlan) -> mx.array:
+    """res + layer(x): a routed 4-bit layer adds it inside its GEMV kernel where it can
+    (quantized.GEMV_RESIDUAL)."""
+    plus = getattr(layer, "plus", None)
+    return plus(x, res) if plus is not None else res + _linear(layer, x, plan)
+
+
 class FusedDecodeBlock:
     """The fused block's __call__, mixed into the family's class (see the module's notes)."""
 
@@ -209,10 +216,10 @@ class FusedDecodeBlock:
             return out  # [B, 1, width] already: the very array the next block is handed
         else:
             o = o.reshape(B, H * D)
-            h = rows + _linear(o_proj, o, plan)
+            h = _plus(o_proj, o, rows, plan)
             n = self.post_attention_layernorm(h)
             gate, up = mx.split(_linear(gate_up, n, plan), 2, axis=-1)
-            out = h + _linear(down, swiglu(gate, up), plan)
+            out = _plus(down, swiglu(gate, up), h, plan)
         return out.reshape(B, 1, width)
 
     def _qkv(self, plan: BlockPlan, rows: mx.array, offset: Any, kernel: bool,

@@ -111,7 +111,10 @@ _GEMV_SOURCE = """
         if (r0 + r >= M) continue;
         float sum = 0.f;
         for (int q = 0; q < GEMV_W; ++q) sum += partial[q][t];
-        out[(size_t)(r0 + r) * N + n0 + t % F] = static_cast<T>(sum);
+        const size_t at = (size_t)(r0 + r) * N + n0 + t % F;
+        // RES: + res, rounded as MLX's add of the rounded product and res
+        out[at] = RES ? static_cast<T>(static_cast<float>(static_cast<T>(sum)) + static_cast<float>(res[at]))
+                      : static_cast<T>(sum);
     }
 """
 GEMV_WARPS = 4  # warps per block, splitting K between them
@@ -122,6 +125,10 @@ GEMV_PASS_ROWS = 16  # rows per pass at most (registers: a thread keeps rows x f
 # runner): the GEMV's 4096-wide calls 2,490 -> 2,162 us, 14336-wide 749 -> 595 us, the
 # token's GPU time 5.43 -> 4.96 ms (tools/results/gpu/session9/a-kernels)
 GEMV_WIDE_LOADS = True
+# blocks.py's 4-bit blocks add their residuals inside the GEMV (`res`): 2 of a block's
+# kernels fewer per one-row token (an 8B token's 64 adds). Not yet run on a GPU: off.
+GEMV_RESIDUAL = False
+_res_placeholders: dict[Any, mx.array] = {}
 
 
 def gemv_launch(rows: int, n: int, k: int, group_size: int) -> tuple[dict[str, int], int]:
@@ -148,10 +155,14 @@ def gemv_applies(layer: nn.Module, x: mx.array) -> bool:
     return _affine_4bit(layer, x, GEMV_FEATURES)
 
 
-def gemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
-    """x @ dequantize(w)^T through the GEMV kernel: x [..., K] -> [..., N]."""
-    return _run_kernel("unikern_q4_gemv", _GEMV_SOURCE, "", gemv_launch, GEMV_WARPS, x, w, scales, biases,
-                       group_size)
+def gemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+         res: mx.array | None = None) -> mx.array:
+    """x @ dequantize(w)^T through the GEMV kernel: x [..., K] -> [..., N]; with `res`
+    ([..., N], x's dtype), res + that, the add inside the kernel (one kernel fewer)."""
+    constants, blocks = gemv_launch(x.size // x.shape[-1], w.shape[0], x.shape[-1], group_size)
+    return rows_kernel("unikern_q4_gemv", _GEMV_SOURCE, "", {**constants, "RES": int(res is not None)}, blocks,
+                       GEMV_WARPS, x, w, scales=scales, biases=biases,
+                       res=res if res is not None else _res_placeholders.setdefault(x.dtype, mx.zeros((1,), x.dtype)))
 
 
 def _run_kernel(name: str, source: str, header: str, launch: Any, warps: int, x: mx.array, w: mx.array,
@@ -383,6 +394,16 @@ class RowRoutedQuantizedLinear(RowRouting, nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         y = _matmul(self, x)
         return y + self["bias"] if "bias" in self else y
+
+    def plus(self, x: mx.array, res: mx.array) -> mx.array:
+        """res + self(x), the same values: inside the GEMV kernel where it takes the step
+        (GEMV_RESIDUAL, no bias, res of x's rows and dtype), else the add after it."""
+        rows = x.size // x.shape[-1] if x.ndim else 1
+        if (GEMV_RESIDUAL and self.gemv and "bias" not in self and rows < self.dequantize_rows
+                and not (self.mma and rows > GEMV_ROWS and mma_applies(self, x)) and gemv_applies(self, x)
+                and res.dtype == x.dtype and res.size == rows * self["weight"].shape[0]):
+            return gemv(x, self["weight"], self["scales"], self.get("biases"), self.group_size, res=res)
+        return res + self(x)
 
 
 class RowRoutedAllToSharded(RowRouting, QuantizedAllToShardedLinear):
