@@ -16,8 +16,9 @@ rows and one token each run as
   4. RMS norm -> gate/up GEMV -> SwiGLU           (one kernel)
   5. down GEMV -> + residual                      (one kernel)
 
-so 7 kernels per block instead of 14 (9 by default: the RMS norms as MLX's kernels, see
-KERNEL_NORM). Each kernel (block_gemv.py) gives one warp (or SPLIT warps, each
+so 5 kernels per block instead of 14 where the q/k/v kernel writes the pool (7 by
+default: the RMS norms as MLX's kernels, see KERNEL_NORM; 2 more where the cache
+scatters). Each kernel (block_gemv.py) gives one warp (or SPLIT warps, each
 a share of the row) a pair of output features: two neighbours, or the two halves of a
 RoPE rotation (features i and i + D/2 of a head, or 2i and 2i + 1 for the traditional
 layout), or a gate feature and its up feature, so the epilogue has both values it
