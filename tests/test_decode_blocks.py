@@ -242,6 +242,7 @@ def test_quantized_blocks_add_their_residuals_inside_the_gemv_when_asked(monkeyp
     """4-bit blocks with unikern's GEMV routing and quantized.GEMV_RESIDUAL: the o and down
     projections' residual adds go inside the GEMV (a stand-in with MLX's kernel here),
     the family's logits bit for bit."""
+    from tests.test_quantized_rows import stand_in_gemv
     from unikern.stages.execute import quantized
 
     model = tiny("llama")
@@ -250,13 +251,7 @@ def test_quantized_blocks_add_their_residuals_inside_the_gemv_when_asked(monkeyp
     fuse_projections(model, quantized=True)
     quantized.route_quantized_layers(model, 8, gemv=True)
     calls = []
-
-    def fake(x, w, s, b, gs, res=None):
-        calls.append(res is not None)
-        y = mx.quantized_matmul(x, w, scales=s, biases=b, transpose=True, group_size=gs, bits=4)
-        return y if res is None else res + y
-
-    monkeypatch.setattr(quantized, "gemv", fake)
+    monkeypatch.setattr(quantized, "gemv", stand_in_gemv(calls))
     monkeypatch.setattr(quantized, "GEMV_RESIDUAL", True)
     assert blocks.fuse_decode_blocks(model, use_kernel=True) == 2
     got = decode_logits(model, [5, 9, 11], 3)

@@ -91,7 +91,8 @@ def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, 
     assert constants["MT"] == {1: 1, 2: 2, 3: 4, 8: 8, 21: 16}[rows] and constants["GEMV_WPL"] == (4 if wide else 1)
     want = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
     for with_res in (0, 1):  # and the residual added inside (RES: blocks.py's 4-bit blocks)
-        got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, {**constants, "RES": with_res}, blocks,
+        constants, blocks = quantized.gemv_launch(rows, n, k, group_size, res=bool(with_res))
+        got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, constants, blocks,
                                         quantized.GEMV_WARPS * 32, (rows, n))
         np.testing.assert_allclose(got, np.array(want + res if with_res else want), rtol=1e-4, atol=1e-4)
 
@@ -146,6 +147,18 @@ def test_few_rows_of_4bit_layers_take_the_gemv_when_asked(monkeypatch):
     assert route_quantized_layers(quantized_model(4), None, gemv=True) == 2  # the GEMV alone
 
 
+def stand_in_gemv(calls: list[bool]):
+    """quantized.gemv through MLX's quantized kernel (for a machine without CUDA): each
+    call appends whether it was given a residual to add."""
+
+    def gemv(x, w, s, b, gs, res=None):
+        calls.append(res is not None)
+        y = mx.quantized_matmul(x, w, scales=s, biases=b, transpose=True, group_size=gs, bits=4)
+        return y if res is None else res + y
+
+    return gemv
+
+
 def test_plus_adds_the_residual_inside_the_gemv_when_asked(monkeypatch):
     """A routed 4-bit layer's `plus(x, res)` (blocks.py's 4-bit blocks): res + layer(x),
     through the GEMV with `res` under GEMV_RESIDUAL, the add after it otherwise; the same
@@ -156,13 +169,7 @@ def test_plus_adds_the_residual_inside_the_gemv_when_asked(monkeypatch):
     want, want_many = res + layer(x), res_many + layer(many)  # MLX's own layer
     route_quantized_layers(layer, 8, gemv=True)
     calls = []
-
-    def fake(x, w, s, b, gs, res=None):
-        calls.append(res is not None)
-        y = mx.quantized_matmul(x, w, scales=s, biases=b, transpose=True, group_size=gs, bits=4)
-        return y if res is None else res + y
-
-    monkeypatch.setattr(quantized, "gemv", fake)
+    monkeypatch.setattr(quantized, "gemv", stand_in_gemv(calls))
     assert mx.array_equal(layer.plus(x, res), want) and calls == [False]  # off: the add after
     monkeypatch.setattr(quantized, "GEMV_RESIDUAL", True)
     assert mx.array_equal(layer.plus(x, res), want) and calls == [False, True]

@@ -60,3 +60,15 @@ def cuda_kernel(base: str, input_names: tuple[str, ...], source: str, header: st
     name = kernel_name(base, source, header, ",".join(input_names), ",".join(outputs))
     return mx.fast.cuda_kernel(name=name, input_names=list(input_names),
                                output_names=list(outputs), source=source, header=header)
+
+
+_placeholders: dict[Any, Any] = {}
+
+
+def placeholder(dtype: Any) -> Any:
+    """A one-element input for a kernel's unused inputs (one per dtype, made once)."""
+    import mlx.core as mx
+
+    if dtype not in _placeholders:
+        _placeholders[dtype] = mx.zeros((1,), dtype=dtype)
+    return _placeholders[dtype]

@@ -6,11 +6,9 @@ tests' emulation (tests/test_decode_blocks.py) and compiles for sm_90 with NVRTC
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
-from unikern.platform.kernel_cache import cuda_kernel
+from unikern.platform.kernel_cache import cuda_kernel, placeholder
 
 WARPS = 8  # per block of the kernel: WARPS / SPLIT output pairs (split_for)
 UNROLL = 2  # 16-byte chunks per lane in flight per weight row and pass: 40-48 registers, many warps per SM
@@ -267,15 +265,6 @@ _SOURCE = """
 _INPUTS = ("x", "w", "bias", "norm_w", "eps", "res", "pos", "freq_pi", "k_pool", "v_pool", "slots", "ss",
            "counter")
 _OUTPUTS = ("out", "out_k", "out_v", "out_ss", "out_part")
-_placeholders: dict[Any, mx.array] = {}
-
-
-def _placeholder(dtype: mx.Dtype) -> mx.array:
-    """A one-element input for the kernel's unused inputs (one per dtype, made once)."""
-    if dtype not in _placeholders:
-        _placeholders[dtype] = mx.zeros((1,), dtype=dtype)
-    return _placeholders[dtype]
-
 
 def split_for(K: int, N: int, dtype: mx.Dtype) -> int:
     """Warps per output pair of the kernel over w [N, K] (see TARGET_BLOCKS): a power of
@@ -321,7 +310,7 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
     if rows > MAX_ROWS:
         raise ValueError(f"the block kernel takes up to {MAX_ROWS} rows, not {rows}")
     N = w.shape[0]
-    f32 = _placeholder(mx.float32)
+    f32 = placeholder(mx.float32)
     nout = N // 2 if mode == SWIGLU else q_features if mode == ROPE else N
     split = split_for(K, N, x.dtype)
     template = [("T", x.dtype), ("K", K), ("N", N), ("NOUT", nout), ("ROWS", 1 << (rows - 1).bit_length()),
@@ -329,12 +318,12 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
                 ("BIAS", int(bias is not None)), ("MODE", mode), ("HD", head_dim or 2), ("ROPE_PAIRS", rope_pairs),
                 ("QN", q_features if mode == ROPE else N), ("TRAD", int(traditional)), ("POOL", int(pool is not None)),
                 ("SSI", int(ss is not None)), ("SSO", int(hand_ss is not None))]
-    inputs = [x, w, bias if bias is not None else _placeholder(x.dtype),
-              norm[0] if norm else _placeholder(x.dtype), norm[1] if norm else f32,
-              res if res is not None else _placeholder(x.dtype),
-              pos if pos is not None else _placeholder(mx.int32), freq_pi if freq_pi is not None else f32,
-              *(pool if pool is not None else (_placeholder(x.dtype), _placeholder(x.dtype), _placeholder(mx.int32))),
-              ss if ss is not None else f32, hand_ss if hand_ss is not None else _placeholder(mx.uint32)]
+    inputs = [x, w, bias if bias is not None else placeholder(x.dtype),
+              norm[0] if norm else placeholder(x.dtype), norm[1] if norm else f32,
+              res if res is not None else placeholder(x.dtype),
+              pos if pos is not None else placeholder(mx.int32), freq_pi if freq_pi is not None else f32,
+              *(pool if pool is not None else (placeholder(x.dtype), placeholder(x.dtype), placeholder(mx.int32))),
+              ss if ss is not None else f32, hand_ss if hand_ss is not None else placeholder(mx.uint32)]
     if (ss is not None and norm is None) or (hand_ss is not None and mode != RESIDUAL):
         raise ValueError("the block kernel takes handed sums of squares with a norm, and hands them from RESIDUAL "
                          f"steps (mode {mode}, norm {norm is not None}, ss {ss is not None}, hand_ss "

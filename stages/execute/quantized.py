@@ -13,7 +13,7 @@ from mlx.nn.layers.distributed import (
     sum_gradients,
 )
 
-from unikern.platform.kernel_cache import cuda_kernel
+from unikern.platform.kernel_cache import cuda_kernel, placeholder
 
 # Rows from which a step multiplies dequantized weights (None: never), by backend. MLX's
 # CPU and CUDA quantized matmuls cost about one row's time per row (CPU, 4096x4096 4-bit:
@@ -128,15 +128,14 @@ GEMV_WIDE_LOADS = True
 # blocks.py's 4-bit blocks add their residuals inside the GEMV (`res`): 2 of a block's
 # kernels fewer per one-row token (an 8B token's 64 adds). Not yet run on a GPU: off.
 GEMV_RESIDUAL = False
-_res_placeholders: dict[Any, mx.array] = {}
 
 
-def gemv_launch(rows: int, n: int, k: int, group_size: int) -> tuple[dict[str, int], int]:
+def gemv_launch(rows: int, n: int, k: int, group_size: int, res: bool = False) -> tuple[dict[str, int], int]:
     """The GEMV kernel's integer template parameters and block count for x [rows, k]
     against n output features: rows per pass rounded up to a power of two (few builds)."""
     per_pass = 1 << (min(rows, GEMV_PASS_ROWS) - 1).bit_length()
     constants = {"K": k, "GS": group_size, "MT": per_pass, "GEMV_W": GEMV_WARPS, "GEMV_F": GEMV_FEATURES,
-                 "GEMV_WPL": 4 if GEMV_WIDE_LOADS else 1}
+                 "GEMV_WPL": 4 if GEMV_WIDE_LOADS else 1, "RES": int(res)}
     return constants, -(-rows // per_pass) * -(-n // GEMV_FEATURES)
 
 
@@ -159,18 +158,17 @@ def gemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_siz
          res: mx.array | None = None) -> mx.array:
     """x @ dequantize(w)^T through the GEMV kernel: x [..., K] -> [..., N]; with `res`
     ([..., N], x's dtype), res + that, the add inside the kernel (one kernel fewer)."""
-    constants, blocks = gemv_launch(x.size // x.shape[-1], w.shape[0], x.shape[-1], group_size)
-    return rows_kernel("unikern_q4_gemv", _GEMV_SOURCE, "", {**constants, "RES": int(res is not None)}, blocks,
-                       GEMV_WARPS, x, w, scales=scales, biases=biases,
-                       res=res if res is not None else _res_placeholders.setdefault(x.dtype, mx.zeros((1,), x.dtype)))
+    launch = functools.partial(gemv_launch, res=res is not None)
+    return _run_kernel("unikern_q4_gemv", _GEMV_SOURCE, "", launch, GEMV_WARPS, x, w, scales, biases, group_size,
+                       res=res if res is not None else placeholder(x.dtype))
 
 
 def _run_kernel(name: str, source: str, header: str, launch: Any, warps: int, x: mx.array, w: mx.array,
-                scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+                scales: mx.array, biases: mx.array, group_size: int, **extra: mx.array) -> mx.array:
     """One of the 4-bit kernels over x [..., K] -> [..., N]: `launch` gives its template
-    constants and block count, blocks of `warps` warps."""
+    constants and block count, blocks of `warps` warps; `extra` inputs after the biases."""
     constants, blocks = launch(x.size // x.shape[-1], w.shape[0], x.shape[-1], group_size)
-    return rows_kernel(name, source, header, constants, blocks, warps, x, w, scales=scales, biases=biases)
+    return rows_kernel(name, source, header, constants, blocks, warps, x, w, scales=scales, biases=biases, **extra)
 
 
 def rows_kernel(name: str, source: str, header: str, constants: dict[str, int], blocks: int, warps: int,
