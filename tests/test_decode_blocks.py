@@ -333,7 +333,7 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True) -> None:
     from unikern.stages.kv.pool import KVPool
 
     launched = []
-    monkeypatch.setattr(paged_attention, "WRITE_IN_PLACE", True)  # (off by default: not yet held on a GPU)
+    monkeypatch.setattr(paged_attention, "WRITE_IN_PLACE", True)  # (the default: pinned for the test)
     if emulate:
         monkeypatch.setattr(block_gemv, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(
             launched, cuda_emulation.UNPACK_HEADER))

@@ -170,6 +170,7 @@ def test_plus_adds_the_residual_inside_the_gemv_when_asked(monkeypatch):
     route_quantized_layers(layer, 8, gemv=True)
     calls = []
     monkeypatch.setattr(quantized, "gemv", stand_in_gemv(calls))
+    monkeypatch.setattr(quantized, "GEMV_RESIDUAL", False)
     assert mx.array_equal(layer.plus(x, res), want) and calls == [False]  # off: the add after
     monkeypatch.setattr(quantized, "GEMV_RESIDUAL", True)
     assert mx.array_equal(layer.plus(x, res), want) and calls == [False, True]

@@ -83,12 +83,15 @@ Variants:
                place by the q/k/v kernel (PagedLayerCache._kernel_reads off)
   engine-paged-write  engine-paged with steps the blocks do not take (more than 4 rows)
                writing the pool through one in-place kernel instead of two scatters per
-               layer (paged_attention.WRITE_IN_PLACE = 1; off by default)
+               layer (paged_attention.WRITE_IN_PLACE = 1; the default since session 17)
   engine-paged-q-blocks  engine-paged-q with the 4-bit blocks' steps of up to 4 rows through
                the fused block's MLX ops (the default since session 16)
   engine-paged-q-blocks-res, -write, -res-write  engine-paged-q-blocks with the residual
                adds inside the 4-bit GEMV (quantized.GEMV_RESIDUAL = 1), the pool writes
                through one in-place kernel (paged_attention.WRITE_IN_PLACE = 1), or both
+               (both are the defaults since session 17)
+  engine-paged-q-blocks-s16  engine-paged-q-blocks as session 16 left it: the residual
+               adds and the pool's scatters outside the GEMV (q-res=0, pool-write=0)
   engine-paged-q-blocks-ops  engine-paged-q with every step of up to 64 rows through the
                fused block's MLX ops (4-bit blocks: execute.fuse_blocks_ops_rows=64)
   engine-paged-dmma  engine-paged with plain bf16 layers' steps of 5-64 rows through
@@ -165,6 +168,8 @@ VARIANTS = {
                                          "qmma", "wide", "mma-wide", "blocks", "pool-write=1"]),
     "engine-paged-q-blocks-res-write": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
                                              "qmma", "wide", "mma-wide", "blocks", "q-res=1", "pool-write=1"]),
+    "engine-paged-q-blocks-s16": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
+                                       "qmma", "wide", "mma-wide", "blocks", "q-res=0", "pool-write=0"]),
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops300": ({"MLX_MAX_OPS_PER_BUFFER": "300"}, ["fused", "engine", "paged", "traced"]),

@@ -313,8 +313,10 @@ def uses_group_kernel(H: int, Hk: int, D: int) -> bool:
 # takes `done` as an input of its own kernel, which orders it after this one; MLX's CUDA
 # graph orders a kernel after the kernels that wrote its inputs' buffers, nothing else:
 # through `mx.depends` on `done` the attention ran beside the write on an H200 and missed
-# the step's own key, tools/results/gpu/session16/d-write-kernel). Off (WRITE_IN_PLACE)
-# until an H200 run holds it: with `after` below it is tested in the emulation only.
+# the step's own key, tools/results/gpu/session16/d-write-kernel). With `after` it held on
+# an H200 in session 17 (its CUDA test, same tokens, parity) and is the default
+# (WRITE_IN_PLACE): an 8B-shape 4-bit token 4.94 -> 3.47 ms in the runner, 1B 64-row steps
+# 711 -> 629 primitives (tools/results/gpu/session17/a-probe).
 _WRITE_SOURCE = """
     const int i = blockIdx.x * blockDim.x + threadIdx.x;  // over B * Hk * D
     const int Hk = k_pool_shape[0], S = k_pool_shape[1], D = k_pool_shape[2];
@@ -327,7 +329,7 @@ _WRITE_SOURCE = """
     if (i == 0) done[0] = 1;
 """
 WRITE_THREADS = 256
-WRITE_IN_PLACE = False  # decode steps' pool writes through `write` (PagedLayerCache)
+WRITE_IN_PLACE = True  # decode steps' pool writes through `write` (PagedLayerCache)
 
 
 def write(keys: mx.array, values: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array) -> mx.array:

@@ -126,8 +126,9 @@ GEMV_PASS_ROWS = 16  # rows per pass at most (registers: a thread keeps rows x f
 # token's GPU time 5.43 -> 4.96 ms (tools/results/gpu/session9/a-kernels)
 GEMV_WIDE_LOADS = True
 # blocks.py's 4-bit blocks add their residuals inside the GEMV (`res`): 2 of a block's
-# kernels fewer per one-row token (an 8B token's 64 adds). Not yet run on a GPU: off.
-GEMV_RESIDUAL = False
+# kernels fewer per one-row token (an 8B token's 64 adds: 827 -> 763 primitives, 4.94 ->
+# 4.34 ms in the runner on an H200, tools/results/gpu/session17/a-probe). On since session 17.
+GEMV_RESIDUAL = True
 
 
 def gemv_launch(rows: int, n: int, k: int, group_size: int, res: bool = False) -> tuple[dict[str, int], int]:
