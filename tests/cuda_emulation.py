@@ -57,6 +57,7 @@ static float exchange_lanes(float v, int from) {
     warp_bars[w]->arrive_and_wait();
     return r;
 }
+static float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 static float __shfl_xor_sync(unsigned, float v, int mask) { return exchange_lanes(v, (threadIdx.x % 32) ^ mask); }
 static float __shfl_sync(unsigned, float v, int lane) { return exchange_lanes(v, lane); }
 static int __shfl_sync(unsigned, int v, int lane) {  // through the float buffer, bit for bit

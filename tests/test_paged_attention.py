@@ -11,6 +11,7 @@ import unikern
 from tests import cuda_emulation
 from tests.conftest import compare_greedy, reference_greedy
 from unikern.platform import cuda_is_default
+from unikern.platform.kernel_cache import float_bits
 from unikern.stages.execute import paged_attention
 
 
@@ -54,9 +55,9 @@ def emulate(B, H, Hk, D, P, host, scale):
     launch() picks, and with P > 1 the partial kernel's float32 partials through
     merge_launch()'s kernel."""
     q, pool_k, pool_v, slots, lengths = host
-    inputs = {"q": q, "k_pool": pool_k, "v_pool": pool_v, "slots": slots, "lengths": lengths,
-              "scale": np.array([scale], dtype=np.float32)}
+    inputs = {"q": q, "k_pool": pool_k, "v_pool": pool_v, "slots": slots, "lengths": lengths}
     name, source, constants, blocks = paged_attention.launch(B, H, Hk, D, P)
+    constants = {**constants, "SCALE": float_bits(scale)}
     threads = constants["NW"] * 32
     if P == 1:
         return cuda_emulation.run_kernel(source, inputs, constants, blocks, threads, (B, H, 1, D))

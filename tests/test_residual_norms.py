@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests import cuda_emulation
+from unikern.platform.kernel_cache import float_bits
 from unikern.stages.execute import residual
 
 emulation = pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
@@ -30,8 +31,8 @@ def test_the_kernel_source_adds_and_normalizes_in_an_emulation(D):
     x, r = (rng.standard_normal((rows, D)).astype(np.float32) for _ in range(2))
     w = rng.standard_normal(D).astype(np.float32)
     threads = residual.threads_for(D)
-    constants = {"D": D, "THREADS": threads, "PER": D // threads}
-    inputs = {"x": x, "r": r, "weight": w, "eps": np.array([eps], dtype=np.float32)}
+    constants = {"D": D, "THREADS": threads, "PER": D // threads, "EPS": float_bits(eps)}
+    inputs = {"x": x, "r": r, "weight": w}
     out = cuda_emulation.run_kernel(residual._ADD_NORM_SOURCE, inputs, constants, rows, threads, (rows, D), "",
                                     {"out": (rows, D), "normed": (rows, D)})
     np.testing.assert_allclose(out["out"], x + r, rtol=1e-6, atol=1e-6)

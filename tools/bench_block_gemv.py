@@ -59,11 +59,11 @@ def main() -> None:
     qkv, out_w, gate_up, down = weights((H + 2 * Hk) * D, E), weights(E, H * D), weights(2 * F, E), weights(E, F)
     x = mx.random.normal((args.rows, E)).astype(dt)
     a = mx.random.normal((args.rows, F)).astype(dt)
-    norm = (mx.ones((E,), dtype=dt), mx.array([1e-5], dtype=mx.float32))
+    norm = (mx.ones((E,), dtype=dt), 1e-5)
     pos = mx.full((args.rows,), 100, dtype=mx.int32)
     freq_pi = (1.0 / (10000 ** (mx.arange(0, D, 2, dtype=mx.float32) / D))) / math.pi
     rope = dict(pos=pos, freq_pi=freq_pi, head_dim=D, rope_pairs=(H + Hk) * D // 2, q_features=H * D)
-    mx.eval(qkv, out_w, gate_up, down, x, a, norm, pos, freq_pi)
+    mx.eval(qkv, out_w, gate_up, down, x, a, norm[0], pos, freq_pi)
 
     variants = {  # name: (weights, kernel call or MLX's matmul)
         "qkv-rope-norm": (qkv, lambda w: bg.gemv(x, w, bg.ROPE, norm=norm, **rope)),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import struct
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,28 @@ def cuda_kernel(base: str, input_names: tuple[str, ...], source: str, header: st
     name = kernel_name(base, source, header, ",".join(input_names), ",".join(outputs))
     return mx.fast.cuda_kernel(name=name, input_names=list(input_names),
                                output_names=list(outputs), source=source, header=header)
+
+
+# MLX's CUDA allocator keeps every array of up to this many bytes in one pool of managed
+# memory that the host writes (its scalars) and the GPU reaches across the bus: there a
+# kernel's atomics, or every block's read, cost microseconds each. On an H200 a residual
+# kernel whose blocks counted on a one-element counter there took 600 us instead of 10
+# (tools/results/gpu/session17/a-probe, engine-paged-blocks-handnorm). Arrays a kernel
+# counts on or writes for the next kernel's every block are made larger than this; float
+# constants go in as template arguments (`float_bits`), not as one-element arrays.
+SMALL_POOL_BYTES = 8
+
+
+def off_small_pool(n: int, itemsize: int) -> int:
+    """Elements to allocate for an array of at least `n` elements of `itemsize` bytes so
+    that it lies in device memory, not in MLX's pool of small arrays."""
+    return max(n, SMALL_POOL_BYTES // itemsize + 1)
+
+
+def float_bits(value: float) -> int:
+    """`value` as float32, its bits as an int: MLX's custom kernels take ints, bools and
+    dtypes as template arguments; the source reads it back with `__int_as_float`."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 _placeholders: dict[Any, Any] = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from unikern.platform.kernel_cache import cuda_kernel, placeholder
+from unikern.platform.kernel_cache import cuda_kernel, float_bits, off_small_pool, placeholder
 
 WARPS = 8  # per block of the kernel: WARPS / SPLIT output pairs (split_for)
 UNROLL = 2  # 16-byte chunks per lane in flight per weight row and pass: 40-48 registers, many warps per SM
@@ -114,7 +114,7 @@ _SOURCE = """
             }
             for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
         }
-        inv[r] = rsqrtf(s / K + eps[0]);
+        inv[r] = rsqrtf(s / K + __int_as_float(EPS));
     }
     float acc0[ROWS], acc1[ROWS];
     for (int r = 0; r < ROWS; ++r) {
@@ -262,9 +262,16 @@ _SOURCE = """
         }
     }
 """
-_INPUTS = ("x", "w", "bias", "norm_w", "eps", "res", "pos", "freq_pi", "k_pool", "v_pool", "slots", "ss",
+_INPUTS = ("x", "w", "bias", "norm_w", "res", "pos", "freq_pi", "k_pool", "v_pool", "slots", "ss",
            "counter")
 _OUTPUTS = ("out", "out_k", "out_v", "out_ss", "out_part")
+
+def counter() -> mx.array:
+    """A zero counter for one call site's `hand_ss` (uint32; its first element counts
+    the blocks done). In device memory: in MLX's pool of small arrays every block's
+    atomic crossed the bus (kernel_cache.SMALL_POOL_BYTES)."""
+    return mx.zeros((off_small_pool(1, 4),), dtype=mx.uint32)
+
 
 def split_for(K: int, N: int, dtype: mx.Dtype) -> int:
     """Warps per output pair of the kernel over w [N, K] (see TARGET_BLOCKS): a power of
@@ -285,8 +292,8 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
          pool: tuple[mx.array, mx.array, mx.array] | None = None, ss: mx.array | None = None,
          hand_ss: mx.array | None = None) -> mx.array | list[mx.array] | tuple[mx.array, mx.array]:
     """The kernel over x [rows, K] and w [N, K] (see _SOURCE): its output, or for ROPE
-    [q, k, v] (q_features of q, the rest halved between k and v). norm: (weight, eps as
-    a float32 [1] array); freq_pi: RoPE's inverse frequencies over pi. x may be any
+    [q, k, v] (q_features of q, the rest halved between k and v). norm: (weight, eps, a
+    float: a template argument, not an array read by every warp); freq_pi: RoPE's inverse frequencies over pi. x may be any
     contiguous [rows, ...] array of rows x K elements, and the output is given the shape
     the caller reads it in (`out_shape`; for ROPE, [rows, heads, 1, head_dim] each): the
     kernel reads and writes flat rows, so no reshape node is added on either side (each
@@ -298,9 +305,10 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
     MLX would copy a strided input and the write would go to the copy), and whatever
     reads them back must depend on q (the paged attention kernel takes q) so MLX orders
     it after this kernel.
-    hand_ss (RESIDUAL): a uint32 [1] counter, zero, kept for this call site (the kernel
-    leaves it zero): returns (out, ss), ss the rows' sums of squares of the outputs as
-    rounded (float32 [rows], added in a fixed order, so the same every run), for the next
+    hand_ss (RESIDUAL): a uint32 counter (`counter()`), zero, kept for this call site (the
+    kernel leaves it zero): returns (out, ss), ss the rows' sums of squares of the outputs
+    as rounded (float32, its first `rows` elements; longer where one row's would lie in
+    MLX's pool of small arrays, kernel_cache.SMALL_POOL_BYTES), added in a fixed order, so the same every run), for the next
     kernel's norm. ss (with norm): those sums, so the kernel does not add the row's
     squares itself: the RMS norm of x with no kernel of its own and no warp reading the
     whole row first (execute.fuse_blocks' KERNEL_NORM = 2)."""
@@ -317,9 +325,10 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
                 ("WARPS", WARPS), ("SPLIT", split), ("U", UNROLL), ("NORM", int(norm is not None)),
                 ("BIAS", int(bias is not None)), ("MODE", mode), ("HD", head_dim or 2), ("ROPE_PAIRS", rope_pairs),
                 ("QN", q_features if mode == ROPE else N), ("TRAD", int(traditional)), ("POOL", int(pool is not None)),
-                ("SSI", int(ss is not None)), ("SSO", int(hand_ss is not None))]
+                ("SSI", int(ss is not None)), ("SSO", int(hand_ss is not None)),
+                ("EPS", float_bits(norm[1]) if norm else 0)]
     inputs = [x, w, bias if bias is not None else placeholder(x.dtype),
-              norm[0] if norm else placeholder(x.dtype), norm[1] if norm else f32,
+              norm[0] if norm else placeholder(x.dtype),
               res if res is not None else placeholder(x.dtype),
               pos if pos is not None else placeholder(mx.int32), freq_pi if freq_pi is not None else f32,
               *(pool if pool is not None else (placeholder(x.dtype), placeholder(x.dtype), placeholder(mx.int32))),
@@ -337,7 +346,7 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
     else:
         shapes = [out_shape or (rows, nout), (1,), (1,)]
     blocks = -(-(N // 2) // (WARPS // split))
-    shapes += [(rows,), (rows, blocks)] if hand_ss is not None else [(1,), (1,)]
+    shapes += [(off_small_pool(rows, 4),), (rows, blocks)] if hand_ss is not None else [(1,), (1,)]
     kernel = cuda_kernel("unikern_block_gemv", _INPUTS, _SOURCE, _HEADER, _OUTPUTS)
     outs = kernel(inputs=inputs, template=template, grid=(blocks * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
                   output_shapes=shapes, output_dtypes=[x.dtype] * 3 + [mx.float32] * 2)

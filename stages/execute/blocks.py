@@ -73,6 +73,7 @@ from unikern.stages.execute.block_gemv import (
     RESIDUAL,
     ROPE,
     SWIGLU,
+    counter,
     gemv,
 )
 from unikern.stages.execute.routing import SDPA_NAME, layers_of, sdpa_module
@@ -94,8 +95,10 @@ BLOCKS = {
 # rows' sums of squares handed over by the residual kernels that wrote the rows
 # (block_gemv's hand_ss: every block adds its share, the last block done adds those up),
 # so no warp reads the whole row first and 30 of a 1B token's 33 norm kernels go (the
-# first block's input norm and the model's last norm stay MLX's); not yet measured on a
-# GPU, so not the default.
+# first block's input norm and the model's last norm stay MLX's). On an H200 (session 17)
+# it held its CUDA tests but took 15.4 ms per 1B token: its counter and the sums lay in
+# MLX's pool of small arrays, across the bus (kernel_cache.SMALL_POOL_BYTES); now in device
+# memory, not yet measured again, so not the default.
 KERNEL_NORM = 0
 KERNEL_ROPE = 1
 
@@ -125,7 +128,7 @@ class BlockPlan:
     rope: Any  # the attention's RoPE module (the reference path)
     freq_pi: mx.array  # RoPE's inverse frequencies over pi (the kernel's sincospif)
     traditional: bool
-    eps: tuple[mx.array, mx.array]  # the two norms' eps, float32 [1]
+    eps: tuple[float, float]  # the two norms' eps (the kernels' template arguments)
     sdpa_module: Any  # the module whose `scaled_dot_product_attention` the attention calls
     use_kernel: bool
     # steps of more rows than the kernels take (MAX_ROWS), up to this many, run the same
@@ -136,7 +139,7 @@ class BlockPlan:
     transposed: dict | None = None
     # KERNEL_NORM 2: the next fused block's plan (None for the last), the (rows, sums of
     # squares) this block's output handed it in the forward being built, and this block's
-    # two counters for the residual kernels' last-block-done (uint32 [1], left at zero)
+    # two counters for the residual kernels' last-block-done (block_gemv.counter)
     next: Any = None
     handed: tuple[mx.array, mx.array] | None = None
     counters: tuple[mx.array, mx.array] | None = None
@@ -249,8 +252,8 @@ class FusedDecodeBlock:
         return [qk[:, :H], qk[:, H:], y[:, (H + Hk) * D :].reshape(B, Hk, 1, D)]
 
     @staticmethod
-    def _norm_input(norm: nn.RMSNorm, x: mx.array, eps: mx.array,
-                    ss: mx.array | None = None) -> tuple[mx.array, tuple[mx.array, mx.array] | None]:
+    def _norm_input(norm: nn.RMSNorm, x: mx.array, eps: float,
+                    ss: mx.array | None = None) -> tuple[mx.array, tuple[mx.array, float] | None]:
         """A kernel's input and its `norm` argument: the norm in the kernel (KERNEL_NORM
         1, or 2 with the rows' sums of squares `ss` handed over), or MLX's RMS norm kernel
         before it."""
@@ -298,7 +301,7 @@ def _plan(block: Any, use_kernel: bool, ops_rows: int = 0) -> BlockPlan | None:
     module = sdpa_module(attn)
     if module is None:
         return None
-    eps = tuple(mx.array([n.eps], dtype=mx.float32) for n in norms)
+    eps = tuple(float(n.eps) for n in norms)
     transposed = {} if quantized else {id(layer): layer["weight"].T for layer in linears}
     mx.eval(list(transposed.values()))  # views: the weights' own buffers
     return BlockPlan(H, Hk, D, attn.scale, attn.rope, rope[0] / math.pi, rope[1], eps, module,
@@ -318,7 +321,7 @@ def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int
         return 0
     for plan, after in zip(plans, [*plans[1:], None], strict=True):
         plan.next = after
-        plan.counters = (mx.zeros((1,), dtype=mx.uint32), mx.zeros((1,), dtype=mx.uint32))
+        plan.counters = (counter(), counter())
     mx.eval([c for p in plans for c in p.counters])
     for block, plan in zip(layers, plans, strict=True):
         cls = type(block)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from unikern.platform.kernel_cache import cuda_kernel
+from unikern.platform.kernel_cache import cuda_kernel, float_bits, off_small_pool
 
 WARPS = 8  # per block: positions are dealt round-robin to the warps
 # With fewer blocks than this (a one-row step has one per KV head: 8 of an H200's 132
@@ -70,7 +70,7 @@ _HEAD_SOURCE = """
     float qv[E];
     float acc[E];
     for (int e = 0; e < E; ++e) {
-        qv[e] = static_cast<float>(q[(size_t)bh * D + lane * E + e]) * scale[0];
+        qv[e] = static_cast<float>(q[(size_t)bh * D + lane * E + e]) * __int_as_float(SCALE);
         acc[e] = 0.f;
     }
     float m = -INFINITY;
@@ -138,7 +138,7 @@ _GROUP_SOURCE = """
     for (int g = 0; g < G; ++g) {
         const size_t row = ((size_t)b * H + (size_t)kvh * G + g) * D + lane * E;
         for (int e = 0; e < E; ++e) {
-            qv[g][e] = static_cast<float>(q[row + e]) * scale[0];
+            qv[g][e] = static_cast<float>(q[row + e]) * __int_as_float(SCALE);
             acc[g][e] = 0.f;
         }
         m[g] = -INFINITY;
@@ -254,9 +254,6 @@ _MERGE_SOURCE = """
 KERNEL = "group"
 GROUP_SHARED_BYTES = 32 << 10  # the group kernel's per-warp partials live in shared memory
 
-_scales: dict[float, mx.array] = {}
-
-
 def supports(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
     """Shapes the kernel takes: 32 lanes x head_dim/32 elements, whole query groups."""
     return head_dim % 32 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0
@@ -349,7 +346,7 @@ def write(keys: mx.array, values: mx.array, pool_k: mx.array, pool_v: mx.array, 
     n = B * Hk * D
     (done,) = kernel(inputs=[keys, values, pool_k, pool_v, slots.astype(mx.int32)], template=[("T", keys.dtype)],
                      grid=(-(-n // WRITE_THREADS) * WRITE_THREADS, 1, 1), threadgroup=(WRITE_THREADS, 1, 1),
-                     output_shapes=[(1,)], output_dtypes=[keys.dtype])
+                     output_shapes=[(off_small_pool(1, keys.dtype.size),)], output_dtypes=[keys.dtype])
     return done
 
 
@@ -367,14 +364,12 @@ def decode(q: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array, len
     P = partitions(B, Hk, slots.shape[1]) if uses_group_kernel(H, Hk, D) else 1
     name, source, constants, blocks = launch(B, H, Hk, D, P)
     # `after` only where given: the kernel built as ever otherwise (the signature is in its name)
-    names = ("q", "k_pool", "v_pool", "slots", "lengths", "scale") + (("after",) if after is not None else ())
+    names = ("q", "k_pool", "v_pool", "slots", "lengths") + (("after",) if after is not None else ())
     kernel = cuda_kernel(f"unikern_paged_decode_{name}", names, source)
-    if scale not in _scales:
-        _scales[scale] = mx.array([scale], dtype=mx.float32)
     (out,) = kernel(
-        inputs=[q, pool_k, pool_v, slots.astype(mx.int32), lengths.astype(mx.int32), _scales[scale],
+        inputs=[q, pool_k, pool_v, slots.astype(mx.int32), lengths.astype(mx.int32),
                 *([after] if after is not None else [])],
-        template=[("T", q.dtype), *constants.items()],
+        template=[("T", q.dtype), *constants.items(), ("SCALE", float_bits(scale))],
         grid=(blocks * constants["NW"] * 32, 1, 1),
         threadgroup=(constants["NW"] * 32, 1, 1),
         output_shapes=[(B, H, 1, D) if P == 1 else (blocks, H // Hk, D + 2)],

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from unikern.platform import cuda_is_default
-from unikern.platform.kernel_cache import cuda_kernel
+from unikern.platform.kernel_cache import cuda_kernel, float_bits
 
 # block classes (module, name) whose __call__ is the four lines fused below; a test holds
 # mlx-lm's source to that (tests/test_residual_norms.py)
@@ -60,14 +60,13 @@ _ADD_NORM_SOURCE = """
     __syncthreads();
     float total = 0.f;
     for (int w = 0; w < THREADS / 32; ++w) total += warp_sums[w];
-    const float normalizer = rsqrtf(total / D + eps[0]);
+    const float normalizer = rsqrtf(total / D + __int_as_float(EPS));
     for (int i = 0; i < PER; ++i) {
         const size_t at = row * D + (size_t)i * THREADS + t;
         normed[at] = weight[(size_t)i * THREADS + t] * static_cast<T>(hv[i] * normalizer);
     }
 """
 
-_eps: dict[float, mx.array] = {}
 
 
 def threads_for(D: int) -> int | None:
@@ -87,13 +86,11 @@ def add_rms_norm(x: mx.array, r: mx.array, norm: nn.RMSNorm, use_kernel: bool) -
     if not use_kernel or threads is None or r.shape != x.shape or r.dtype != x.dtype or weight.dtype != x.dtype:
         h = x + r
         return h, mx.fast.rms_norm(h, weight, norm.eps)
-    if norm.eps not in _eps:
-        _eps[norm.eps] = mx.array([norm.eps], dtype=mx.float32)
     rows = x.size // D
-    kernel = cuda_kernel("unikern_add_rms_norm", ("x", "r", "weight", "eps"), _ADD_NORM_SOURCE, "", ("out", "normed"))
+    kernel = cuda_kernel("unikern_add_rms_norm", ("x", "r", "weight"), _ADD_NORM_SOURCE, "", ("out", "normed"))
     out, normed = kernel(
-        inputs=[x.reshape(rows, D), r.reshape(rows, D), weight, _eps[norm.eps]],
-        template=[("T", x.dtype), ("D", D), ("THREADS", threads), ("PER", D // threads)],
+        inputs=[x.reshape(rows, D), r.reshape(rows, D), weight],
+        template=[("T", x.dtype), ("D", D), ("THREADS", threads), ("PER", D // threads), ("EPS", float_bits(norm.eps))],
         grid=(rows * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[x.shape, x.shape],
