@@ -149,6 +149,11 @@ for rows in ${PROBE_ENGINE_ROWS:-1 64}; do
     --variants ${PROBE_ENGINE_VARIANTS:-engine engine-paged engine-paged-group} --repeats 3 --rounds ${PROBE_ROUNDS:-1} \
     --json "$RES/probe-engine-1b-$n.json"
 done
+# what a kernel's read of a small array costs, by where MLX put it (tools/probe_memory.py);
+# runs only when GPU_STEPS names it
+if named probe-memory; then
+  TAIL=12 step probe-memory "$RES/probe-memory.json" python3 "$REPO/tools/probe_memory.py" --json "$RES/probe-memory.json"
+fi
 # the host's cost per MLX primitive, by kind (tools/probe_ops.py); runs only when GPU_STEPS names it
 if named probe-ops; then
   TAIL=16 step probe-ops "$RES/probe-ops.json" python3 "$REPO/tools/probe_ops.py" --json "$RES/probe-ops.json"
