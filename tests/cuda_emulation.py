@@ -58,6 +58,7 @@ static float exchange_lanes(float v, int from) {
     return r;
 }
 static float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static void sincospif(float x, float* s, float* c) { *s = std::sin(M_PI * x); *c = std::cos(M_PI * x); }
 static float __shfl_xor_sync(unsigned, float v, int mask) { return exchange_lanes(v, (threadIdx.x % 32) ^ mask); }
 static float __shfl_sync(unsigned, float v, int lane) { return exchange_lanes(v, lane); }
 static int __shfl_sync(unsigned, int v, int lane) {  // through the float buffer, bit for bit
@@ -106,12 +107,10 @@ static void unikern_mma(float d[4], const unsigned a[4], const unsigned b[2]) {
 """
 
 
-# stages/execute/blocks.py's helpers for the emulation: 16 bytes of float32 as 4 floats;
-# sin and cos of pi x
+# stages/execute/blocks.py's helper for the emulation: 16 bytes of float32 as 4 floats
 UNPACK_HEADER = r"""
 #define __align__(n) __attribute__((aligned(n)))
 template <typename U> static void unikern_unpack(const uint4& v, float* o) { std::memcpy(o, &v, 16); }
-static void sincospif(float x, float* s, float* c) { *s = std::sin(M_PI * x); *c = std::cos(M_PI * x); }
 """
 
 

@@ -356,9 +356,18 @@ def test_decode_steps_write_the_pool_in_place_where_the_paged_kernel_reads_it(fu
     pool_writes_case(monkeypatch, emulate=True, fused=fused)
 
 
-def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True) -> None:
+@emulation
+def test_quantized_blocks_rotate_and_write_the_pool_inside_the_gemv_when_asked(monkeypatch):
+    """4-bit blocks with quantized.GEMV_ROPE: the q/k/v GEMV rotates q and k and writes k
+    and v into the pool itself (the o and down GEMVs add their residuals), so a decode step
+    launches 4 GEMVs and the attention per layer, no RoPE, no pool write, no scatter. The
+    kernels in the emulation: the family's greedy tokens."""
+    pool_writes_case(monkeypatch, emulate=True, fused=True, bits=4)
+
+
+def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int = 0) -> None:
     from unikern import messages as m
-    from unikern.stages.execute import paged_attention
+    from unikern.stages.execute import paged_attention, quantized
     from unikern.stages.execute import runner as runner_module
     from unikern.stages.execute.model import ModelGeometry
     from unikern.stages.kv.pool import KVPool
@@ -370,10 +379,16 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True) -> None:
             launched, cuda_emulation.UNPACK_HEADER))
         monkeypatch.setattr(paged_attention, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
         monkeypatch.setattr(runner_module, "cuda_is_default", lambda: True)  # the paged attention's kernel mode
+        monkeypatch.setattr(quantized, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
     model = tiny("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # head_dim 32
+    if bits:
+        nn.quantize(model, group_size=32, bits=bits)
     prompts, steps = {"a": [5, 9, 11, 40, 7], "b": [6, 8, 21]}, 4
     want = {r: greedy(model, p, steps + 1) for r, p in prompts.items()}
-    fuse_projections(model)
+    fuse_projections(model, quantized=bool(bits))
+    if bits:
+        monkeypatch.setattr(quantized, "GEMV_ROPE", True)
+        quantized.route_quantized_layers(model, 8, gemv=True)
     if fused:
         assert blocks.fuse_decode_blocks(model, use_kernel=True) == 2
     geo = ModelGeometry(model)
@@ -394,7 +409,10 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True) -> None:
     got = runner.run(m.Step(1, work, steps), {})
     assert {r: first[r] + got[r] for r in prompts} == want
     assert blocks.fused_steps(model, "pool_steps") == 2 * steps * fused and not scatters
-    if emulate:
+    if emulate and bits:
+        assert launched.count("unikern_q4_gemv") == 4 * 2 * steps  # (the head: 97 features, not the GEMV's)
+        assert "unikern_pool_write" not in launched and "unikern_block_gemv" not in launched
+    elif emulate:
         assert launched.count("unikern_block_gemv") == 4 * 2 * steps * fused
         assert launched.count("unikern_pool_write") == 2 * steps * (not fused)
         assert sum(name.startswith("unikern_paged_decode_") for name in launched) >= 2 * steps

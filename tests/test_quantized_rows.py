@@ -87,7 +87,8 @@ def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, 
     constants, blocks = quantized.gemv_launch(rows, n, k, group_size)
     res = mx.random.normal((rows, n))
     inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases),
-              "res": np.array(res)}
+              "res": np.array(res), "pos": np.zeros(1, np.int32), "freq_pi": np.zeros(1, np.float32),
+              "k_pool": np.zeros(1, np.float32), "v_pool": np.zeros(1, np.float32), "slots": np.zeros(1, np.int32)}
     assert constants["MT"] == {1: 1, 2: 2, 3: 4, 8: 8, 21: 16}[rows] and constants["GEMV_WPL"] == (4 if wide else 1)
     want = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
     for with_res in (0, 1):  # and the residual added inside (RES: blocks.py's 4-bit blocks)
@@ -95,6 +96,46 @@ def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, 
         got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, constants, blocks,
                                         quantized.GEMV_WARPS * 32, (rows, n))
         np.testing.assert_allclose(got, np.array(want + res if with_res else want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+@pytest.mark.parametrize("trad", [False, True])
+@pytest.mark.parametrize("rows, pool", [(1, False), (3, False), (2, True)])
+def test_the_gemv_source_rotates_q_and_k_and_writes_the_pool_in_an_emulation(rows, pool, trad):
+    """ROPE: the q/k/v GEMV (2 query heads, 1 kv head of 32) rotates q and k for each row's
+    position as RoPE does (pairs i and i + 16, or 2i and 2i + 1), v as it comes; with the
+    pool, k and v go to the rows' slots of the pool arrays and the output is q alone."""
+    D, H, Hk, k = 32, 2, 1, 256
+    n = (H + 2 * Hk) * D
+    mx.random.seed(rows)
+    w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=64, bits=4)
+    x = mx.random.normal((rows, k))
+    pos = np.array([5, 900, 17][:rows], dtype=np.int32)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, D, 2, dtype=np.float32) / D))
+    y = np.array(x @ mx.dequantize(w, scales, biases, group_size=64, bits=4).T)
+    qk = y[:, : (H + Hk) * D].reshape(rows, H + Hk, D)
+    a, b = (qk[..., 0::2], qk[..., 1::2]) if trad else (qk[..., : D // 2], qk[..., D // 2 :])
+    angle = np.pi * (pos[:, None, None] * (inv_freq / np.float32(np.pi))).astype(np.float64)  # as the kernel
+    ra, rb = a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)
+    rotated = np.stack([ra, rb], -1).reshape(qk.shape) if trad else np.concatenate([ra, rb], -1)
+    want = np.concatenate([rotated.reshape(rows, -1), y[:, (H + Hk) * D :]], axis=1)
+    slots = np.array([3, 6, 1][:rows], dtype=np.int32)
+    k_pool, v_pool = np.zeros((Hk, 8, D), np.float32), np.zeros((Hk, 8, D), np.float32)
+    rope = {"ROPE": 1, "HD": D, "QN": H * D, "KN": Hk * D, "TRAD": int(trad), "POOL": int(pool)}
+    constants, blocks = quantized.gemv_launch(rows, n, k, 64, rope=rope)
+    inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases),
+              "res": np.zeros(1, np.float32), "pos": pos, "freq_pi": inv_freq / np.pi, "k_pool": k_pool,
+              "v_pool": v_pool, "slots": slots}
+    got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, constants, blocks, quantized.GEMV_WARPS * 32,
+                                    (rows, H * D) if pool else (rows, n))
+    close = dict(rtol=1e-4, atol=1e-3)  # (products of ~30: float32 sums in another order, then rotated)
+    if not pool:
+        np.testing.assert_allclose(got, want, **close)
+        return
+    np.testing.assert_allclose(got, want[:, : H * D], **close)
+    np.testing.assert_allclose(k_pool[0, slots], want[:, H * D : (H + Hk) * D], **close)
+    np.testing.assert_allclose(v_pool[0, slots], want[:, (H + Hk) * D :], **close)
+    assert not k_pool[0, np.setdiff1d(np.arange(8), slots)].any()
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")

@@ -162,8 +162,8 @@ def record_launches() -> list[Build]:
             # a decoder block's four GEMV kernels (block_gemv.py) at the 1B and 8B shapes
             for hidden, H, Hk, D, inter in ((2048, 32, 8, 64, 8192), (4096, 32, 8, 128, 14336)):
                 for rows in (1, 3):  # ROWS 1 and 4
-                    x, eps = mx.zeros((rows, hidden), dtype=dtype), mx.zeros((1,), dtype=mx.float32)
-                    norm = (mx.zeros((hidden,), dtype=dtype), eps)
+                    x = mx.zeros((rows, hidden), dtype=dtype)
+                    norm = (mx.zeros((hidden,), dtype=dtype), 1e-5)
                     qkv = mx.zeros(((H + 2 * Hk) * D, hidden), dtype=dtype)
                     block_gemv.gemv(x, qkv, block_gemv.ROPE, bias=qkv[:, 0], norm=norm, pos=mx.zeros((rows,), dtype=mx.int32),
                                 freq_pi=mx.zeros((D // 2,), dtype=mx.float32), head_dim=D, rope_pairs=(H + Hk) * D // 2,
@@ -178,7 +178,7 @@ def record_launches() -> list[Build]:
                     block_gemv.gemv(mx.zeros((rows, inter), dtype=dtype), mx.zeros((hidden, inter), dtype=dtype),
                                 block_gemv.RESIDUAL, res=x)
                     # KERNEL_NORM 2: the residual kernel hands the sums of squares, the next takes them
-                    counter, ss = mx.zeros((1,), dtype=mx.uint32), mx.zeros((rows,), dtype=mx.float32)
+                    counter, ss = block_gemv.counter(), mx.zeros((rows,), dtype=mx.float32)
                     block_gemv.gemv(mx.zeros((rows, inter), dtype=dtype), mx.zeros((hidden, inter), dtype=dtype),
                                 block_gemv.RESIDUAL, res=x, hand_ss=counter)
                     block_gemv.gemv(x, mx.zeros((2 * inter, hidden), dtype=dtype), block_gemv.SWIGLU, norm=norm, ss=ss)
@@ -192,6 +192,14 @@ def record_launches() -> list[Build]:
                 quantized.gemv(x, w, scales, biases, 64, res=mx.zeros((rows, 64), dtype=mx.bfloat16))
                 for split in (False, True):
                     quantized.mma(x, w, scales, biases, 64, split=split)
+            # the 8B shape's 4-bit q/k/v with RoPE (quantized.GEMV_ROPE), returned or into the pool
+            qkv = nn.QuantizedLinear(4096, 48 * 128, bias=False, group_size=64, bits=4)
+            qkv.set_dtype(mx.bfloat16)
+            for rows in (1, 3):
+                x, pos = mx.zeros((rows, 4096), dtype=mx.bfloat16), mx.zeros((rows,), dtype=mx.int32)
+                freq_pi, pool = mx.zeros((64,), dtype=mx.float32), mx.zeros((8, 64, 128), dtype=mx.bfloat16)
+                for target in (None, (pool, pool, pos)):
+                    quantized.gemv_rope(x, qkv, pos, freq_pi, 32 * 128, 128, False, target)
     finally:  # the stand-in and its kernels go: a test process goes on with the real ones
         mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = saved
         kernel_cache.cuda_kernel.cache_clear()

@@ -92,6 +92,8 @@ Variants:
                (both are the defaults since session 17)
   engine-paged-q-blocks-s16  engine-paged-q-blocks as session 16 left it: the residual
                adds and the pool's scatters outside the GEMV (q-res=0, pool-write=0)
+  engine-paged-q-blocks-rope  engine-paged-q-blocks with q and k rotated inside the 4-bit
+               q/k/v GEMV and k and v written into the pool by it (quantized.GEMV_ROPE = 1)
   engine-paged-q-blocks-ops  engine-paged-q with every step of up to 64 rows through the
                fused block's MLX ops (4-bit blocks: execute.fuse_blocks_ops_rows=64)
   engine-paged-dmma  engine-paged with plain bf16 layers' steps of 5-64 rows through
@@ -170,6 +172,8 @@ VARIANTS = {
                                              "qmma", "wide", "mma-wide", "blocks", "q-res=1", "pool-write=1"]),
     "engine-paged-q-blocks-s16": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
                                        "qmma", "wide", "mma-wide", "blocks", "q-res=0", "pool-write=0"]),
+    "engine-paged-q-blocks-rope": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
+                                        "qmma", "wide", "mma-wide", "blocks", "q-rope=1"]),
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops300": ({"MLX_MAX_OPS_PER_BUFFER": "300"}, ["fused", "engine", "paged", "traced"]),
@@ -189,7 +193,8 @@ SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("p
             "in-flight": ("paged_attention", "POSITIONS_IN_FLIGHT"),
             "blocks-unroll": ("block_gemv", "UNROLL"), "blocks-target": ("block_gemv", "TARGET_BLOCKS"),
             "blocks-norm": ("blocks", "KERNEL_NORM"), "blocks-rope": ("blocks", "KERNEL_ROPE"),
-            "pool-write": ("paged_attention", "WRITE_IN_PLACE"), "q-res": ("quantized", "GEMV_RESIDUAL")}
+            "pool-write": ("paged_attention", "WRITE_IN_PLACE"), "q-res": ("quantized", "GEMV_RESIDUAL"),
+            "q-rope": ("quantized", "GEMV_ROPE")}
 
 
 def compile_mlp_halves(model) -> int:

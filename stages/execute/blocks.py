@@ -76,6 +76,7 @@ from unikern.stages.execute.block_gemv import (
     counter,
     gemv,
 )
+from unikern.stages.execute.quantized import gemv_rope, rope_gemv_applies
 from unikern.stages.execute.routing import SDPA_NAME, layers_of, sdpa_module
 
 # block classes (module, name) whose attention and MLP run as the steps above
@@ -193,10 +194,11 @@ class FusedDecodeBlock:
         # the q/k/v kernel writes k and v into the pool itself where the paged attention
         # kernel reads them back (two scatters fewer per layer and token)
         target = None
-        if kernel and KERNEL_ROPE and hasattr(cache, "pool_target"):
+        q4_rope = not kernel and rope_gemv_applies(attn.fused_q_proj, rows)  # (4-bit: quantized.GEMV_ROPE)
+        if (kernel and KERNEL_ROPE or q4_rope) and hasattr(cache, "pool_target"):
             target = cache.pool_target(H, D, x.dtype)
         ss = handed[1] if kernel and handed is not None and handed[0] is x else None
-        q, k, v = self._qkv(plan, rows, offset, kernel, target, ss)
+        q, k, v = self._qkv(plan, rows, offset, kernel, target, ss, q4_rope)
         if target is not None:
             plan.pool_steps += 1
             cache.written_in_place()
@@ -227,7 +229,8 @@ class FusedDecodeBlock:
         return out.reshape(B, 1, width)
 
     def _qkv(self, plan: BlockPlan, rows: mx.array, offset: Any, kernel: bool,
-             pool: tuple[mx.array, mx.array, mx.array] | None = None, ss: mx.array | None = None) -> list[mx.array]:
+             pool: tuple[mx.array, mx.array, mx.array] | None = None, ss: mx.array | None = None,
+             q4_rope: bool = False) -> list[mx.array]:
         """q [B, H, 1, D] and k [B, Hk, 1, D] rotated for their positions, v [B, Hk, 1, D]
         (with `pool`, k and v written into the pool by the kernel: placeholders here). One
         token per row: [B, 1, H, D] transposed to [B, H, 1, D] is a reshape."""
@@ -237,12 +240,18 @@ class FusedDecodeBlock:
         if kernel:
             x, norm = self._norm_input(self.input_layernorm, rows, plan.eps[0], ss)
             if KERNEL_ROPE:
-                pos = offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
-                pos = mx.broadcast_to(pos.astype(mx.int32), (B,))
+                pos = _positions(offset, B)
                 return gemv(x, fused["weight"], ROPE, bias=fused.get("bias"), norm=norm, pos=pos,
                             freq_pi=plan.freq_pi, head_dim=D, rope_pairs=(H + Hk) * D // 2, q_features=H * D,
                             traditional=plan.traditional, pool=pool, ss=ss)
             y = gemv(x, fused["weight"], PLAIN, bias=fused.get("bias"), norm=norm, ss=ss)
+        elif q4_rope:  # q and k rotated inside the 4-bit GEMV (k and v into the pool with `pool`)
+            y = gemv_rope(self.input_layernorm(rows), fused, _positions(offset, B), plan.freq_pi, H * D, D,
+                          plan.traditional, pool)
+            if pool is not None:
+                return [y, y, y]  # (k and v: in the pool; the caller reads neither)
+            return [y[:, : H * D].reshape(B, H, 1, D), y[:, H * D : (H + Hk) * D].reshape(B, Hk, 1, D),
+                    y[:, (H + Hk) * D :].reshape(B, Hk, 1, D)]
         else:
             y = _linear(fused, self.input_layernorm(rows), plan)
         # q's and k's heads side by side through one RoPE (each head rotates alone, so
@@ -259,6 +268,12 @@ class FusedDecodeBlock:
         before it."""
         inside = KERNEL_NORM == 1 or (KERNEL_NORM == 2 and ss is not None)
         return (x, (norm["weight"], eps)) if inside else (norm(x), None)
+
+
+def _positions(offset: Any, rows: int) -> mx.array:
+    """Each row's position, int32 [rows], from the cache's offset (an int or per row)."""
+    pos = offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
+    return mx.broadcast_to(pos.astype(mx.int32), (rows,))
 
 
 _CLASSES: dict[type, type] = {}

@@ -39,7 +39,12 @@ KERNEL_ROWS = {"gemv": 17, "mma": 65}
 # FMAs; per-thread sums meet by warp shuffles, then across the warps in shared memory.
 # MLX's affine layout: weight [N, K/8] uint32 (nibble i of a word is bits 4i..4i+3),
 # scales and biases [N, K/GS]; rows come from x's shape at run time, so the kernel is
-# built once per (K, GS, MT, dtype).
+# built once per (K, GS, MT, dtype). ROPE (blocks.py's 4-bit q/k/v projection, w's rows q
+# then k then v, QN and KN features): below QN + KN a block's F features are F / 2
+# rotation pairs of one head (i and i + HD/2, or 2i and 2i + 1 with TRAD), rotated for
+# each row's position (pos; freq_pi: the inverse frequencies over pi) as MLX's RoPE
+# rotates the rounded products; with POOL the rows' k and v go into the layer's pool
+# arrays at their slots, in place, and `out` holds q alone, else out is [rows, N].
 _GEMV_SOURCE = """
     constexpr int F = GEMV_F;
     constexpr int WORDS = K / 8;
@@ -51,6 +56,12 @@ _GEMV_SOURCE = """
     const int r0 = (blockIdx.x % passes) * MT;
     const int n0 = (blockIdx.x / passes) * F;
     if (n0 >= N) return;  // the whole block
+    auto feature = [&](int j) -> int {  // the block's output feature j
+        if (!ROPE || n0 >= QN + KN) return n0 + j;
+        const int p = n0 / 2 + j / 2, head = p / (HD / 2), i = p % (HD / 2);
+        const int f0 = TRAD ? head * HD + 2 * i : head * HD + i;
+        return (j & 1) ? (TRAD ? f0 + 1 : f0 + HD / 2) : f0;
+    };
     float acc[MT][F];
     for (int r = 0; r < MT; ++r)
         for (int j = 0; j < F; ++j) acc[r][j] = 0.f;
@@ -60,15 +71,16 @@ _GEMV_SOURCE = """
         float s[F], b[F];
         #pragma unroll
         for (int j = 0; j < F; ++j) {  // every load of the unit first: more bytes in flight
-            const unsigned* wrow = w + (size_t)(n0 + j) * WORDS;
+            const int f = feature(j);
+            const unsigned* wrow = w + (size_t)f * WORDS;
             if (WPL == 4) {
                 const uint4 v = reinterpret_cast<const uint4*>(wrow)[c];
                 words[j][0] = v.x; words[j][1] = v.y; words[j][2] = v.z; words[j][3] = v.w;
             } else {
                 words[j][0] = wrow[c];
             }
-            s[j] = static_cast<float>(scales[(size_t)(n0 + j) * (K / GS) + g]);
-            b[j] = static_cast<float>(biases[(size_t)(n0 + j) * (K / GS) + g]);
+            s[j] = static_cast<float>(scales[(size_t)f * (K / GS) + g]);
+            b[j] = static_cast<float>(biases[(size_t)f * (K / GS) + g]);
         }
         #pragma unroll
         for (int q = 0; q < WPL; ++q) {
@@ -107,14 +119,36 @@ _GEMV_SOURCE = """
     }
     __syncthreads();
     for (int t = threadIdx.x; t < MT * F; t += blockDim.x) {
-        const int r = t / F;
-        if (r0 + r >= M) continue;
-        float sum = 0.f;
-        for (int q = 0; q < GEMV_W; ++q) sum += partial[q][t];
-        const size_t at = (size_t)(r0 + r) * N + n0 + t % F;
-        // RES: + res, rounded as MLX's add of the rounded product and res
-        out[at] = RES ? static_cast<T>(static_cast<float>(static_cast<T>(sum)) + static_cast<float>(res[at]))
-                      : static_cast<T>(sum);
+        const int r = t / F, j = t % F, row = r0 + r, f = feature(j);
+        if (row >= M) continue;
+        float sum = 0.f, other = 0.f;  // other: the pair's other feature (ROPE)
+        for (int q = 0; q < GEMV_W; ++q) {
+            sum += partial[q][t];
+            if (ROPE) other += partial[q][t ^ 1];
+        }
+        if (!ROPE) {
+            const size_t at = (size_t)row * N + f;
+            // RES: + res, rounded as MLX's add of the rounded product and res
+            out[at] = RES ? static_cast<T>(static_cast<float>(static_cast<T>(sum)) + static_cast<float>(res[at]))
+                          : static_cast<T>(sum);
+            continue;
+        }
+        float y = static_cast<float>(static_cast<T>(sum));  // the product, rounded
+        if (f < QN + KN) {
+            const float yp = static_cast<float>(static_cast<T>(other));
+            const int i = TRAD ? (f % HD) / 2 : (f % HD) % (HD / 2);
+            float sn, cs;  // the angle in units of pi: an exact range reduction, no slow path
+            sincospif(static_cast<float>(pos[row]) * freq_pi[i], &sn, &cs);
+            y = (j & 1) ? y * cs + yp * sn : y * cs - yp * sn;
+        }
+        if (!POOL || f < QN) {
+            out[(size_t)row * (POOL ? QN : N) + f] = static_cast<T>(y);
+        } else {  // k or v of kv head c / HD: into the pool [kv heads, slots, HD] at the row's slot
+            const bool is_v = f >= QN + KN;
+            const int c = f - (is_v ? QN + KN : QN);
+            T* pool = is_v ? const_cast<T*>(v_pool) : const_cast<T*>(k_pool);
+            pool[((size_t)(c / HD) * k_pool_shape[1] + slots[row]) * HD + c % HD] = static_cast<T>(y);
+        }
     }
 """
 GEMV_WARPS = 4  # warps per block, splitting K between them
@@ -129,14 +163,21 @@ GEMV_WIDE_LOADS = True
 # kernels fewer per one-row token (an 8B token's 64 adds: 827 -> 763 primitives, 4.94 ->
 # 4.34 ms in the runner on an H200, tools/results/gpu/session17/a-probe). On since session 17.
 GEMV_RESIDUAL = True
+# blocks.py's 4-bit blocks rotate q and k inside the q/k/v GEMV and write k and v into the
+# pool from it (`gemv_rope`), where the paged kernel reads them back: an 8B one-row token's
+# 32 RoPE kernels, 32 pool writes and ~190 views fewer. Not yet run on a GPU: off.
+GEMV_ROPE = False
 
 
-def gemv_launch(rows: int, n: int, k: int, group_size: int, res: bool = False) -> tuple[dict[str, int], int]:
+def gemv_launch(rows: int, n: int, k: int, group_size: int, res: bool = False,
+                rope: dict[str, int] | None = None) -> tuple[dict[str, int], int]:
     """The GEMV kernel's integer template parameters and block count for x [rows, k]
-    against n output features: rows per pass rounded up to a power of two (few builds)."""
+    against n output features: rows per pass rounded up to a power of two (few builds).
+    `rope`: ROPE's parameters (ROPE, HD, QN, KN, TRAD, POOL; see _GEMV_SOURCE)."""
     per_pass = 1 << (min(rows, GEMV_PASS_ROWS) - 1).bit_length()
     constants = {"K": k, "GS": group_size, "MT": per_pass, "GEMV_W": GEMV_WARPS, "GEMV_F": GEMV_FEATURES,
-                 "GEMV_WPL": 4 if GEMV_WIDE_LOADS else 1, "RES": int(res)}
+                 "GEMV_WPL": 4 if GEMV_WIDE_LOADS else 1, "RES": int(res),
+                 **(rope or {"ROPE": 0, "HD": 2, "QN": n, "KN": 0, "TRAD": 0, "POOL": 0})}
     return constants, -(-rows // per_pass) * -(-n // GEMV_FEATURES)
 
 
@@ -161,7 +202,40 @@ def gemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_siz
     ([..., N], x's dtype), res + that, the add inside the kernel (one kernel fewer)."""
     launch = functools.partial(gemv_launch, res=res is not None)
     return _run_kernel("unikern_q4_gemv", _GEMV_SOURCE, "", launch, GEMV_WARPS, x, w, scales, biases, group_size,
-                       res=res if res is not None else placeholder(x.dtype))
+                       **_gemv_inputs(x.dtype, res=res))
+
+
+def _gemv_inputs(dtype: mx.Dtype, **given: mx.array | None) -> dict[str, mx.array]:
+    """The GEMV's inputs after the biases, by name: those `given`, placeholders for the rest."""
+    kinds = {"res": dtype, "pos": mx.int32, "freq_pi": mx.float32, "k_pool": dtype, "v_pool": dtype, "slots": mx.int32}
+    return {name: given[name] if given.get(name) is not None else placeholder(kind) for name, kind in kinds.items()}
+
+
+def gemv_rope(x: mx.array, layer: nn.Module, pos: mx.array, freq_pi: mx.array, q_features: int, head_dim: int,
+              traditional: bool, pool: tuple[mx.array, mx.array, mx.array] | None = None) -> mx.array:
+    """A 4-bit q/k/v projection (w's rows q, then k, then v) with RoPE in the GEMV: x
+    [rows, K] -> [rows, N], q and k rotated for the rows' positions (`pos`, int32 [rows];
+    `freq_pi`: RoPE's inverse frequencies over pi, float32 [head_dim / 2]). With `pool`
+    (k_pool, v_pool, slots: a layer's pool arrays [kv heads, slots, head_dim] and each
+    row's slot), k and v go there in place and the result is q alone, [rows, heads, 1,
+    head_dim]; whatever reads the pool back must take q (blocks.py's paged kernel does)."""
+    rows, k, n = x.shape[0], x.shape[-1], layer["weight"].shape[0]
+    rope = {"ROPE": 1, "HD": head_dim, "QN": q_features, "KN": (n - q_features) // 2, "TRAD": int(traditional),
+            "POOL": int(pool is not None)}
+    constants, blocks = gemv_launch(rows, n, k, layer.group_size, rope=rope)
+    k_pool, v_pool, slots = pool if pool is not None else (None, None, None)
+    inputs = _gemv_inputs(x.dtype, pos=pos, freq_pi=freq_pi, k_pool=k_pool, v_pool=v_pool, slots=slots)
+    shape = (rows, q_features // head_dim, 1, head_dim) if pool is not None else (rows, n)
+    return rows_kernel("unikern_q4_gemv", _GEMV_SOURCE, "", constants, blocks, GEMV_WARPS, x, layer["weight"],
+                       scales=layer["scales"], biases=layer["biases"], out_shape=shape, **inputs)
+
+
+def rope_gemv_applies(layer: nn.Module, x: mx.array) -> bool:
+    """Where blocks.py's 4-bit q/k/v projection takes `gemv_rope` (GEMV_ROPE): a routed
+    layer whose steps of x's rows go through the GEMV kernel, without a bias."""
+    rows = x.size // x.shape[-1]
+    return (GEMV_ROPE and getattr(layer, "gemv", False) and "bias" not in layer
+            and rows < layer.dequantize_rows and rows <= GEMV_ROWS and gemv_applies(layer, x))
 
 
 def _run_kernel(name: str, source: str, header: str, launch: Any, warps: int, x: mx.array, w: mx.array,
@@ -173,10 +247,10 @@ def _run_kernel(name: str, source: str, header: str, launch: Any, warps: int, x:
 
 
 def rows_kernel(name: str, source: str, header: str, constants: dict[str, int], blocks: int, warps: int,
-                x: mx.array, w: mx.array, **extra: mx.array) -> mx.array:
+                x: mx.array, w: mx.array, out_shape: tuple[int, ...] | None = None, **extra: mx.array) -> mx.array:
     """A kernel over the rows of x [..., K] and weights w [N, ...] (and the `extra` inputs,
     by name, after them): `blocks` blocks of `warps` warps, x's dtype as T and `constants`
-    as its template; returns [..., N]."""
+    as its template; returns [..., N], or the output as `out_shape` gives it."""
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
     (out,) = cuda_kernel(name, ("x", "w", *extra), source, header)(
@@ -184,10 +258,10 @@ def rows_kernel(name: str, source: str, header: str, constants: dict[str, int], 
         template=[("T", x.dtype), *constants.items()],
         grid=(blocks * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
-        output_shapes=[(rows, n)],
+        output_shapes=[out_shape or (rows, n)],
         output_dtypes=[x.dtype],
     )
-    return out.reshape(*x.shape[:-1], n)
+    return out if out_shape else out.reshape(*x.shape[:-1], n)
 
 
 # A tensor-core kernel for 4-bit affine weights and bfloat16 rows, for steps of more rows
