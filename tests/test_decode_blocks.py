@@ -358,10 +358,11 @@ def test_decode_steps_write_the_pool_in_place_where_the_paged_kernel_reads_it(fu
 
 @emulation
 def test_quantized_blocks_rotate_and_write_the_pool_inside_the_gemv_when_asked(monkeypatch):
-    """4-bit blocks with quantized.GEMV_ROPE: the q/k/v GEMV rotates q and k and writes k
-    and v into the pool itself (the o and down GEMVs add their residuals), so a decode step
-    launches 4 GEMVs and the attention per layer, no RoPE, no pool write, no scatter. The
-    kernels in the emulation: the family's greedy tokens."""
+    """4-bit blocks with quantized.GEMV_ROPE and GEMV_SWIGLU: the q/k/v GEMV rotates q and
+    k and writes k and v into the pool itself, the gate/up GEMV gives silu(gate) * up (and
+    the o and down GEMVs add their residuals), so a decode step launches 4 GEMVs and the
+    attention per layer, no RoPE, no pool write, no scatter. The kernels in the emulation:
+    the family's greedy tokens."""
     pool_writes_case(monkeypatch, emulate=True, fused=True, bits=4)
 
 
@@ -372,7 +373,7 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int =
     from unikern.stages.execute.model import ModelGeometry
     from unikern.stages.kv.pool import KVPool
 
-    launched = []
+    launched, swiglus = [], []
     monkeypatch.setattr(paged_attention, "WRITE_IN_PLACE", True)  # (the default: pinned for the test)
     if emulate:
         monkeypatch.setattr(block_gemv, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(
@@ -388,6 +389,8 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int =
     fuse_projections(model, quantized=bool(bits))
     if bits:
         monkeypatch.setattr(quantized, "GEMV_ROPE", True)
+        monkeypatch.setattr(quantized, "GEMV_SWIGLU", True)
+        monkeypatch.setattr(blocks, "gemv_swiglu", lambda *a: swiglus.append(1) or quantized.gemv_swiglu(*a))
         quantized.route_quantized_layers(model, 8, gemv=True)
     if fused:
         assert blocks.fuse_decode_blocks(model, use_kernel=True) == 2
@@ -404,6 +407,7 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int =
     put = mx.put_along_axis
     monkeypatch.setattr(mx, "put_along_axis", lambda *a, **k: scatters.append(1) or put(*a, **k))
     launched.clear()
+    swiglus.clear()
     work = tuple(m.SeqWork(r, (first[r][0],), len(p), tables[r], True, params, num_generated=1)
                  for r, p in prompts.items())
     got = runner.run(m.Step(1, work, steps), {})
@@ -412,6 +416,7 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int =
     if emulate and bits:
         assert launched.count("unikern_q4_gemv") == 4 * 2 * steps  # (the head: 97 features, not the GEMV's)
         assert "unikern_pool_write" not in launched and "unikern_block_gemv" not in launched
+        assert len(swiglus) == 2 * steps
     elif emulate:
         assert launched.count("unikern_block_gemv") == 4 * 2 * steps * fused
         assert launched.count("unikern_pool_write") == 2 * steps * (not fused)

@@ -99,6 +99,26 @@ def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, 
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_gemv_source_gives_swiglu_of_gate_and_up_in_an_emulation(rows):
+    """SWIGLU: the gate/up GEMV (w's rows gate, then up) gives silu(gate) * up, [rows, N/2]."""
+    n, k = 48, 256
+    mx.random.seed(rows)
+    w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=64, bits=4)
+    x = mx.random.normal((rows, k))
+    y = np.array(x @ mx.dequantize(w, scales, biases, group_size=64, bits=4).T)
+    gate, up = y[:, : n // 2], y[:, n // 2 :]
+    want = gate / (1 + np.exp(-gate)) * up
+    constants, blocks = quantized.gemv_launch(rows, n, k, 64)
+    inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases),
+              "res": np.zeros(1, np.float32), "pos": np.zeros(1, np.int32), "freq_pi": np.zeros(1, np.float32),
+              "k_pool": np.zeros(1, np.float32), "v_pool": np.zeros(1, np.float32), "slots": np.zeros(1, np.int32)}
+    got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, {**constants, "SWIGLU": 1}, blocks,
+                                    quantized.GEMV_WARPS * 32, (rows, n // 2))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
 @pytest.mark.parametrize("trad", [False, True])
 @pytest.mark.parametrize("rows, pool", [(1, False), (3, False), (2, True)])
 def test_the_gemv_source_rotates_q_and_k_and_writes_the_pool_in_an_emulation(rows, pool, trad):

@@ -200,6 +200,7 @@ def record_launches() -> list[Build]:
                 freq_pi, pool = mx.zeros((64,), dtype=mx.float32), mx.zeros((8, 64, 128), dtype=mx.bfloat16)
                 for target in (None, (pool, pool, pos)):
                     quantized.gemv_rope(x, qkv, pos, freq_pi, 32 * 128, 128, False, target)
+                quantized.gemv_swiglu(x, qkv)  # (the gate/up kernel: the same build for any N)
     finally:  # the stand-in and its kernels go: a test process goes on with the real ones
         mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = saved
         kernel_cache.cuda_kernel.cache_clear()

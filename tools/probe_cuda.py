@@ -94,6 +94,8 @@ Variants:
                adds and the pool's scatters outside the GEMV (q-res=0, pool-write=0)
   engine-paged-q-blocks-rope  engine-paged-q-blocks with q and k rotated inside the 4-bit
                q/k/v GEMV and k and v written into the pool by it (quantized.GEMV_ROPE = 1)
+  engine-paged-q-blocks-swiglu, -epi  with silu(gate) * up inside the gate/up GEMV
+               (quantized.GEMV_SWIGLU = 1), or both that and -rope
   engine-paged-q-blocks-ops  engine-paged-q with every step of up to 64 rows through the
                fused block's MLX ops (4-bit blocks: execute.fuse_blocks_ops_rows=64)
   engine-paged-dmma  engine-paged with plain bf16 layers' steps of 5-64 rows through
@@ -174,6 +176,10 @@ VARIANTS = {
                                        "qmma", "wide", "mma-wide", "blocks", "q-res=0", "pool-write=0"]),
     "engine-paged-q-blocks-rope": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
                                         "qmma", "wide", "mma-wide", "blocks", "q-rope=1"]),
+    "engine-paged-q-blocks-swiglu": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
+                                          "qmma", "wide", "mma-wide", "blocks", "q-swiglu=1"]),
+    "engine-paged-q-blocks-epi": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
+                                       "qmma", "wide", "mma-wide", "blocks", "q-rope=1", "q-swiglu=1"]),
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops300": ({"MLX_MAX_OPS_PER_BUFFER": "300"}, ["fused", "engine", "paged", "traced"]),
@@ -194,7 +200,7 @@ SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("p
             "blocks-unroll": ("block_gemv", "UNROLL"), "blocks-target": ("block_gemv", "TARGET_BLOCKS"),
             "blocks-norm": ("blocks", "KERNEL_NORM"), "blocks-rope": ("blocks", "KERNEL_ROPE"),
             "pool-write": ("paged_attention", "WRITE_IN_PLACE"), "q-res": ("quantized", "GEMV_RESIDUAL"),
-            "q-rope": ("quantized", "GEMV_ROPE")}
+            "q-rope": ("quantized", "GEMV_ROPE"), "q-swiglu": ("quantized", "GEMV_SWIGLU")}
 
 
 def compile_mlp_halves(model) -> int:

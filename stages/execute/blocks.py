@@ -66,6 +66,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from unikern.platform import cuda_is_default
+from unikern.stages.execute import quantized
 from unikern.stages.execute.block_gemv import (
     ITEMSIZE,
     MAX_ROWS,
@@ -76,7 +77,7 @@ from unikern.stages.execute.block_gemv import (
     counter,
     gemv,
 )
-from unikern.stages.execute.quantized import gemv_rope, rope_gemv_applies
+from unikern.stages.execute.quantized import epilogue_gemv_applies, gemv_rope, gemv_swiglu
 from unikern.stages.execute.routing import SDPA_NAME, layers_of, sdpa_module
 
 # block classes (module, name) whose attention and MLP run as the steps above
@@ -194,7 +195,7 @@ class FusedDecodeBlock:
         # the q/k/v kernel writes k and v into the pool itself where the paged attention
         # kernel reads them back (two scatters fewer per layer and token)
         target = None
-        q4_rope = not kernel and rope_gemv_applies(attn.fused_q_proj, rows)  # (4-bit: quantized.GEMV_ROPE)
+        q4_rope = not kernel and epilogue_gemv_applies(attn.fused_q_proj, rows, quantized.GEMV_ROPE)
         if (kernel and KERNEL_ROPE or q4_rope) and hasattr(cache, "pool_target"):
             target = cache.pool_target(H, D, x.dtype)
         ss = handed[1] if kernel and handed is not None and handed[0] is x else None
@@ -224,8 +225,12 @@ class FusedDecodeBlock:
             o = o.reshape(B, H * D)
             h = _plus(o_proj, o, rows, plan)
             n = self.post_attention_layernorm(h)
-            gate, up = mx.split(_linear(gate_up, n, plan), 2, axis=-1)
-            out = _plus(down, swiglu(gate, up), h, plan)
+            if epilogue_gemv_applies(gate_up, n, quantized.GEMV_SWIGLU):
+                a = gemv_swiglu(n, gate_up)  # silu(gate) * up inside the 4-bit GEMV
+            else:
+                gate, up = mx.split(_linear(gate_up, n, plan), 2, axis=-1)
+                a = swiglu(gate, up)
+            out = _plus(down, a, h, plan)
         return out.reshape(B, 1, width)
 
     def _qkv(self, plan: BlockPlan, rows: mx.array, offset: Any, kernel: bool,

@@ -44,7 +44,9 @@ KERNEL_ROWS = {"gemv": 17, "mma": 65}
 # rotation pairs of one head (i and i + HD/2, or 2i and 2i + 1 with TRAD), rotated for
 # each row's position (pos; freq_pi: the inverse frequencies over pi) as MLX's RoPE
 # rotates the rounded products; with POOL the rows' k and v go into the layer's pool
-# arrays at their slots, in place, and `out` holds q alone, else out is [rows, N].
+# arrays at their slots, in place, and `out` holds q alone, else out is [rows, N]. SWIGLU
+# (the 4-bit blocks' gate/up projection, w's rows gate then up): a block's F features are
+# F / 2 (gate, up) pairs, and out [rows, N / 2] is silu(gate) * up, rounded as MLX's ops.
 _GEMV_SOURCE = """
     constexpr int F = GEMV_F;
     constexpr int WORDS = K / 8;
@@ -57,6 +59,7 @@ _GEMV_SOURCE = """
     const int n0 = (blockIdx.x / passes) * F;
     if (n0 >= N) return;  // the whole block
     auto feature = [&](int j) -> int {  // the block's output feature j
+        if (SWIGLU) return (j & 1) ? n0 / 2 + j / 2 + N / 2 : n0 / 2 + j / 2;
         if (!ROPE || n0 >= QN + KN) return n0 + j;
         const int p = n0 / 2 + j / 2, head = p / (HD / 2), i = p % (HD / 2);
         const int f0 = TRAD ? head * HD + 2 * i : head * HD + i;
@@ -124,7 +127,15 @@ _GEMV_SOURCE = """
         float sum = 0.f, other = 0.f;  // other: the pair's other feature (ROPE)
         for (int q = 0; q < GEMV_W; ++q) {
             sum += partial[q][t];
-            if (ROPE) other += partial[q][t ^ 1];
+            if (ROPE || SWIGLU) other += partial[q][t ^ 1];
+        }
+        if (SWIGLU) {  // the pair's gate thread: silu(gate) * up
+            if (j & 1) continue;
+            const float g = static_cast<float>(static_cast<T>(sum)), u = static_cast<float>(static_cast<T>(other));
+            const float sig = static_cast<float>(static_cast<T>(1.f / (1.f + expf(-g))));
+            const float act = static_cast<float>(static_cast<T>(g * sig));
+            out[(size_t)row * (N / 2) + f] = static_cast<T>(act * u);
+            continue;
         }
         if (!ROPE) {
             const size_t at = (size_t)row * N + f;
@@ -167,17 +178,21 @@ GEMV_RESIDUAL = True
 # pool from it (`gemv_rope`), where the paged kernel reads them back: an 8B one-row token's
 # 32 RoPE kernels, 32 pool writes and ~190 views fewer. Not yet run on a GPU: off.
 GEMV_ROPE = False
+# and their gate/up GEMV gives silu(gate) * up itself (`gemv_swiglu`): 32 SwiGLU kernels
+# and 32 splits fewer per 8B one-row token. Not yet run on a GPU: off.
+GEMV_SWIGLU = False
 
 
 def gemv_launch(rows: int, n: int, k: int, group_size: int, res: bool = False,
                 rope: dict[str, int] | None = None) -> tuple[dict[str, int], int]:
     """The GEMV kernel's integer template parameters and block count for x [rows, k]
     against n output features: rows per pass rounded up to a power of two (few builds).
-    `rope`: ROPE's parameters (ROPE, HD, QN, KN, TRAD, POOL; see _GEMV_SOURCE)."""
+    `rope`: ROPE's parameters (ROPE, HD, QN, KN, TRAD, POOL; see _GEMV_SOURCE), or
+    {"SWIGLU": 1}."""
     per_pass = 1 << (min(rows, GEMV_PASS_ROWS) - 1).bit_length()
     constants = {"K": k, "GS": group_size, "MT": per_pass, "GEMV_W": GEMV_WARPS, "GEMV_F": GEMV_FEATURES,
                  "GEMV_WPL": 4 if GEMV_WIDE_LOADS else 1, "RES": int(res),
-                 **(rope or {"ROPE": 0, "HD": 2, "QN": n, "KN": 0, "TRAD": 0, "POOL": 0})}
+                 "SWIGLU": 0, **(rope or {"ROPE": 0, "HD": 2, "QN": 0, "KN": 0, "TRAD": 0, "POOL": 0})}
     return constants, -(-rows // per_pass) * -(-n // GEMV_FEATURES)
 
 
@@ -230,11 +245,23 @@ def gemv_rope(x: mx.array, layer: nn.Module, pos: mx.array, freq_pi: mx.array, q
                        scales=layer["scales"], biases=layer["biases"], out_shape=shape, **inputs)
 
 
-def rope_gemv_applies(layer: nn.Module, x: mx.array) -> bool:
-    """Where blocks.py's 4-bit q/k/v projection takes `gemv_rope` (GEMV_ROPE): a routed
-    layer whose steps of x's rows go through the GEMV kernel, without a bias."""
+def gemv_swiglu(x: mx.array, layer: nn.Module) -> mx.array:
+    """A 4-bit gate/up projection (w's rows gate, then up) with SwiGLU in the GEMV: x
+    [rows, K] -> silu(gate) * up, [rows, N / 2], one kernel."""
+    rows, k, n = x.shape[0], x.shape[-1], layer["weight"].shape[0]
+    constants, blocks = gemv_launch(rows, n, k, layer.group_size)
+    constants["SWIGLU"] = 1
+    return rows_kernel("unikern_q4_gemv", _GEMV_SOURCE, "", constants, blocks, GEMV_WARPS, x, layer["weight"],
+                       scales=layer["scales"], biases=layer["biases"], out_shape=(rows, n // 2),
+                       **_gemv_inputs(x.dtype))
+
+
+def epilogue_gemv_applies(layer: nn.Module, x: mx.array, setting: bool) -> bool:
+    """Where blocks.py's 4-bit blocks take `gemv_rope` (setting GEMV_ROPE) or
+    `gemv_swiglu` (GEMV_SWIGLU): a routed layer without a bias whose steps of x's rows go
+    through the GEMV kernel."""
     rows = x.size // x.shape[-1]
-    return (GEMV_ROPE and getattr(layer, "gemv", False) and "bias" not in layer
+    return (setting and getattr(layer, "gemv", False) and "bias" not in layer
             and rows < layer.dequantize_rows and rows <= GEMV_ROWS and gemv_applies(layer, x))
 
 
