@@ -145,6 +145,9 @@ def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, 
         params.append(f"const {ctype}* {name}")
         dims = ", ".join(map(str, a.shape))
         shapes.append(f"static const int {name}_shape[] = {{{dims}}};")
+        if a.ndim:  # (the arrays go over contiguous: strides in elements of that layout)
+            strides = ", ".join(str(s // a.itemsize) for s in np.ascontiguousarray(a).strides)
+            shapes.append(f"static const long {name}_strides[] = {{{strides}}};")
         reads.append(f"std::vector<{ctype}> {name}_data({a.size}); "
                      f"fread({name}_data.data(), 4, {a.size}, stdin);")
     constant_lines = "".join(f"constexpr int {k} = {v};\n" for k, v in constants.items())
@@ -228,7 +231,8 @@ def emulated_cuda_kernels(launched: list[str] | None = None, header: str | None 
 
     own_header = header
 
-    def build(base: str, input_names: tuple[str, ...], source: str, header: str = "", outputs: tuple[str, ...] = ("out",)):
+    def build(base: str, input_names: tuple[str, ...], source: str, header: str = "", outputs: tuple[str, ...] = ("out",),
+              contiguous: bool = True):
         def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
             if launched is not None:
                 launched.append(base)

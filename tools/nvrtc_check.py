@@ -35,6 +35,7 @@ typedef unsigned int uint32_t;
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 struct Shape { int v[10]; __device__ int operator[](int i) const { return v[i]; } };
+struct Strides { long long v[10]; __device__ long long operator[](int i) const { return v[i]; } };
 """
 
 CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int32_t",
@@ -106,6 +107,8 @@ def wrap(name: str, source: str, header: str, inputs: list[tuple[str, str, int]]
         params.append(f"const {CUDA_TYPES[dtype]}* {arg}")
         if ndim > 0 and f"{arg}_shape" in source:
             params.append(f"const __grid_constant__ Shape {arg}_shape")
+        if ndim > 0 and f"{arg}_strides" in source:
+            params.append(f"const __grid_constant__ Strides {arg}_strides")
     params += [f"{CUDA_TYPES[dtype]}* {arg}" for arg, dtype in outputs]
     constants = "".join(f"  using {k} = {CUDA_TYPES[v]};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
                         for k, v in template)

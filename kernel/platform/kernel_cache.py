@@ -51,16 +51,17 @@ def kernel_name(base: str, *sources: str) -> str:
 
 @functools.cache
 def cuda_kernel(base: str, input_names: tuple[str, ...], source: str, header: str = "",
-                outputs: tuple[str, ...] = ("out",)) -> Any:
+                outputs: tuple[str, ...] = ("out",), contiguous: bool = True) -> Any:
     """`mx.fast.cuda_kernel` with the outputs `outputs` (one, `out`, by default), built
     once per source and named by `kernel_name` (so its compiled code is never another
-    source's)."""
+    source's). `contiguous` False: MLX hands the inputs as they are, strided ones not
+    copied first (the source reads them through `<name>_strides`)."""
     import mlx.core as mx
 
     # the inputs and outputs are the generated kernel's signature: in the name's digest too
     name = kernel_name(base, source, header, ",".join(input_names), ",".join(outputs))
-    return mx.fast.cuda_kernel(name=name, input_names=list(input_names),
-                               output_names=list(outputs), source=source, header=header)
+    return mx.fast.cuda_kernel(name=name, input_names=list(input_names), output_names=list(outputs),
+                               source=source, header=header, ensure_row_contiguous=contiguous)
 
 
 # MLX's CUDA allocator keeps every array of up to this many bytes in one pool of managed

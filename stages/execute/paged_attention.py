@@ -320,8 +320,10 @@ _WRITE_SOURCE = """
     if (i < slots_shape[0] * Hk * D) {
         const int d = i % D, h = (i / D) % Hk, b = i / (D * Hk);
         const size_t to = ((size_t)h * S + slots[b]) * D + d;
-        const_cast<T*>(k_pool)[to] = keys[i];
-        const_cast<T*>(v_pool)[to] = values[i];
+        // keys and values as they come (strided: the family's transposed views, which MLX
+        // would otherwise copy for the kernel, two copies per layer and step)
+        const_cast<T*>(k_pool)[to] = keys[b * keys_strides[0] + h * keys_strides[1] + d * keys_strides[3]];
+        const_cast<T*>(v_pool)[to] = values[b * values_strides[0] + h * values_strides[1] + d * values_strides[3]];
     }
     if (i == 0) done[0] = 1;
 """
@@ -331,18 +333,18 @@ WRITE_IN_PLACE = True  # decode steps' pool writes through `write` (PagedLayerCa
 
 def write(keys: mx.array, values: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array) -> mx.array:
     """One decode step's keys and values [B, Hk, 1, D] into a layer's pool arrays [Hk, S,
-    D] at the rows' slots (int32 [B]), in place, by one kernel for both (on an H200 each of
+    D] at the rows' slots (int32 [B], contiguous), in place, by one kernel for both (on an H200 each of
     MLX's two scatters it replaces cost the host about 9 us per layer and token to encode:
     tools/probe_ops.py). Returns a one-element array that whatever reads the pool back
-    takes as an input of its kernel (decode's `after`). The pool arrays must be the pool's
-    own contiguous ones (MLX would copy a strided input, and the writes would go to the
-    copy)."""
+    takes as an input of its kernel (decode's `after`). Keys and values may be strided
+    views (read through their strides, not copied); the pool arrays must be the pool's own
+    contiguous ones (the kernel indexes them as such)."""
     B, Hk, T, D = keys.shape
     if T != 1 or pool_k.dtype != keys.dtype or pool_k.shape[0] != Hk or pool_k.shape[2] != D:
         raise ValueError(f"the pool write takes one token per row in the pool's dtype and heads: keys {keys.shape} "
                          f"{keys.dtype}, pool {pool_k.shape} {pool_k.dtype}")
     kernel = cuda_kernel("unikern_pool_write", ("keys", "values", "k_pool", "v_pool", "slots"), _WRITE_SOURCE,
-                         outputs=("done",))
+                         outputs=("done",), contiguous=False)
     n = B * Hk * D
     (done,) = kernel(inputs=[keys, values, pool_k, pool_v, slots.astype(mx.int32)], template=[("T", keys.dtype)],
                      grid=(-(-n // WRITE_THREADS) * WRITE_THREADS, 1, 1), threadgroup=(WRITE_THREADS, 1, 1),
