@@ -1,6 +1,7 @@
 """Runs the body of an `mx.fast.cuda_kernel` on the CPU: compiled as C++ with one OS
-thread per CUDA thread, warp shuffles through a per-warp exchange buffer and barrier,
-`__syncthreads` through a block barrier, blocks one after another. Slow, float32 only,
+thread per CUDA thread of a block (kept from block to block), warp shuffles through a
+per-warp exchange buffer and barrier, `__syncthreads` through a block barrier, blocks one
+after another. Slow, float32 only,
 but it executes the kernel's own source, so a wrong index or softmax merge shows up on a
 machine without a GPU (tests/test_paged_attention.py)."""
 
@@ -41,7 +42,7 @@ using std::min;
 using std::max;
 struct dim3 { unsigned x, y, z; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
-static dim3 blockIdx;
+static thread_local dim3 blockIdx;
 static dim3 blockDim;
 static dim3 gridDim;
 static thread_local dim3 threadIdx;
@@ -173,13 +174,19 @@ int main() {{
     block_bar.reset(new std::barrier<>({threads}));
     blockDim.x = {threads};
     gridDim.x = {blocks};
-    for (unsigned b = 0; b < {blocks}; ++b) {{
-        blockIdx.x = b;
-        std::vector<std::thread> pool;
-        for (unsigned t = 0; t < {threads}; ++t)
-            pool.emplace_back([&, t] {{ threadIdx.x = t; kernel({call_args}); }});
-        for (auto& th : pool) th.join();
-    }}
+    // one OS thread per CUDA thread of a block, kept for every block in turn (a barrier
+    // between blocks: the blocks run one after another, their shared memory reused)
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < {threads}; ++t)
+        pool.emplace_back([&, t] {{
+            threadIdx.x = t;
+            for (unsigned b = 0; b < {blocks}; ++b) {{
+                blockIdx.x = b;
+                kernel({call_args});
+                block_bar->arrive_and_wait();
+            }}
+        }});
+    for (auto& th : pool) th.join();
     {out_writes}
 }}
 """

@@ -381,10 +381,12 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int =
         monkeypatch.setattr(paged_attention, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
         monkeypatch.setattr(runner_module, "cuda_is_default", lambda: True)  # the paged attention's kernel mode
         monkeypatch.setattr(quantized, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
-    model = tiny("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # head_dim 32
+    # head_dim 32; the 4-bit case smaller (each emulated CUDA thread is an OS thread)
+    heads = (2, 1) if bits else (4, 2)
+    model = tiny("llama", hidden_size=32 * heads[0], num_attention_heads=heads[0], num_key_value_heads=heads[1])
     if bits:
         nn.quantize(model, group_size=32, bits=bits)
-    prompts, steps = {"a": [5, 9, 11, 40, 7], "b": [6, 8, 21]}, 4
+    prompts, steps = {"a": [5, 9, 11, 40, 7], "b": [6, 8, 21]}, 2 if bits else 4
     want = {r: greedy(model, p, steps + 1) for r, p in prompts.items()}
     fuse_projections(model, quantized=bool(bits))
     if bits:
