@@ -116,6 +116,8 @@ import subprocess
 import sys
 import time
 
+# the 8B 4-bit model's engine path with its fused blocks, as the engine runs it on CUDA
+Q_BLOCKS = ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma", "wide", "mma-wide", "blocks"]
 VARIANTS = {
     "default": ({}, []),
     "nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, []),
@@ -164,22 +166,11 @@ VARIANTS = {
     "engine-paged-write": ({}, ["fused", "engine", "paged", "traced", "pool-write=1"]),
     "engine-paged-q-blocks-ops": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
                                        "qmma", "wide", "mma-wide", "blocks", "blocks-ops"]),
-    "engine-paged-q-blocks": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64", "qmma",
-                                   "wide", "mma-wide", "blocks"]),
-    "engine-paged-q-blocks-res": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
-                                       "qmma", "wide", "mma-wide", "blocks", "q-res=1"]),
-    "engine-paged-q-blocks-write": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
-                                         "qmma", "wide", "mma-wide", "blocks", "pool-write=1"]),
-    "engine-paged-q-blocks-res-write": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
-                                             "qmma", "wide", "mma-wide", "blocks", "q-res=1", "pool-write=1"]),
-    "engine-paged-q-blocks-s16": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
-                                       "qmma", "wide", "mma-wide", "blocks", "q-res=0", "pool-write=0"]),
-    "engine-paged-q-blocks-rope": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
-                                        "qmma", "wide", "mma-wide", "blocks", "q-rope=1"]),
-    "engine-paged-q-blocks-swiglu": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
-                                          "qmma", "wide", "mma-wide", "blocks", "q-swiglu=1"]),
-    "engine-paged-q-blocks-epi": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
-                                       "qmma", "wide", "mma-wide", "blocks", "q-rope=1", "q-swiglu=1"]),
+    "engine-paged-q-blocks": ({}, Q_BLOCKS),
+    **{f"engine-paged-q-blocks-{suffix}": ({}, Q_BLOCKS + extra) for suffix, extra in [
+        ("res", ["q-res=1"]), ("write", ["pool-write=1"]), ("res-write", ["q-res=1", "pool-write=1"]),
+        ("s16", ["q-res=0", "pool-write=0"]), ("rope", ["q-rope=1"]), ("swiglu", ["q-swiglu=1"]),
+        ("epi", ["q-rope=1", "q-swiglu=1"])]},
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops300": ({"MLX_MAX_OPS_PER_BUFFER": "300"}, ["fused", "engine", "paged", "traced"]),
