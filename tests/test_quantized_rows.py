@@ -87,8 +87,7 @@ def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, 
     constants, blocks = quantized.gemv_launch(rows, n, k, group_size)
     res = mx.random.normal((rows, n))
     inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases),
-              "res": np.array(res), "pos": np.zeros(1, np.int32), "freq_pi": np.zeros(1, np.float32),
-              "k_pool": np.zeros(1, np.float32), "v_pool": np.zeros(1, np.float32), "slots": np.zeros(1, np.int32)}
+              "res": np.array(res)}
     assert constants["MT"] == {1: 1, 2: 2, 3: 4, 8: 8, 21: 16}[rows] and constants["GEMV_WPL"] == (4 if wide else 1)
     want = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
     for with_res in (0, 1):  # and the residual added inside (RES: blocks.py's 4-bit blocks)
@@ -111,8 +110,7 @@ def test_the_gemv_source_gives_swiglu_of_gate_and_up_in_an_emulation(rows):
     want = gate / (1 + np.exp(-gate)) * up
     constants, blocks = quantized.gemv_launch(rows, n, k, 64)
     inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases),
-              "res": np.zeros(1, np.float32), "pos": np.zeros(1, np.int32), "freq_pi": np.zeros(1, np.float32),
-              "k_pool": np.zeros(1, np.float32), "v_pool": np.zeros(1, np.float32), "slots": np.zeros(1, np.int32)}
+              "res": np.zeros(1, np.float32)}
     got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, {**constants, "SWIGLU": 1}, blocks,
                                     quantized.GEMV_WARPS * 32, (rows, n // 2))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
@@ -146,7 +144,7 @@ def test_the_gemv_source_rotates_q_and_k_and_writes_the_pool_in_an_emulation(row
     inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases),
               "res": np.zeros(1, np.float32), "pos": pos, "freq_pi": inv_freq / np.pi, "k_pool": k_pool,
               "v_pool": v_pool, "slots": slots}
-    got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, constants, blocks, quantized.GEMV_WARPS * 32,
+    got = cuda_emulation.run_kernel(quantized._GEMV_ROPE_SOURCE, inputs, constants, blocks, quantized.GEMV_WARPS * 32,
                                     (rows, H * D) if pool else (rows, n))
     close = dict(rtol=1e-4, atol=1e-3)  # (products of ~30: float32 sums in another order, then rotated)
     if not pool:

@@ -47,7 +47,7 @@ KERNEL_ROWS = {"gemv": 17, "mma": 65}
 # arrays at their slots, in place, and `out` holds q alone, else out is [rows, N]. SWIGLU
 # (the 4-bit blocks' gate/up projection, w's rows gate then up): a block's F features are
 # F / 2 (gate, up) pairs, and out [rows, N / 2] is silu(gate) * up, rounded as MLX's ops.
-_GEMV_SOURCE = """
+_GEMV_BODY = """
     constexpr int F = GEMV_F;
     constexpr int WORDS = K / 8;
     constexpr int WPL = GEMV_WPL;  // packed words per weight load: 1 (4 bytes) or 4 (16)
@@ -124,7 +124,7 @@ _GEMV_SOURCE = """
     for (int t = threadIdx.x; t < MT * F; t += blockDim.x) {
         const int r = t / F, j = t % F, row = r0 + r, f = feature(j);
         if (row >= M) continue;
-        float sum = 0.f, other = 0.f;  // other: the pair's other feature (ROPE)
+        float sum = 0.f, other = 0.f;  // other: the pair's other feature (ROPE, SWIGLU)
         for (int q = 0; q < GEMV_W; ++q) {
             sum += partial[q][t];
             if (ROPE || SWIGLU) other += partial[q][t ^ 1];
@@ -144,7 +144,12 @@ _GEMV_SOURCE = """
                           : static_cast<T>(sum);
             continue;
         }
-        float y = static_cast<float>(static_cast<T>(sum));  // the product, rounded
+ROPE_EPILOGUE
+    }
+"""
+# ROPE's epilogue, in a build of its own (`_GEMV_ROPE_SOURCE`): the other builds keep
+# their five inputs, since each input costs the host a little at every launch
+_GEMV_ROPE_EPILOGUE = """        float y = static_cast<float>(static_cast<T>(sum));  // the product, rounded
         if (f < QN + KN) {
             const float yp = static_cast<float>(static_cast<T>(other));
             const int i = TRAD ? (f % HD) / 2 : (f % HD) % (HD / 2);
@@ -159,9 +164,9 @@ _GEMV_SOURCE = """
             const int c = f - (is_v ? QN + KN : QN);
             T* pool = is_v ? const_cast<T*>(v_pool) : const_cast<T*>(k_pool);
             pool[((size_t)(c / HD) * k_pool_shape[1] + slots[row]) * HD + c % HD] = static_cast<T>(y);
-        }
-    }
-"""
+        }"""
+_GEMV_SOURCE = _GEMV_BODY.replace("ROPE_EPILOGUE", "")
+_GEMV_ROPE_SOURCE = _GEMV_BODY.replace("ROPE_EPILOGUE", _GEMV_ROPE_EPILOGUE)
 GEMV_WARPS = 4  # warps per block, splitting K between them
 GEMV_FEATURES = 4  # output features per block, each weight word read once for all rows
 GEMV_PASS_ROWS = 16  # rows per pass at most (registers: a thread keeps rows x features sums)
@@ -187,8 +192,7 @@ def gemv_launch(rows: int, n: int, k: int, group_size: int, res: bool = False,
                 rope: dict[str, int] | None = None) -> tuple[dict[str, int], int]:
     """The GEMV kernel's integer template parameters and block count for x [rows, k]
     against n output features: rows per pass rounded up to a power of two (few builds).
-    `rope`: ROPE's parameters (ROPE, HD, QN, KN, TRAD, POOL; see _GEMV_SOURCE), or
-    {"SWIGLU": 1}."""
+    `rope`: ROPE's parameters (ROPE, HD, QN, KN, TRAD, POOL; see _GEMV_BODY)."""
     per_pass = 1 << (min(rows, GEMV_PASS_ROWS) - 1).bit_length()
     constants = {"K": k, "GS": group_size, "MT": per_pass, "GEMV_W": GEMV_WARPS, "GEMV_F": GEMV_FEATURES,
                  "GEMV_WPL": 4 if GEMV_WIDE_LOADS else 1, "RES": int(res),
@@ -217,13 +221,7 @@ def gemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_siz
     ([..., N], x's dtype), res + that, the add inside the kernel (one kernel fewer)."""
     launch = functools.partial(gemv_launch, res=res is not None)
     return _run_kernel("unikern_q4_gemv", _GEMV_SOURCE, "", launch, GEMV_WARPS, x, w, scales, biases, group_size,
-                       **_gemv_inputs(x.dtype, res=res))
-
-
-def _gemv_inputs(dtype: mx.Dtype, **given: mx.array | None) -> dict[str, mx.array]:
-    """The GEMV's inputs after the biases, by name: those `given`, placeholders for the rest."""
-    kinds = {"res": dtype, "pos": mx.int32, "freq_pi": mx.float32, "k_pool": dtype, "v_pool": dtype, "slots": mx.int32}
-    return {name: given[name] if given.get(name) is not None else placeholder(kind) for name, kind in kinds.items()}
+                       res=res if res is not None else placeholder(x.dtype))
 
 
 def gemv_rope(x: mx.array, layer: nn.Module, pos: mx.array, freq_pi: mx.array, q_features: int, head_dim: int,
@@ -238,11 +236,11 @@ def gemv_rope(x: mx.array, layer: nn.Module, pos: mx.array, freq_pi: mx.array, q
     rope = {"ROPE": 1, "HD": head_dim, "QN": q_features, "KN": (n - q_features) // 2, "TRAD": int(traditional),
             "POOL": int(pool is not None)}
     constants, blocks = gemv_launch(rows, n, k, layer.group_size, rope=rope)
-    k_pool, v_pool, slots = pool if pool is not None else (None, None, None)
-    inputs = _gemv_inputs(x.dtype, pos=pos, freq_pi=freq_pi, k_pool=k_pool, v_pool=v_pool, slots=slots)
+    k_pool, v_pool, slots = pool if pool is not None else (placeholder(x.dtype),) * 2 + (placeholder(mx.int32),)
     shape = (rows, q_features // head_dim, 1, head_dim) if pool is not None else (rows, n)
-    return rows_kernel("unikern_q4_gemv", _GEMV_SOURCE, "", constants, blocks, GEMV_WARPS, x, layer["weight"],
-                       scales=layer["scales"], biases=layer["biases"], out_shape=shape, **inputs)
+    return rows_kernel("unikern_q4_gemv", _GEMV_ROPE_SOURCE, "", constants, blocks, GEMV_WARPS, x, layer["weight"],
+                       scales=layer["scales"], biases=layer["biases"], out_shape=shape, res=placeholder(x.dtype),
+                       pos=pos, freq_pi=freq_pi, k_pool=k_pool, v_pool=v_pool, slots=slots)
 
 
 def gemv_swiglu(x: mx.array, layer: nn.Module) -> mx.array:
@@ -253,7 +251,7 @@ def gemv_swiglu(x: mx.array, layer: nn.Module) -> mx.array:
     constants["SWIGLU"] = 1
     return rows_kernel("unikern_q4_gemv", _GEMV_SOURCE, "", constants, blocks, GEMV_WARPS, x, layer["weight"],
                        scales=layer["scales"], biases=layer["biases"], out_shape=(rows, n // 2),
-                       **_gemv_inputs(x.dtype))
+                       res=placeholder(x.dtype))
 
 
 def epilogue_gemv_applies(layer: nn.Module, x: mx.array, setting: bool) -> bool:
