@@ -266,6 +266,7 @@ _INPUTS = ("x", "w", "bias", "norm_w", "res", "pos", "freq_pi", "k_pool", "v_poo
            "counter")
 _OUTPUTS = ("out", "out_k", "out_v", "out_ss", "out_part")
 
+
 def counter() -> mx.array:
     """A zero counter for one call site's `hand_ss` (uint32; its first element counts
     the blocks done). In device memory: in MLX's pool of small arrays every block's
@@ -293,8 +294,8 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
          hand_ss: mx.array | None = None) -> mx.array | list[mx.array] | tuple[mx.array, mx.array]:
     """The kernel over x [rows, K] and w [N, K] (see _SOURCE): its output, or for ROPE
     [q, k, v] (q_features of q, the rest halved between k and v). norm: (weight, eps, a
-    float: a template argument, not an array read by every warp); freq_pi: RoPE's inverse frequencies over pi. x may be any
-    contiguous [rows, ...] array of rows x K elements, and the output is given the shape
+    float: a template argument, not an array read by every warp); freq_pi: RoPE's
+    inverse frequencies over pi. x may be any contiguous [rows, ...] array of rows x K elements, and the output is given the shape
     the caller reads it in (`out_shape`; for ROPE, [rows, heads, 1, head_dim] each): the
     kernel reads and writes flat rows, so no reshape node is added on either side (each
     costs the host about 1 us per token and layer on an H200: tools/probe_ops.py).
@@ -308,8 +309,8 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
     hand_ss (RESIDUAL): a uint32 counter (`counter()`), zero, kept for this call site (the
     kernel leaves it zero): returns (out, ss), ss the rows' sums of squares of the outputs
     as rounded (float32, its first `rows` elements; longer where one row's would lie in
-    MLX's pool of small arrays, kernel_cache.SMALL_POOL_BYTES), added in a fixed order, so the same every run), for the next
-    kernel's norm. ss (with norm): those sums, so the kernel does not add the row's
+    MLX's pool of small arrays, kernel_cache.SMALL_POOL_BYTES), added in a fixed order,
+    so the same every run, for the next kernel's norm. ss (with norm): those sums, so the kernel does not add the row's
     squares itself: the RMS norm of x with no kernel of its own and no warp reading the
     whole row first (execute.fuse_blocks' KERNEL_NORM = 2)."""
     rows, K = x.shape[0], w.shape[1]
