@@ -292,27 +292,27 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
          out_shape: tuple[int, ...] | None = None,
          pool: tuple[mx.array, mx.array, mx.array] | None = None, ss: mx.array | None = None,
          hand_ss: mx.array | None = None) -> mx.array | list[mx.array] | tuple[mx.array, mx.array]:
-    """The kernel over x [rows, K] and w [N, K] (see _SOURCE): its output, or for ROPE
-    [q, k, v] (q_features of q, the rest halved between k and v). norm: (weight, eps, a
-    float: a template argument, not an array read by every warp); freq_pi: RoPE's
-    inverse frequencies over pi. x may be any contiguous [rows, ...] array of rows x K elements, and the output is given the shape
-    the caller reads it in (`out_shape`; for ROPE, [rows, heads, 1, head_dim] each): the
-    kernel reads and writes flat rows, so no reshape node is added on either side (each
-    costs the host about 1 us per token and layer on an H200: tools/probe_ops.py).
-    pool (ROPE): (k_pool, v_pool, slots), a layer's pool arrays [kv heads, slots,
-    head_dim] and each row's slot (int32 [rows]): k and v are written there in place, not
-    returned (their outputs are placeholders), in place of two scatters per layer. The
-    arrays must be the pool's own contiguous ones (the kernel writes into their buffers;
-    MLX would copy a strided input and the write would go to the copy), and whatever
-    reads them back must depend on q (the paged attention kernel takes q) so MLX orders
-    it after this kernel.
+    """The kernel over x [rows, K] and w [N, K] (see _SOURCE): its output, or for ROPE [q, k,
+    v] (q_features of q, the rest halved between k and v). norm: (weight, eps, a float: a
+    template argument, not an array read by every warp); freq_pi: RoPE's inverse frequencies
+    over pi. x may be any contiguous [rows, ...] array of rows x K elements, and the output
+    is given the shape the caller reads it in (`out_shape`; for ROPE, [rows, heads, 1,
+    head_dim] each): the kernel reads and writes flat rows, so no reshape node is added on
+    either side (each costs the host about 1 us per token and layer on an H200:
+    tools/probe_ops.py).
+    pool (ROPE): (k_pool, v_pool, slots), a layer's pool arrays [kv heads, slots, head_dim]
+    and each row's slot (int32 [rows]): k and v are written there in place, not returned
+    (their outputs are placeholders), in place of two scatters per layer. The arrays must be
+    the pool's own contiguous ones (the kernel writes into their buffers; MLX would copy a
+    strided input and the write would go to the copy), and whatever reads them back must
+    depend on q (the paged attention kernel takes q) so MLX orders it after this kernel.
     hand_ss (RESIDUAL): a uint32 counter (`counter()`), zero, kept for this call site (the
     kernel leaves it zero): returns (out, ss), ss the rows' sums of squares of the outputs
     as rounded (float32, its first `rows` elements; longer where one row's would lie in
-    MLX's pool of small arrays, kernel_cache.SMALL_POOL_BYTES), added in a fixed order,
-    so the same every run, for the next kernel's norm. ss (with norm): those sums, so the kernel does not add the row's
-    squares itself: the RMS norm of x with no kernel of its own and no warp reading the
-    whole row first (execute.fuse_blocks' KERNEL_NORM = 2)."""
+    MLX's pool of small arrays, kernel_cache.SMALL_POOL_BYTES), added in a fixed order, so
+    the same every run, for the next kernel's norm. ss (with norm): those sums, so the
+    kernel does not add the row's squares itself: the RMS norm of x with no kernel of its
+    own and no warp reading the whole row first (execute.fuse_blocks' KERNEL_NORM = 2)."""
     rows, K = x.shape[0], w.shape[1]
     if x.size != rows * K:
         raise ValueError(f"the block kernel's input must hold {rows} rows of {K}, not shape {x.shape}")
