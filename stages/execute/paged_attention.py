@@ -254,6 +254,7 @@ _MERGE_SOURCE = """
 KERNEL = "group"
 GROUP_SHARED_BYTES = 32 << 10  # the group kernel's per-warp partials live in shared memory
 
+
 def supports(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
     """Shapes the kernel takes: 32 lanes x head_dim/32 elements, whole query groups."""
     return head_dim % 32 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0
@@ -333,10 +334,11 @@ WRITE_IN_PLACE = True  # decode steps' pool writes through `write` (PagedLayerCa
 
 def write(keys: mx.array, values: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array) -> mx.array:
     """One decode step's keys and values [B, Hk, 1, D] into a layer's pool arrays [Hk, S,
-    D] at the rows' slots (int32 [B], contiguous), in place, by one kernel for both (on an H200 each of
-    MLX's two scatters it replaces cost the host about 9 us per layer and token to encode:
-    tools/probe_ops.py). Returns a one-element array that whatever reads the pool back
-    takes as an input of its kernel (decode's `after`). Keys and values may be strided
+    D] at the rows' slots (int32 [B], contiguous), in place, by one kernel for both (on an
+    H200 each of MLX's two scatters it replaces cost the host about 9 us per layer and
+    token to encode: tools/probe_ops.py). Returns a small marker array (16 bytes: out of
+    MLX's pool of small arrays) that whatever reads the pool back takes as an input of
+    its kernel (decode's `after`). Keys and values may be strided
     views (read through their strides, not copied); the pool arrays must be the pool's own
     contiguous ones (the kernel indexes them as such)."""
     B, Hk, T, D = keys.shape
