@@ -1,9 +1,8 @@
 """Runs the body of an `mx.fast.cuda_kernel` on the CPU: compiled as C++ with one OS
 thread per CUDA thread of a block (kept from block to block), warp shuffles through a
 per-warp exchange buffer and barrier, `__syncthreads` through a block barrier, blocks one
-after another. Slow, float32 only,
-but it executes the kernel's own source, so a wrong index or softmax merge shows up on a
-machine without a GPU (tests/test_paged_attention.py)."""
+after another. Slow, float32 only, but it executes the kernel's own source, so a wrong
+index or softmax merge shows up on a machine without a GPU (tests/test_paged_attention.py)."""
 
 from __future__ import annotations
 

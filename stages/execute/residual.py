@@ -68,7 +68,6 @@ _ADD_NORM_SOURCE = """
 """
 
 
-
 def threads_for(D: int) -> int | None:
     """Threads per row for a row of D elements (256 where they divide it, at most 32
     elements each), or None where the kernel does not take D."""
@@ -90,7 +89,8 @@ def add_rms_norm(x: mx.array, r: mx.array, norm: nn.RMSNorm, use_kernel: bool) -
     kernel = cuda_kernel("unikern_add_rms_norm", ("x", "r", "weight"), _ADD_NORM_SOURCE, "", ("out", "normed"))
     out, normed = kernel(
         inputs=[x.reshape(rows, D), r.reshape(rows, D), weight],
-        template=[("T", x.dtype), ("D", D), ("THREADS", threads), ("PER", D // threads), ("EPS", float_bits(norm.eps))],
+        template=[("T", x.dtype), ("D", D), ("THREADS", threads), ("PER", D // threads),
+                  ("EPS", float_bits(norm.eps))],
         grid=(rows * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[x.shape, x.shape],
