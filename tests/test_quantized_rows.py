@@ -117,8 +117,7 @@ def test_the_gemv_source_gives_swiglu_of_gate_and_up_in_an_emulation(rows):
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
-@pytest.mark.parametrize("trad", [False, True])
-@pytest.mark.parametrize("rows, pool", [(1, False), (3, False), (2, True)])
+@pytest.mark.parametrize("rows, pool, trad", [(1, False, True), (3, False, False), (2, True, False), (2, True, True)])
 def test_the_gemv_source_rotates_q_and_k_and_writes_the_pool_in_an_emulation(rows, pool, trad):
     """ROPE: the q/k/v GEMV (2 query heads, 1 kv head of 32) rotates q and k for each row's
     position as RoPE does (pairs i and i + 16, or 2i and 2i + 1), v as it comes; with the

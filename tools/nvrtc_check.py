@@ -195,15 +195,17 @@ def record_launches() -> list[Build]:
                 quantized.gemv(x, w, scales, biases, 64, res=mx.zeros((rows, 64), dtype=mx.bfloat16))
                 for split in (False, True):
                     quantized.mma(x, w, scales, biases, 64, split=split)
-            # the 8B shape's 4-bit q/k/v with RoPE (quantized.GEMV_ROPE), returned or into the pool
-            qkv = nn.QuantizedLinear(4096, 48 * 128, bias=False, group_size=64, bits=4)
-            qkv.set_dtype(mx.bfloat16)
-            for rows in (1, 3):
-                x, pos = mx.zeros((rows, 4096), dtype=mx.bfloat16), mx.zeros((rows,), dtype=mx.int32)
-                freq_pi, pool = mx.zeros((64,), dtype=mx.float32), mx.zeros((8, 64, 128), dtype=mx.bfloat16)
-                for target in (None, (pool, pool, pos)):
-                    quantized.gemv_rope(x, qkv, pos, freq_pi, 32 * 128, 128, False, target)
-                quantized.gemv_swiglu(x, qkv)  # (the gate/up kernel: the same build for any N)
+        # the 8B shape's 4-bit q/k/v with RoPE (quantized.GEMV_ROPE), returned or into the
+        # pool, and the gate/up GEMV's SwiGLU (GEMV_SWIGLU), with the default loads
+        quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = saved[2], saved[3]
+        qkv = nn.QuantizedLinear(4096, 48 * 128, bias=False, group_size=64, bits=4)
+        qkv.set_dtype(mx.bfloat16)
+        for rows in (1, 3):
+            x, pos = mx.zeros((rows, 4096), dtype=mx.bfloat16), mx.zeros((rows,), dtype=mx.int32)
+            freq_pi, pool = mx.zeros((64,), dtype=mx.float32), mx.zeros((8, 64, 128), dtype=mx.bfloat16)
+            for target in (None, (pool, pool, pos)):
+                quantized.gemv_rope(x, qkv, pos, freq_pi, 32 * 128, 128, False, target)
+            quantized.gemv_swiglu(x, qkv)  # (the gate/up kernel: the same build for any N)
     finally:  # the stand-in and its kernels go: a test process goes on with the real ones
         mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = saved
         kernel_cache.cuda_kernel.cache_clear()
