@@ -292,6 +292,30 @@ def test_quantized_blocks_add_their_residuals_inside_the_gemv_when_asked(monkeyp
 
 
 @emulation
+def test_quantized_blocks_rotate_inside_the_gemv_without_a_pool(monkeypatch):
+    """4-bit blocks with quantized.GEMV_ROPE and a cache that is not the pool (mlx-lm's
+    KVCache): the q/k/v GEMV returns q, k rotated and v, which the blocks slice for the
+    cache; the kernels in the emulation give the family's logits."""
+    from unikern.stages.execute import quantized
+
+    ropes = []
+    model = tiny("llama", hidden_size=64, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+    nn.quantize(model, group_size=32, bits=4)
+    want = decode_logits(model, [5, 9, 11], 2)
+    fuse_projections(model, quantized=True)
+    quantized.route_quantized_layers(model, 8, gemv=True)
+    monkeypatch.setattr(quantized, "GEMV_WARPS", 2)  # (each emulated CUDA thread is an OS thread)
+    monkeypatch.setattr(quantized, "cuda_kernel", cuda_emulation.emulated_cuda_kernels())
+    monkeypatch.setattr(quantized, "GEMV_ROPE", True)
+    monkeypatch.setattr(blocks, "gemv_rope", lambda *a: ropes.append(a[-1]) or quantized.gemv_rope(*a))
+    assert blocks.fuse_decode_blocks(model, use_kernel=True) == 2
+    got = decode_logits(model, [5, 9, 11], 2)
+    assert ropes == [None] * 2 * 2  # every block's decode steps, no pool
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@emulation
 @pytest.mark.parametrize("family, kernel_norm, kernel_rope", [("llama", 1, 1), ("qwen2", 1, 1), ("llama", 0, 1),
                                                                ("llama", 1, 0), ("llama", 2, 1), ("qwen2", 2, 1)])
 def test_fused_blocks_through_the_kernels_give_the_familys_logits(family, kernel_norm, kernel_rope, monkeypatch):

@@ -255,14 +255,14 @@ class FusedDecodeBlock:
                           plan.traditional, pool)
             if pool is not None:
                 return [y, y, y]  # (k and v: in the pool; the caller reads neither)
-            return [y[:, : H * D].reshape(B, H, 1, D), y[:, H * D : (H + Hk) * D].reshape(B, Hk, 1, D),
-                    y[:, (H + Hk) * D :].reshape(B, Hk, 1, D)]
         else:
             y = _linear(fused, self.input_layernorm(rows), plan)
-        # q's and k's heads side by side through one RoPE (each head rotates alone, so
-        # this is the two calls' result): two view nodes and a kernel fewer than rotating
-        # each in the family's [B, heads, L, D] layout and back
-        qk = plan.rope(y[:, : (H + Hk) * D].reshape(B, H + Hk, 1, D), offset=offset)
+        qk = y[:, : (H + Hk) * D].reshape(B, H + Hk, 1, D)
+        if not q4_rope:
+            # q's and k's heads side by side through one RoPE (each head rotates alone, so
+            # this is the two calls' result): two view nodes and a kernel fewer than
+            # rotating each in the family's [B, heads, L, D] layout and back
+            qk = plan.rope(qk, offset=offset)
         return [qk[:, :H], qk[:, H:], y[:, (H + Hk) * D :].reshape(B, Hk, 1, D)]
 
     @staticmethod

@@ -256,11 +256,18 @@ def gemv_swiglu(x: mx.array, layer: nn.Module) -> mx.array:
 
 def epilogue_gemv_applies(layer: nn.Module, x: mx.array, setting: bool) -> bool:
     """Where blocks.py's 4-bit blocks take `gemv_rope` (setting GEMV_ROPE) or
-    `gemv_swiglu` (GEMV_SWIGLU): a routed layer without a bias whose steps of x's rows go
-    through the GEMV kernel."""
-    rows = x.size // x.shape[-1]
-    return (setting and getattr(layer, "gemv", False) and "bias" not in layer
-            and rows < layer.dequantize_rows and rows <= GEMV_ROWS and gemv_applies(layer, x))
+    `gemv_swiglu` (GEMV_SWIGLU): a routed layer without a bias whose step of x's rows
+    goes through the GEMV kernel."""
+    return setting and isinstance(layer, RowRouting) and "bias" not in layer and takes_gemv(layer, x)
+
+
+def takes_gemv(layer: nn.Module, x: mx.array) -> bool:
+    """Whether a routed layer's step of x's rows goes through the GEMV kernel (_matmul's
+    routing): fewer rows than `dequantize_rows`, not the tensor-core kernel's, the GEMV
+    on and taking the shapes."""
+    rows = x.size // x.shape[-1] if x.ndim else 1
+    return (rows < layer.dequantize_rows and not (layer.mma and rows > GEMV_ROWS and mma_applies(layer, x))
+            and layer.gemv and gemv_applies(layer, x))
 
 
 def _run_kernel(name: str, source: str, header: str, launch: Any, warps: int, x: mx.array, w: mx.array,
@@ -466,7 +473,7 @@ def _matmul(layer: nn.Module, x: mx.array) -> mx.array:
     if rows < layer.dequantize_rows:
         if layer.mma and rows > GEMV_ROWS and mma_applies(layer, x):
             return mma(x, w, scales, biases, layer.group_size, split=layer.mma_split)
-        if layer.gemv and gemv_applies(layer, x):
+        if takes_gemv(layer, x):
             return gemv(x, w, scales, biases, layer.group_size)
         return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=layer.group_size,
                                    bits=layer.bits, mode=layer.mode)
@@ -496,10 +503,8 @@ class RowRoutedQuantizedLinear(RowRouting, nn.QuantizedLinear):
     def plus(self, x: mx.array, res: mx.array) -> mx.array:
         """res + self(x), the same values: inside the GEMV kernel where it takes the step
         (GEMV_RESIDUAL, no bias, res of x's rows and dtype), else the add after it."""
-        rows = x.size // x.shape[-1] if x.ndim else 1
-        if (GEMV_RESIDUAL and self.gemv and "bias" not in self and rows < self.dequantize_rows
-                and not (self.mma and rows > GEMV_ROWS and mma_applies(self, x)) and gemv_applies(self, x)
-                and res.dtype == x.dtype and res.size == rows * self["weight"].shape[0]):
+        if (GEMV_RESIDUAL and "bias" not in self and takes_gemv(self, x)
+                and res.dtype == x.dtype and res.size == x.size // x.shape[-1] * self["weight"].shape[0]):
             return gemv(x, self["weight"], self["scales"], self.get("biases"), self.group_size, res=res)
         return res + self(x)
 
