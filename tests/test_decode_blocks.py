@@ -284,6 +284,8 @@ def test_quantized_blocks_add_their_residuals_inside_the_gemv_when_asked(monkeyp
     calls = []
     monkeypatch.setattr(quantized, "gemv", stand_in_gemv(calls))
     monkeypatch.setattr(quantized, "GEMV_RESIDUAL", True)
+    monkeypatch.setattr(quantized, "GEMV_ROPE", False)  # (the stand-in has no RoPE or SwiGLU builds)
+    monkeypatch.setattr(quantized, "GEMV_SWIGLU", False)
     assert blocks.fuse_decode_blocks(model, use_kernel=True) == 2
     got = decode_logits(model, [5, 9, 11], 3)
     assert calls.count(True) == 2 * 2 * 3  # two adds per block and step (the prompt's forward: not a block step)
@@ -459,6 +461,12 @@ cuda = pytest.mark.skipif(not cuda_is_default(), reason="the kernels run on a CU
 def relative_error(got, want):
     got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@cuda
+def test_quantized_blocks_rotate_and_write_the_pool_inside_the_gemv_on_cuda(monkeypatch):
+    """The same on a CUDA GPU (run with MLX_ENABLE_TF32=0): the family's greedy tokens."""
+    pool_writes_case(monkeypatch, emulate=False, fused=True, bits=4)
 
 
 @cuda

@@ -116,6 +116,19 @@ def test_the_gemv_source_gives_swiglu_of_gate_and_up_in_an_emulation(rows):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def rope_reference(y: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, H: int, Hk: int, D: int,
+                   trad: bool) -> np.ndarray:
+    """q/k/v rows y [rows, (H + 2 Hk) D] with q and k rotated as RoPE does for each row's
+    position (pairs 2i and 2i + 1 when `trad`, else i and i + D/2), v as it comes."""
+    rows = y.shape[0]
+    qk = y[:, : (H + Hk) * D].reshape(rows, H + Hk, D)
+    a, b = (qk[..., 0::2], qk[..., 1::2]) if trad else (qk[..., : D // 2], qk[..., D // 2 :])
+    angle = np.pi * (pos[:, None, None] * (inv_freq / np.float32(np.pi))).astype(np.float64)  # as the kernel
+    ra, rb = a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)
+    rotated = np.stack([ra, rb], -1).reshape(qk.shape) if trad else np.concatenate([ra, rb], -1)
+    return np.concatenate([rotated.reshape(rows, -1), y[:, (H + Hk) * D :]], axis=1)
+
+
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
 @pytest.mark.parametrize("rows, pool, trad", [(1, False, True), (3, False, False), (2, True, False), (2, True, True)])
 def test_the_gemv_source_rotates_q_and_k_and_writes_the_pool_in_an_emulation(rows, pool, trad):
@@ -130,12 +143,7 @@ def test_the_gemv_source_rotates_q_and_k_and_writes_the_pool_in_an_emulation(row
     pos = np.array([5, 900, 17][:rows], dtype=np.int32)
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, D, 2, dtype=np.float32) / D))
     y = np.array(x @ mx.dequantize(w, scales, biases, group_size=64, bits=4).T)
-    qk = y[:, : (H + Hk) * D].reshape(rows, H + Hk, D)
-    a, b = (qk[..., 0::2], qk[..., 1::2]) if trad else (qk[..., : D // 2], qk[..., D // 2 :])
-    angle = np.pi * (pos[:, None, None] * (inv_freq / np.float32(np.pi))).astype(np.float64)  # as the kernel
-    ra, rb = a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)
-    rotated = np.stack([ra, rb], -1).reshape(qk.shape) if trad else np.concatenate([ra, rb], -1)
-    want = np.concatenate([rotated.reshape(rows, -1), y[:, (H + Hk) * D :]], axis=1)
+    want = rope_reference(y, pos, inv_freq, H, Hk, D, trad)
     slots = np.array([3, 6, 1][:rows], dtype=np.int32)
     k_pool, v_pool = np.zeros((Hk, 8, D), np.float32), np.zeros((Hk, 8, D), np.float32)
     rope = {"ROPE": 1, "HD": D, "QN": H * D, "KN": Hk * D, "TRAD": int(trad), "POOL": int(pool)}
@@ -293,3 +301,39 @@ async def test_always_on_a_cuda_kernel_without_cuda_is_refused_at_start(setting)
         async with unikern.Engine.from_pipeline("generate", model=str(cached_quantized("tiny-llama", 4)),
                                                 overrides=overrides):
             pass
+
+
+@pytest.mark.skipif(not cuda_is_default(), reason="the kernels run on a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_epilogue_gemvs_on_cuda_give_mlxs_ops(rows, dtype):
+    """gemv_swiglu and gemv_rope (into the pool, an 8B layer's heads: 32 of q, 8 of k and
+    v, 128 wide) on the GPU against MLX's quantized matmul and numpy's SwiGLU and RoPE."""
+    D, H, Hk, k = 128, 32, 8, 1024
+    mx.random.seed(rows)
+    layer = nn.QuantizedLinear(k, (H + 2 * Hk) * D, bias=False, group_size=64, bits=4)
+    gate_up = nn.QuantizedLinear(k, 2 * 512, bias=False, group_size=64, bits=4)
+    layer.set_dtype(dtype), gate_up.set_dtype(dtype)
+    x = mx.random.normal((rows, k)).astype(dtype)
+    f32 = functools.partial(np.array, dtype=np.float32)
+    close = dict(rtol=2e-2, atol=3e-2) if dtype == mx.bfloat16 else dict(rtol=1e-4, atol=1e-3)
+
+    y = f32(gate_up(x).astype(mx.float32))
+    gate, up = y[:, :512], y[:, 512:]
+    np.testing.assert_allclose(f32(quantized.gemv_swiglu(x, gate_up).astype(mx.float32)),
+                               gate / (1 + np.exp(-gate)) * up, **close)
+
+    pos = mx.array([5, 900, 17][:rows], dtype=mx.int32)
+    slots = mx.array([3, 6, 1][:rows], dtype=mx.int32)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, D, 2, dtype=np.float32) / D))
+    k_pool, v_pool = mx.zeros((Hk, 8, D), dtype), mx.zeros((Hk, 8, D), dtype)
+    mx.eval(k_pool, v_pool)  # (buffers of their own before the kernel writes into them)
+    q = quantized.gemv_rope(x, layer, pos, mx.array(inv_freq / np.pi), H * D, D, False, (k_pool, v_pool, slots))
+    mx.eval(q, k_pool, v_pool)
+    want = rope_reference(f32(layer(x).astype(mx.float32)), np.array(pos), inv_freq, H, Hk, D, False)
+    np.testing.assert_allclose(f32(q.astype(mx.float32)).reshape(rows, -1), want[:, : H * D], **close)
+    written = np.array(slots)
+    np.testing.assert_allclose(f32(k_pool.astype(mx.float32))[:, written].transpose(1, 0, 2).reshape(rows, -1),
+                               want[:, H * D : (H + Hk) * D], **close)
+    np.testing.assert_allclose(f32(v_pool.astype(mx.float32))[:, written].transpose(1, 0, 2).reshape(rows, -1),
+                               want[:, (H + Hk) * D :], **close)

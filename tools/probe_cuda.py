@@ -66,12 +66,13 @@ Variants:
                (block_gemv.TARGET_BLOCKS = 0)
   engine-paged-blocks-mlxnorm, -mlxrope, -mlxboth  engine-paged-blocks with the norms,
                the RoPE or both run by MLX's own kernels around plain GEMVs
-               (blocks.KERNEL_NORM, blocks.KERNEL_ROPE = 0; the norms are MLX's by
-               default since session 13, so -mlxnorm is engine-paged-blocks)
+               (blocks.KERNEL_NORM, blocks.KERNEL_ROPE = 0; the norms were MLX's by
+               default from session 13 to 17)
   engine-paged-blocks-kernelnorm  engine-paged-blocks with the norms inside the GEMV
                kernels (blocks.KERNEL_NORM = 1: the default before session 13)
   engine-paged-blocks-handnorm  engine-paged-blocks with the norms inside the GEMV kernels
-               from the sums of squares the residual kernels hand over (KERNEL_NORM = 2)
+               from the sums of squares the residual kernels hand over (KERNEL_NORM = 2,
+               the default since session 18)
   engine-paged-nographs, engine-paged-blocks-nographs, engine-paged-q-nographs  those
                with MLX_USE_CUDA_GRAPHS=0 (each kernel launched as MLX encodes it)
   engine-paged-ops50, engine-paged-ops300  engine-paged with MLX_MAX_OPS_PER_BUFFER at 50
@@ -95,7 +96,10 @@ Variants:
   engine-paged-q-blocks-rope  engine-paged-q-blocks with q and k rotated inside the 4-bit
                q/k/v GEMV and k and v written into the pool by it (quantized.GEMV_ROPE = 1)
   engine-paged-q-blocks-swiglu, -epi  with silu(gate) * up inside the gate/up GEMV
-               (quantized.GEMV_SWIGLU = 1), or both that and -rope
+               (quantized.GEMV_SWIGLU = 1), or both that and -rope (both are the defaults
+               since session 18)
+  engine-paged-q-blocks-s17  engine-paged-q-blocks as session 17 left it: RoPE, the pool
+               write and SwiGLU outside the 4-bit GEMVs (q-rope=0, q-swiglu=0)
   engine-paged-q-blocks-ops  engine-paged-q with every step of up to 64 rows through the
                fused block's MLX ops (4-bit blocks: execute.fuse_blocks_ops_rows=64)
   engine-paged-dmma  engine-paged with plain bf16 layers' steps of 5-64 rows through
@@ -170,7 +174,7 @@ VARIANTS = {
     **{f"engine-paged-q-blocks-{suffix}": ({}, Q_BLOCKS + extra) for suffix, extra in [
         ("res", ["q-res=1"]), ("write", ["pool-write=1"]), ("res-write", ["q-res=1", "pool-write=1"]),
         ("s16", ["q-res=0", "pool-write=0"]), ("rope", ["q-rope=1"]), ("swiglu", ["q-swiglu=1"]),
-        ("epi", ["q-rope=1", "q-swiglu=1"])]},
+        ("epi", ["q-rope=1", "q-swiglu=1"]), ("s17", ["q-rope=0", "q-swiglu=0"])]},
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops300": ({"MLX_MAX_OPS_PER_BUFFER": "300"}, ["fused", "engine", "paged", "traced"]),

@@ -99,9 +99,12 @@ BLOCKS = {
 # so no warp reads the whole row first and 30 of a 1B token's 33 norm kernels go (the
 # first block's input norm and the model's last norm stay MLX's). On an H200 (session 17)
 # it held its CUDA tests but took 15.4 ms per 1B token: its counter and the sums lay in
-# MLX's pool of small arrays, across the bus (kernel_cache.SMALL_POOL_BYTES); now in device
-# memory, not yet measured again, so not the default.
-KERNEL_NORM = 0
+# MLX's pool of small arrays, across the bus (kernel_cache.SMALL_POOL_BYTES). In device
+# memory since (session 18, tools/results/gpu/session18/a-probe): its CUDA tests held, the
+# engine's runner gave the same 64 tokens as with MLX's norms, 99 kernels a 1B token
+# against 130, 2.56 ms against 3.54 (GPU 1.06 ms against 0.97: the host is the bound). The
+# default since.
+KERNEL_NORM = 2
 KERNEL_ROPE = 1
 
 

@@ -181,11 +181,13 @@ GEMV_WIDE_LOADS = True
 GEMV_RESIDUAL = True
 # blocks.py's 4-bit blocks rotate q and k inside the q/k/v GEMV and write k and v into the
 # pool from it (`gemv_rope`), where the paged kernel reads them back: an 8B one-row token's
-# 32 RoPE kernels, 32 pool writes and ~190 views fewer. Not yet run on a GPU: off.
-GEMV_ROPE = False
+# 32 RoPE kernels, 32 pool writes and ~190 views fewer. On since session 18.
+GEMV_ROPE = True
 # and their gate/up GEMV gives silu(gate) * up itself (`gemv_swiglu`): 32 SwiGLU kernels
-# and 32 splits fewer per 8B one-row token. Not yet run on a GPU: off.
-GEMV_SWIGLU = False
+# and 32 splits fewer per 8B one-row token. On since session 18: with GEMV_ROPE, 4.02 ->
+# 3.30 ms per 8B one-row token in the runner on an H200, 348 -> 252 kernels
+# (tools/results/gpu/session18/c-probe8b).
+GEMV_SWIGLU = True
 
 
 def gemv_launch(rows: int, n: int, k: int, group_size: int, res: bool = False,
