@@ -36,3 +36,22 @@ def test_window_steps_match_per_step_layouts(seed):
         assert (read[:, :L] == np.array(want.read_slots)).all()
         assert (read[:, L:] == 0).all()
         assert (mask[:, :L] == np.array(want.mask)[:, 0, 0]).all() and not mask[:, L:].any()
+
+
+@pytest.mark.parametrize("num_rows", [1, 2])
+def test_a_steps_per_row_arrays_lie_outside_mlxs_small_pool(num_rows):
+    """One or two rows: the offsets, lengths and write slots a step's kernels read are the
+    first rows of arrays of more than 8 bytes (MLX's CUDA allocator keeps arrays of up to
+    8 bytes in managed memory that kernels read across the bus), and hold the step's values."""
+    from unikern.platform.kernel_cache import SMALL_POOL_BYTES
+
+    pool = KVPool(num_layers=1, num_kv_heads=2, head_dim=8, dtype=mx.float32, block_size=4,
+                  kernel_block_size=4, num_blocks=16, slab_blocks=16)
+    rows = [((2, 3, 4), 5), ((6, 7), 1)][:num_rows]
+    window = DecodeWindow(pool, rows, 3)
+    assert window.starts.nbytes > SMALL_POOL_BYTES and window.write_slots[0].nbytes > SMALL_POOL_BYTES
+    for i in range(3):
+        layout = window.step(i)
+        assert layout.offsets.tolist() == [start + i for _, start in rows]
+        assert layout.lengths.tolist() == [start + i + 1 for _, start in rows]
+        assert layout.write_slots.tolist() == [blocks[(start + i) // 4] * 4 + (start + i) % 4 for blocks, start in rows]

@@ -100,6 +100,9 @@ Variants:
                since session 18)
   engine-paged-q-blocks-s17  engine-paged-q-blocks as session 17 left it: RoPE, the pool
                write and SwiGLU outside the 4-bit GEMVs (q-rope=0, q-swiglu=0)
+  engine-paged-blocks-smallpool, engine-paged-q-blocks-smallpool  those with a decode
+               window's per-row arrays of one row in MLX's pool of small arrays, as up to
+               session 18 (paged_cache.PAD_STEP_ROWS = 0)
   engine-paged-q-blocks-ops  engine-paged-q with every step of up to 64 rows through the
                fused block's MLX ops (4-bit blocks: execute.fuse_blocks_ops_rows=64)
   engine-paged-dmma  engine-paged with plain bf16 layers' steps of 5-64 rows through
@@ -170,11 +173,13 @@ VARIANTS = {
     "engine-paged-write": ({}, ["fused", "engine", "paged", "traced", "pool-write=1"]),
     "engine-paged-q-blocks-ops": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
                                        "qmma", "wide", "mma-wide", "blocks", "blocks-ops"]),
+    "engine-paged-blocks-smallpool": ({}, ["fused", "engine", "paged", "traced", "blocks", "step-pad=0"]),
     "engine-paged-q-blocks": ({}, Q_BLOCKS),
     **{f"engine-paged-q-blocks-{suffix}": ({}, Q_BLOCKS + extra) for suffix, extra in [
         ("res", ["q-res=1"]), ("write", ["pool-write=1"]), ("res-write", ["q-res=1", "pool-write=1"]),
         ("s16", ["q-res=0", "pool-write=0"]), ("rope", ["q-rope=1"]), ("swiglu", ["q-swiglu=1"]),
-        ("epi", ["q-rope=1", "q-swiglu=1"]), ("s17", ["q-rope=0", "q-swiglu=0"])]},
+        ("epi", ["q-rope=1", "q-swiglu=1"]), ("s17", ["q-rope=0", "q-swiglu=0"]),
+        ("smallpool", ["step-pad=0"])]},
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops300": ({"MLX_MAX_OPS_PER_BUFFER": "300"}, ["fused", "engine", "paged", "traced"]),
@@ -195,7 +200,8 @@ SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("p
             "blocks-unroll": ("block_gemv", "UNROLL"), "blocks-target": ("block_gemv", "TARGET_BLOCKS"),
             "blocks-norm": ("blocks", "KERNEL_NORM"), "blocks-rope": ("blocks", "KERNEL_ROPE"),
             "pool-write": ("paged_attention", "WRITE_IN_PLACE"), "q-res": ("quantized", "GEMV_RESIDUAL"),
-            "q-rope": ("quantized", "GEMV_ROPE"), "q-swiglu": ("quantized", "GEMV_SWIGLU")}
+            "q-rope": ("quantized", "GEMV_ROPE"), "q-swiglu": ("quantized", "GEMV_SWIGLU"),
+            "step-pad": ("paged_cache", "PAD_STEP_ROWS")}
 
 
 def compile_mlp_halves(model) -> int:

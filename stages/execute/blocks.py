@@ -280,8 +280,8 @@ class FusedDecodeBlock:
 
 def _positions(offset: Any, rows: int) -> mx.array:
     """Each row's position, int32 [rows], from the cache's offset (an int or per row)."""
-    pos = offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
-    return mx.broadcast_to(pos.astype(mx.int32), (rows,))
+    pos = (offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)).astype(mx.int32)
+    return pos if pos.shape == (rows,) else mx.broadcast_to(pos, (rows,))  # (no node where none is needed)
 
 
 _CLASSES: dict[type, type] = {}

@@ -8,12 +8,16 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from unikern.platform.kernel_cache import off_small_pool
 from unikern.stages.execute import cpu_kernels, paged_attention
 from unikern.stages.execute.windows import window_mask, window_start
 from unikern.stages.kv.pool import KVPool
 
 ZERO_BLOCK = 0  # reserved, all zeros: padded reads, and blocks a windowed table released
 SCRATCH_BLOCK = 1  # reserved: padded query positions write their keys/values here
+# a decode window's per-row arrays padded out of MLX's pool of small arrays (DecodeWindow);
+# built after session 18's H200 run, not yet measured in the engine
+PAD_STEP_ROWS = True
 
 
 def block_slots(blocks: tuple[int, ...], block_size: int) -> np.ndarray:
@@ -40,6 +44,7 @@ class BatchLayout:
     # written and read through slices, as a dense cache would be, with no gather at all
     span: tuple[int, int, int] | None = None
     span_from: int = 0  # the span's first position: a windowed row released the blocks before
+    lengths: mx.array | None = None  # [B] offsets + 1 where the layout made them (window_layout)
 
     @classmethod
     def build(cls, pool: KVPool, rows: list[tuple[tuple[int, ...], int, int]]) -> BatchLayout:
@@ -116,16 +121,26 @@ class DecodeWindow:
         if bucketed:  # few distinct shapes, so a compiled step is traced once per bucket
             L = length_bucket(L, kb)
             table_steps = 1 << (num_steps - 1).bit_length()
+        # the per-row arrays a step derives its offsets, lengths and write slots from hold
+        # at least 3 rows (the rows past B unused), so those are views of arrays of more
+        # than 8 bytes (window_layout): MLX's CUDA allocator keeps arrays of up to 8 bytes
+        # in a pool of managed memory that kernels read across the bus (on an H200 a
+        # kernel reading such an array took 12 us a launch against 2.5 from device memory,
+        # tools/results/gpu/session18/a-probe/probe-memory.log); a one-row step's q/k/v
+        # and attention kernels read them in every layer
+        padded = off_small_pool(B, 4) if PAD_STEP_ROWS else B
         read = np.zeros((B, L), dtype=np.int32)
-        write = np.full((table_steps, B), SCRATCH_BLOCK * bs, dtype=np.int32)
+        write = np.full((table_steps, padded), SCRATCH_BLOCK * bs, dtype=np.int32)
+        starts = np.zeros(padded, dtype=np.int32)
         for i, (blocks, start) in enumerate(rows):
             slots = block_slots(blocks, bs)
             read[i, : start + num_steps] = slots[: start + num_steps]
             write[:num_steps, i] = slots[start : start + num_steps]
+            starts[i] = start
         self.batch_size = B
         self.read_slots = mx.array(read)
         self.write_slots = mx.array(write)
-        self.starts = mx.array([start for _, start in rows], dtype=mx.int32)
+        self.starts = mx.array(starts)
         self.positions = mx.arange(L, dtype=mx.int32)[None]
 
     def step(self, i: int) -> BatchLayout:
@@ -136,15 +151,23 @@ def window_layout(
     starts: mx.array, step: int | mx.array, write_table: mx.array, read_slots: mx.array, positions: mx.array
 ) -> BatchLayout:
     """Step `step` of a decode window, from the window's tables (`step` may be an array:
-    the compiled decode step takes it as an input, so one trace serves every step)."""
-    offsets = starts + step
+    the compiled decode step takes it as an input, so one trace serves every step).
+    `starts` and the write table's rows may hold more entries than the B rows (see
+    DecodeWindow): the layout's offsets, lengths and write slots are views of their first B."""
+    B = read_slots.shape[0]
+
+    def first(a: mx.array) -> mx.array:  # (no slice node where there is nothing to cut)
+        return a if a.shape[0] == B else a[:B]
+
+    padded = starts + step
+    offsets = first(padded)
     seen = positions <= offsets[:, None]  # [B, L]
     # positions later steps will write read the zero block now, as padding does:
     # their slots hold stale or never-written bytes, which masking alone cannot keep
     # out of probs @ values (0 * NaN)
     read = mx.where(seen, read_slots, 0)
-    B = read_slots.shape[0]
-    return BatchLayout(B, 1, offsets, write_table[step], read, seen[:, None, None, :], [0] * B)
+    return BatchLayout(B, 1, offsets, first(write_table[step]), read, seen[:, None, None, :], [0] * B,
+                       lengths=first(padded + 1))
 
 
 def _head_major(x: mx.array) -> mx.array:
@@ -285,8 +308,9 @@ class PagedLayerCache:
         """This decode step's keys and values are in the pool: the routed SDPA reads them
         from there (paged_decode), its kernel after `after` (paged_attention.write's
         marker) where given."""
-        offsets = self.layout.offsets
-        lengths = offsets + 1 if isinstance(offsets, mx.array) else mx.array([offsets + 1], dtype=mx.int32)
+        offsets, lengths = self.layout.offsets, self.layout.lengths
+        if lengths is None:
+            lengths = offsets + 1 if isinstance(offsets, mx.array) else mx.array([offsets + 1], dtype=mx.int32)
         self._paged_inputs = (self.pool.keys[self.layer], self.pool.values[self.layer], self.layout.read_slots,
                               lengths, after)
 
