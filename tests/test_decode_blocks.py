@@ -392,7 +392,16 @@ def test_quantized_blocks_rotate_and_write_the_pool_inside_the_gemv_when_asked(m
     pool_writes_case(monkeypatch, emulate=True, fused=True, bits=4)
 
 
-def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int = 0) -> None:
+@emulation
+def test_ops_steps_rotate_and_write_the_pool_in_one_kernel_when_asked(monkeypatch):
+    """Steps of more rows than the kernels take, through the fused block's MLX ops
+    (ops_rows) with blocks.OPS_ROPE_WRITE: one kernel after the q/k/v matmul rotates q
+    and k and writes k and v into the pool (paged_attention.rope_write), no RoPE, no pool
+    write kernel, no scatter; the kernels in the emulation: the family's greedy tokens."""
+    pool_writes_case(monkeypatch, emulate=True, ops=True)
+
+
+def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int = 0, ops: bool = False) -> None:
     from unikern import messages as m
     from unikern.stages.execute import paged_attention, quantized
     from unikern.stages.execute import runner as runner_module
@@ -417,6 +426,11 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int =
     if bits:
         nn.quantize(model, group_size=32, bits=bits)
     prompts, steps = {"a": [5, 9, 11, 40, 7], "b": [6, 8, 21]}, 2 if bits else 3
+    if ops:  # more rows than the kernels take (block_gemv.MAX_ROWS)
+        prompts.update({"c": [3, 4], "d": [30, 31, 32, 33], "e": [12]})
+        monkeypatch.setattr(blocks, "OPS_ROPE_WRITE", True)
+        roped = []
+        monkeypatch.setattr(blocks, "rope_write", lambda *a: roped.append(1) or paged_attention.rope_write(*a))
     want = {r: greedy(model, p, steps + 1) for r, p in prompts.items()}
     fuse_projections(model, quantized=bool(bits))
     if bits:
@@ -425,14 +439,14 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int =
         monkeypatch.setattr(blocks, "gemv_swiglu", lambda *a: swiglus.append(1) or quantized.gemv_swiglu(*a))
         quantized.route_quantized_layers(model, 8, gemv=True)
     if fused:
-        assert blocks.fuse_decode_blocks(model, use_kernel=True) == 2
+        assert blocks.fuse_decode_blocks(model, use_kernel=True, ops_rows=8 if ops else 0) == 2
     geo = ModelGeometry(model)
     pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, dtype=geo.dtype,
-                  block_size=4, kernel_block_size=4, num_blocks=8, slab_blocks=8)
+                  block_size=4, kernel_block_size=4, num_blocks=16, slab_blocks=16)
     runner = runner_module.ModelRunner(model, pool, paged_attention=True, geometry=geo)
     assert runner.paged == "kernel"
     params = m.SamplingParams(max_tokens=16)
-    tables = {"a": (2, 3, 4), "b": (5, 6, 7)}  # blocks 0 and 1 are reserved (paged_cache)
+    tables = {"a": (2, 3, 4), "b": (5, 6, 7), "c": (8, 9), "d": (10, 11), "e": (12, 13)}  # 0, 1: reserved (paged_cache)
     first = runner.run(m.Step(0, tuple(m.SeqWork(r, tuple(p), 0, tables[r], True, params)
                                        for r, p in prompts.items()), 1), {})
     scatters = []
@@ -445,7 +459,10 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int =
     got = runner.run(m.Step(1, work, steps), {})
     assert {r: first[r] + got[r] for r in prompts} == want
     assert blocks.fused_steps(model, "pool_steps") == 2 * steps * fused and not scatters
-    if emulate and bits:
+    if ops:
+        assert blocks.fused_steps(model, "ops_steps") == 2 * steps and len(roped) == 2 * steps
+        assert launched.count("unikern_rope_write") == 2 * steps and "unikern_pool_write" not in launched
+    elif emulate and bits:
         assert launched.count("unikern_q4_gemv") == 4 * 2 * steps  # (the head: 97 features, not the GEMV's)
         assert "unikern_pool_write" not in launched and "unikern_block_gemv" not in launched
         assert len(swiglus) == 2 * steps

@@ -184,3 +184,40 @@ async def test_one_row_reads_the_pool_through_a_traced_step(tiny_llama, paged_de
     assert stats["compiled_decode"]["traces"] > 0 and calls and all(s[0] == 1 for s in calls)
     ok, note = compare_greedy(result.token_ids, reference_greedy(tiny_llama, prompt, 12))
     assert ok, note
+
+
+@pytest.mark.parametrize("trad", [False, True])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_rope_write_rotates_q_and_k_and_writes_the_pool(trad, dtype, monkeypatch):
+    """rope_write (the fused blocks' steps of more rows, blocks.OPS_ROPE_WRITE): q and k
+    rotated as RoPE does for each row's position, q returned as [B, H, 1, D], k and v in
+    the pool at the rows' slots and nothing else written; on a CUDA GPU, elsewhere its
+    source in the emulation (float32 only)."""
+    from tests.test_quantized_rows import rope_reference
+
+    if not cuda_is_default():
+        if dtype != mx.float32 or not cuda_emulation.available():
+            pytest.skip("the emulation takes float32 and needs g++ (C++20)")
+        monkeypatch.setattr(paged_attention, "cuda_kernel", cuda_emulation.emulated_cuda_kernels())
+    B, H, Hk, D = 5, 4, 2, 32
+    rng = np.random.default_rng(int(trad))
+    y = rng.standard_normal((B, (H + 2 * Hk) * D)).astype(np.float32)
+    pos = np.array([0, 7, 300, 12, 5], dtype=np.int32)
+    slots = np.array([9, 2, 14, 6, 11], dtype=np.int32)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, D, 2, dtype=np.float32) / D))
+    k_pool, v_pool = mx.zeros((Hk, 16, D), dtype), mx.zeros((Hk, 16, D), dtype)
+    mx.eval(k_pool, v_pool)
+    ya = mx.array(y).astype(dtype)
+    q = paged_attention.rope_write(ya, mx.array(pos), mx.array(inv_freq / np.pi), H, D, trad,
+                                   (k_pool, v_pool, mx.array(slots)))
+    mx.eval(q, k_pool, v_pool)
+    want = rope_reference(np.array(ya.astype(mx.float32)), pos, inv_freq, H, Hk, D, trad)
+    close = dict(rtol=2e-2, atol=2e-2) if dtype == mx.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
+    assert q.shape == (B, H, 1, D)
+    np.testing.assert_allclose(f32(q).reshape(B, -1), want[:, : H * D], **close)
+    np.testing.assert_allclose(f32(k_pool)[:, slots].transpose(1, 0, 2).reshape(B, -1), want[:, H * D : (H + Hk) * D],
+                               **close)
+    np.testing.assert_allclose(f32(v_pool)[:, slots].transpose(1, 0, 2).reshape(B, -1), want[:, (H + Hk) * D :],
+                               **close)
+    assert not f32(k_pool)[:, np.setdiff1d(np.arange(16), slots)].any()

@@ -4,7 +4,7 @@ time is spent on it.
 
 Each kernel is launched as the engine launches it (paged attention whole, split and
 merged, at several positions in flight; the 4-bit GEMV and tensor-core kernels; the
-residual add and norm; a decoder block's GEMV kernels; the pool writes) with `mx.fast.cuda_kernel` replaced by a stand-in that records
+residual add and norm; a decoder block's GEMV kernels; the pool writes and RoPE) with `mx.fast.cuda_kernel` replaced by a stand-in that records
 the call. The recorded source is wrapped as MLX's CUDA backend wraps a custom kernel
 (a `__global__` function whose parameters are the inputs, their shapes where the source
 reads them, and the outputs; template arguments as constants in its body) over a small
@@ -157,6 +157,11 @@ def record_launches() -> list[Build]:
                 # the decode step's keys and values written into the pool in place
                 new = mx.zeros((3, Hk, 1, D), dtype=dtype)
                 paged_attention.write(new, new, pool, pool, mx.zeros((3,), dtype=mx.int32))
+                # a step of more rows' q/k/v rotated and written by one kernel (blocks.OPS_ROPE_WRITE)
+                for trad in (False, True):
+                    paged_attention.rope_write(mx.zeros((64, (H + 2 * Hk) * D), dtype=dtype),
+                                               mx.zeros((64,), dtype=mx.int32), mx.zeros((D // 2,), dtype=mx.float32),
+                                               H, D, trad, (pool, pool, mx.zeros((64,), dtype=mx.int32)))
             for hidden in (2048, 4096):
                 norm = nn.RMSNorm(hidden)
                 norm.weight = norm.weight.astype(dtype)

@@ -79,6 +79,8 @@ Variants:
                or 300 (100 on an H200): CUDA graphs of fewer or more kernels
   engine-paged-blocks-ops  engine-paged-blocks with steps of 5-64 rows through the fused
                block's MLX ops instead of the family's code (execute.fuse_blocks_ops_rows=64)
+  engine-paged-blocks-ops-rw  engine-paged-blocks-ops with RoPE and the pool write of
+               those steps in one kernel after the q/k/v matmul (blocks.OPS_ROPE_WRITE = 1)
   engine-paged-blocks-scatter  engine-paged-blocks with the keys and values written into
                the pool by the cache's two scatters per layer, as before session 16, not in
                place by the q/k/v kernel (PagedLayerCache._kernel_reads off)
@@ -169,6 +171,7 @@ VARIANTS = {
     "engine-paged-blocks-handnorm": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-norm=2"]),
     "engine-paged-dmma": ({}, ["fused", "engine", "paged", "traced", "dmma"]),
     "engine-paged-blocks-ops": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-ops"]),
+    "engine-paged-blocks-ops-rw": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-ops", "ops-rw=1"]),
     "engine-paged-blocks-scatter": ({}, ["fused", "engine", "paged", "traced", "blocks", "pool-scatter"]),
     "engine-paged-write": ({}, ["fused", "engine", "paged", "traced", "pool-write=1"]),
     "engine-paged-q-blocks-ops": ({}, ["fused", "fused-q", "engine", "paged", "traced", "qgemv", "gemv-to-64",
@@ -201,7 +204,7 @@ SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("p
             "blocks-norm": ("blocks", "KERNEL_NORM"), "blocks-rope": ("blocks", "KERNEL_ROPE"),
             "pool-write": ("paged_attention", "WRITE_IN_PLACE"), "q-res": ("quantized", "GEMV_RESIDUAL"),
             "q-rope": ("quantized", "GEMV_ROPE"), "q-swiglu": ("quantized", "GEMV_SWIGLU"),
-            "step-pad": ("paged_cache", "PAD_STEP_ROWS")}
+            "step-pad": ("paged_cache", "PAD_STEP_ROWS"), "ops-rw": ("blocks", "OPS_ROPE_WRITE")}
 
 
 def compile_mlp_halves(model) -> int:

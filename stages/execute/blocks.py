@@ -77,6 +77,7 @@ from unikern.stages.execute.block_gemv import (
     counter,
     gemv,
 )
+from unikern.stages.execute.paged_attention import rope_write
 from unikern.stages.execute.quantized import epilogue_gemv_applies, gemv_rope, gemv_swiglu
 from unikern.stages.execute.routing import SDPA_NAME, layers_of, sdpa_module
 
@@ -106,6 +107,12 @@ BLOCKS = {
 # default since.
 KERNEL_NORM = 2
 KERNEL_ROPE = 1
+# steps through MLX's ops (more rows than the kernels take, up to ops_rows) whose attention
+# reads the pool: RoPE and the pool write by one kernel after the q/k/v matmul
+# (paged_attention.rope_write) instead of MLX's RoPE, the write kernel and six views per
+# layer (a 1B 64-row step's 373 primitives: 16 RoPE, 64 slices, 32 reshapes and 16 writes
+# of them). Built after session 18's H200 run, not yet run on a GPU: off.
+OPS_ROPE_WRITE = False
 
 
 def inverse_frequencies(rope: Any, head_dim: int) -> tuple[mx.array, bool] | None:
@@ -199,7 +206,7 @@ class FusedDecodeBlock:
         # kernel reads them back (two scatters fewer per layer and token)
         target = None
         q4_rope = not kernel and epilogue_gemv_applies(attn.fused_q_proj, rows, quantized.GEMV_ROPE)
-        if (kernel and KERNEL_ROPE or q4_rope) and hasattr(cache, "pool_target"):
+        if (kernel and KERNEL_ROPE or q4_rope or not kernel and OPS_ROPE_WRITE) and hasattr(cache, "pool_target"):
             target = cache.pool_target(H, D, x.dtype)
         ss = handed[1] if kernel and handed is not None and handed[0] is x else None
         q, k, v = self._qkv(plan, rows, offset, kernel, target, ss, q4_rope)
@@ -260,6 +267,9 @@ class FusedDecodeBlock:
                 return [y, y, y]  # (k and v: in the pool; the caller reads neither)
         else:
             y = _linear(fused, self.input_layernorm(rows), plan)
+            if pool is not None:  # (OPS_ROPE_WRITE) one kernel rotates q and k and writes k and v
+                q = rope_write(y, _positions(offset, B), plan.freq_pi, H, D, plan.traditional, pool)
+                return [q, q, q]  # (k and v: in the pool; the caller reads neither)
         qk = y[:, : (H + Hk) * D].reshape(B, H + Hk, 1, D)
         if not q4_rope:
             # q's and k's heads side by side through one RoPE (each head rotates alone, so
