@@ -79,8 +79,10 @@ def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, 
     """The 4-bit GEMV kernel's CUDA source, run on the CPU with a thread per lane: x times
     the dequantized weights, for fewer weight words than threads (k 128, 256), more (2048,
     8192: several loads per thread, 16-byte ones too), and rows in two passes, the second
-    partial (21); with 4- and 16-byte weight loads (GEMV_WIDE_LOADS)."""
+    partial (21); with 4- and 16-byte weight loads (GEMV_WIDE_LOADS); nibbles made floats
+    by a conversion, or for odd rows by the bits of 2^23 + q (GEMV_MAGIC_NIBBLES)."""
     monkeypatch.setattr(quantized, "GEMV_WIDE_LOADS", wide)
+    monkeypatch.setattr(quantized, "GEMV_MAGIC_NIBBLES", rows % 2 == 1)
     mx.random.seed(rows)
     w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=4)
     x = mx.random.normal((rows, k))
@@ -276,6 +278,7 @@ def test_steps_above_the_gemvs_rows_take_the_tensor_core_kernel_when_asked(monke
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_the_kernels_give_mlxs_quantized_matmul(kernel, rows, group_size, monkeypatch):
     monkeypatch.setattr(quantized, "GEMV_WIDE_LOADS", kernel == "gemv-wide")
+    monkeypatch.setattr(quantized, "GEMV_MAGIC_NIBBLES", rows % 2 == 1)  # (the GEMV's two ways to make nibbles floats)
     monkeypatch.setattr(quantized, "MMA_SHAPE", "wide" if kernel == "mma-wide" else "narrow")
     mx.random.seed(rows)
     w, scales, biases = mx.quantize(mx.random.normal((4096, 2048)).astype(mx.bfloat16), group_size=group_size, bits=4)

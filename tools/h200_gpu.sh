@@ -141,12 +141,15 @@ TAIL=6 step bench-8b-q4-never $RES/bench-gpu-8b-q4-never.json python3 "$REPO/too
 TAIL=40 step probe-1b $RES/probe-1b.json python3 "$REPO/tools/probe_cuda.py" --model $M/llama-1b \
   --json $RES/probe-1b.json
 # the engine's own decode (ModelRunner windows) with and without paged attention, one row and 64;
-# PROBE_PROMPT: the prompt's length (64 by default; longer for the attention at long contexts)
+# PROBE_PROMPT: the prompt's length (64 by default; longer for the attention at long contexts);
+# PROBE_ENGINE_ROWS_VARIANTS: another list for the steps of more than one row
 for rows in ${PROBE_ENGINE_ROWS:-1 64}; do
   n=rows$rows; [ -n "${PROBE_PROMPT:-}" ] && n=$n-prompt$PROBE_PROMPT
+  variants=${PROBE_ENGINE_VARIANTS:-engine engine-paged engine-paged-group}
+  [ "$rows" -gt 1 ] && variants=${PROBE_ENGINE_ROWS_VARIANTS:-$variants}
   LOG=probe-engine-1b-$n TAIL=30 step probe-engine "$RES/probe-engine-1b-$n.json" python3 "$REPO/tools/probe_cuda.py" \
     --model $M/llama-1b --rows "$rows" --prompt "${PROBE_PROMPT:-64}" \
-    --variants ${PROBE_ENGINE_VARIANTS:-engine engine-paged engine-paged-group} --repeats 3 --rounds ${PROBE_ROUNDS:-1} \
+    --variants $variants --repeats 3 --rounds ${PROBE_ROUNDS:-1} \
     --json "$RES/probe-engine-1b-$n.json"
 done
 # what a kernel's read of a small array costs, by where MLX put it (tools/probe_memory.py);

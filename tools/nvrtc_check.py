@@ -140,7 +140,8 @@ def record_launches() -> list[Build]:
             return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
         return launch
 
-    saved = (mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE)
+    saved = (mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE,
+             quantized.GEMV_MAGIC_NIBBLES)
     mx.fast.cuda_kernel = fake_cuda_kernel
     kernel_cache.cuda_kernel.cache_clear()
     try:
@@ -191,8 +192,11 @@ def record_launches() -> list[Build]:
                                 block_gemv.RESIDUAL, res=x, hand_ss=counter)
                     block_gemv.gemv(x, mx.zeros((2 * inter, hidden), dtype=dtype), block_gemv.SWIGLU, norm=norm, ss=ss)
         w, scales, biases = mx.quantize(mx.zeros((64, 4096), dtype=mx.bfloat16), group_size=64, bits=4)
-        for wide in (True, False):  # the defaults, then session 8's 4-byte loads and narrow blocks
+        # the defaults, the nibbles made floats by their bits (GEMV_MAGIC_NIBBLES), then
+        # session 8's 4-byte loads and narrow blocks
+        for wide, magic in ((True, False), (True, True), (False, False)):
             quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = wide, "wide" if wide else "narrow"
+            quantized.GEMV_MAGIC_NIBBLES = magic
             kernel_cache.cuda_kernel.cache_clear()
             for rows in (1, 9, 64):
                 x = mx.zeros((rows, 4096), dtype=mx.bfloat16)
@@ -202,7 +206,7 @@ def record_launches() -> list[Build]:
                     quantized.mma(x, w, scales, biases, 64, split=split)
         # the 8B shape's 4-bit q/k/v with RoPE (quantized.GEMV_ROPE), returned or into the
         # pool, and the gate/up GEMV's SwiGLU (GEMV_SWIGLU), with the default loads
-        quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = saved[2], saved[3]
+        quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE, quantized.GEMV_MAGIC_NIBBLES = saved[2], saved[3], saved[4]
         qkv = nn.QuantizedLinear(4096, 48 * 128, bias=False, group_size=64, bits=4)
         qkv.set_dtype(mx.bfloat16)
         for rows in (1, 3):
@@ -212,7 +216,8 @@ def record_launches() -> list[Build]:
                 quantized.gemv_rope(x, qkv, pos, freq_pi, 32 * 128, 128, False, target)
             quantized.gemv_swiglu(x, qkv)  # (the gate/up kernel: the same build for any N)
     finally:  # the stand-in and its kernels go: a test process goes on with the real ones
-        mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = saved
+        (mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE,
+         quantized.GEMV_MAGIC_NIBBLES) = saved
         kernel_cache.cuda_kernel.cache_clear()
     return builds
 

@@ -102,6 +102,8 @@ Variants:
                since session 18)
   engine-paged-q-blocks-s17  engine-paged-q-blocks as session 17 left it: RoPE, the pool
                write and SwiGLU outside the 4-bit GEMVs (q-rope=0, q-swiglu=0)
+  engine-paged-q-blocks-magic  engine-paged-q-blocks with the 4-bit GEMV's nibbles made
+               floats by the bits of 2^23 + q, not I2F (quantized.GEMV_MAGIC_NIBBLES = 1)
   engine-paged-blocks-smallpool, engine-paged-q-blocks-smallpool  those with a decode
                window's per-row arrays of one row in MLX's pool of small arrays, as up to
                session 18 (paged_cache.PAD_STEP_ROWS = 0)
@@ -182,7 +184,7 @@ VARIANTS = {
         ("res", ["q-res=1"]), ("write", ["pool-write=1"]), ("res-write", ["q-res=1", "pool-write=1"]),
         ("s16", ["q-res=0", "pool-write=0"]), ("rope", ["q-rope=1"]), ("swiglu", ["q-swiglu=1"]),
         ("epi", ["q-rope=1", "q-swiglu=1"]), ("s17", ["q-rope=0", "q-swiglu=0"]),
-        ("smallpool", ["step-pad=0"])]},
+        ("smallpool", ["step-pad=0"]), ("magic", ["q-magic=1"])]},
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops300": ({"MLX_MAX_OPS_PER_BUFFER": "300"}, ["fused", "engine", "paged", "traced"]),
@@ -204,7 +206,8 @@ SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("p
             "blocks-norm": ("blocks", "KERNEL_NORM"), "blocks-rope": ("blocks", "KERNEL_ROPE"),
             "pool-write": ("paged_attention", "WRITE_IN_PLACE"), "q-res": ("quantized", "GEMV_RESIDUAL"),
             "q-rope": ("quantized", "GEMV_ROPE"), "q-swiglu": ("quantized", "GEMV_SWIGLU"),
-            "step-pad": ("paged_cache", "PAD_STEP_ROWS"), "ops-rw": ("blocks", "OPS_ROPE_WRITE")}
+            "step-pad": ("paged_cache", "PAD_STEP_ROWS"), "ops-rw": ("blocks", "OPS_ROPE_WRITE"),
+            "q-magic": ("quantized", "GEMV_MAGIC_NIBBLES")}
 
 
 def compile_mlp_halves(model) -> int:

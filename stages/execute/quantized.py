@@ -91,7 +91,13 @@ _GEMV_BODY = """
             float wf[F][8];
             #pragma unroll
             for (int j = 0; j < F; ++j)
-                for (int i = 0; i < 8; ++i) wf[j][i] = s[j] * static_cast<float>((words[j][q] >> (4 * i)) & 15u) + b[j];
+                for (int i = 0; i < 8; ++i) {
+                    const unsigned nib = (words[j][q] >> (4 * i)) & 15u;
+                    // MAGIC: the nibble as the low bits of the float 2^23 + nib, less 2^23 (an OR
+                    // and an add, exact) instead of a conversion (an eighth of the FMAs' rate on sm_90)
+                    const float qf = MAGIC ? __int_as_float(0x4B000000 | nib) - 8388608.f : static_cast<float>(nib);
+                    wf[j][i] = s[j] * qf + b[j];
+                }
             #pragma unroll
             for (int r = 0; r < MT; ++r) {
                 if (r0 + r >= M) break;
@@ -168,6 +174,13 @@ _GEMV_ROPE_EPILOGUE = """        float y = static_cast<float>(static_cast<T>(sum
 _GEMV_SOURCE = _GEMV_BODY.replace("ROPE_EPILOGUE", "")
 _GEMV_ROPE_SOURCE = _GEMV_BODY.replace("ROPE_EPILOGUE", _GEMV_ROPE_EPILOGUE)
 GEMV_WARPS = 4  # warps per block, splitting K between them
+# the GEMV's nibbles made floats by the bits of 2^23 + q (MAGIC) instead of I2F, which
+# sm_90 runs at 16 per SM and clock against 128 FMAs: at one row each weight costs a
+# conversion and two FMAs, so an 8B token's ~7G conversions alone would take ~1.7 ms at
+# 1.98 GHz on 132 SMs, where its 4-bit GEMVs took 2.4 ms of GPU time in session 18
+# (tools/results/gpu/session18/c-probe8b). 76 registers against 63 at one row (NVRTC).
+# Built after that run, not yet run on a GPU: off.
+GEMV_MAGIC_NIBBLES = False
 GEMV_FEATURES = 4  # output features per block, each weight word read once for all rows
 GEMV_PASS_ROWS = 16  # rows per pass at most (registers: a thread keeps rows x features sums)
 # each thread's weight loads: 16 bytes (32 weights) per feature and load, or 4 (one word)
@@ -197,7 +210,7 @@ def gemv_launch(rows: int, n: int, k: int, group_size: int, res: bool = False,
     `rope`: ROPE's parameters (ROPE, HD, QN, KN, TRAD, POOL; see _GEMV_BODY)."""
     per_pass = 1 << (min(rows, GEMV_PASS_ROWS) - 1).bit_length()
     constants = {"K": k, "GS": group_size, "MT": per_pass, "GEMV_W": GEMV_WARPS, "GEMV_F": GEMV_FEATURES,
-                 "GEMV_WPL": 4 if GEMV_WIDE_LOADS else 1, "RES": int(res),
+                 "GEMV_WPL": 4 if GEMV_WIDE_LOADS else 1, "MAGIC": int(GEMV_MAGIC_NIBBLES), "RES": int(res),
                  "SWIGLU": 0, **(rope or {"ROPE": 0, "HD": 2, "QN": 0, "KN": 0, "TRAD": 0, "POOL": 0})}
     return constants, -(-rows // per_pass) * -(-n // GEMV_FEATURES)
 
