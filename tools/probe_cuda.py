@@ -104,6 +104,9 @@ Variants:
                write and SwiGLU outside the 4-bit GEMVs (q-rope=0, q-swiglu=0)
   engine-paged-q-blocks-magic  engine-paged-q-blocks with the 4-bit GEMV's nibbles made
                floats by the bits of 2^23 + q, not I2F (quantized.GEMV_MAGIC_NIBBLES = 1)
+  engine-paged-q-blocks-magic-f8, -magic-w8  that with 8 output features per block
+               (quantized.GEMV_FEATURES = 8: each thread 8 weight loads in flight), or 8
+               warps per block (GEMV_WARPS = 8)
   engine-paged-blocks-smallpool, engine-paged-q-blocks-smallpool  those with a decode
                window's per-row arrays of one row in MLX's pool of small arrays, as up to
                session 18 (paged_cache.PAD_STEP_ROWS = 0)
@@ -184,7 +187,8 @@ VARIANTS = {
         ("res", ["q-res=1"]), ("write", ["pool-write=1"]), ("res-write", ["q-res=1", "pool-write=1"]),
         ("s16", ["q-res=0", "pool-write=0"]), ("rope", ["q-rope=1"]), ("swiglu", ["q-swiglu=1"]),
         ("epi", ["q-rope=1", "q-swiglu=1"]), ("s17", ["q-rope=0", "q-swiglu=0"]),
-        ("smallpool", ["step-pad=0"]), ("magic", ["q-magic=1"])]},
+        ("smallpool", ["step-pad=0"]), ("magic", ["q-magic=1"]), ("magic-f8", ["q-magic=1", "q-features=8"]),
+        ("magic-w8", ["q-magic=1", "q-warps=8"])]},
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops300": ({"MLX_MAX_OPS_PER_BUFFER": "300"}, ["fused", "engine", "paged", "traced"]),
@@ -207,7 +211,8 @@ SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("p
             "pool-write": ("paged_attention", "WRITE_IN_PLACE"), "q-res": ("quantized", "GEMV_RESIDUAL"),
             "q-rope": ("quantized", "GEMV_ROPE"), "q-swiglu": ("quantized", "GEMV_SWIGLU"),
             "step-pad": ("paged_cache", "PAD_STEP_ROWS"), "ops-rw": ("blocks", "OPS_ROPE_WRITE"),
-            "q-magic": ("quantized", "GEMV_MAGIC_NIBBLES")}
+            "q-magic": ("quantized", "GEMV_MAGIC_NIBBLES"), "q-features": ("quantized", "GEMV_FEATURES"),
+            "q-warps": ("quantized", "GEMV_WARPS")}
 
 
 def compile_mlp_halves(model) -> int:
