@@ -354,36 +354,42 @@ def write(keys: mx.array, values: mx.array, pool_k: mx.array, pool_v: mx.array, 
     return done
 
 
-# a decode step's q/k/v rows [B, N] (q's heads, then k's, then v's; a matmul's output),
-# each thread one feature of one row: q and k rotated for the row's position (RoPE over
-# the whole head, pairs i and i + HD/2, or 2i and 2i + 1 when TRAD), computed in float32
-# and rounded once as MLX's RoPE does; q out as [B, H, 1, HD], k and v into the pool at
-# the row's slot, in place (the attention kernel takes q, which orders it after this).
+# One feature f of a decode step's q/k/v row `row` (q's heads, then k's, then v's; QN and
+# KN features), its value y (float): q and k rotated with the other of their RoPE pair
+# (pairs i and i + HD/2, or 2i and 2i + 1 when TRAD; PAIR, an expression of `d`, f's index
+# in its head, gives the other's value) for the row's position, computed in float32 and
+# rounded once as MLX's RoPE does; q stored to out [rows, QN] (all of q, k and v to out
+# [rows, N] without POOL), k and v into the pool [kv heads, slots, HD] at the row's slot,
+# in place. Shared by rope_write and the 4-bit GEMV's RoPE epilogue (quantized.py).
+ROPE_STORE = """
+        if (f < QN + KN) {  // q or k: rotated with the other of its pair
+            const int d = f % HD;
+            const bool second = TRAD ? (d & 1) : (d >= HD / 2);
+            const float yp = PAIR;
+            float sn, cs;  // the angle in units of pi: an exact range reduction, no slow path
+            sincospif(static_cast<float>(pos[row]) * freq_pi[TRAD ? d / 2 : d % (HD / 2)], &sn, &cs);
+            y = second ? y * cs + yp * sn : y * cs - yp * sn;
+        }
+        if (!POOL || f < QN) {
+            out[(size_t)row * (POOL ? QN : N) + f] = static_cast<T>(y);
+        } else {  // k or v of kv head c / HD
+            const bool is_v = f >= QN + KN;
+            const int c = f - (is_v ? QN + KN : QN);
+            T* pool = is_v ? const_cast<T*>(v_pool) : const_cast<T*>(k_pool);
+            pool[((size_t)(c / HD) * k_pool_shape[1] + slots[row]) * HD + c % HD] = static_cast<T>(y);
+        }"""
+# a decode step's q/k/v rows [B, N] (a matmul's output), each thread one feature of one
+# row through ROPE_STORE (the attention kernel takes q, which orders it after the writes).
 # It replaces the fused blocks' MLX ops between a step of more rows' q/k/v matmul and the
 # attention: RoPE, the pool write and the four slices and two reshapes around them.
 _ROPE_WRITE_SOURCE = """
     const int i = blockIdx.x * blockDim.x + threadIdx.x;  // over B * N
-    const int N = y_shape[1];
-    if (i < y_shape[0] * N) {
+    const int N = qkv_shape[1];
+    if (i < qkv_shape[0] * N) {
         const int row = i / N, f = i % N;
-        float v = static_cast<float>(y[i]);
-        if (f < QN + KN) {  // q or k: rotated with the other half of its pair
-            const int j = f % HD, half = HD / 2;
-            const int other = TRAD ? (j ^ 1) : (j < half ? j + half : j - half);
-            const bool second = TRAD ? (j & 1) : (j >= half);
-            const float w = static_cast<float>(y[i - j + other]);
-            float sn, cs;  // the angle in units of pi: an exact range reduction, no slow path
-            sincospif(static_cast<float>(pos[row]) * freq_pi[TRAD ? j / 2 : j % half], &sn, &cs);
-            v = second ? v * cs + w * sn : v * cs - w * sn;
-        }
-        if (f < QN) {
-            q[(size_t)row * QN + f] = static_cast<T>(v);
-        } else {  // k or v of kv head c / HD: into the pool [kv heads, slots, HD]
-            const bool is_v = f >= QN + KN;
-            const int c = f - (is_v ? QN + KN : QN);
-            T* to = is_v ? const_cast<T*>(v_pool) : const_cast<T*>(k_pool);
-            to[((size_t)(c / HD) * k_pool_shape[1] + slots[row]) * HD + c % HD] = static_cast<T>(v);
-        }
+        float y = static_cast<float>(qkv[i]);
+""" + ROPE_STORE.replace(
+    "PAIR", "static_cast<float>(qkv[i - d + (TRAD ? (d ^ 1) : (second ? d - HD / 2 : d + HD / 2))])") + """
     }
 """
 
@@ -399,9 +405,9 @@ def rope_write(y: mx.array, pos: mx.array, freq_pi: mx.array, heads: int, head_d
     k_pool, v_pool, slots = pool
     B, N = y.shape
     q_features = heads * head_dim
-    kernel = cuda_kernel("unikern_rope_write", ("y", "pos", "freq_pi", "k_pool", "v_pool", "slots"),
-                         _ROPE_WRITE_SOURCE, outputs=("q",))
-    constants = {"HD": head_dim, "QN": q_features, "KN": (N - q_features) // 2, "TRAD": int(traditional)}
+    kernel = cuda_kernel("unikern_rope_write", ("qkv", "pos", "freq_pi", "k_pool", "v_pool", "slots"),
+                         _ROPE_WRITE_SOURCE)
+    constants = {"HD": head_dim, "QN": q_features, "KN": (N - q_features) // 2, "TRAD": int(traditional), "POOL": 1}
     (q,) = kernel(inputs=[y, pos.astype(mx.int32), freq_pi, k_pool, v_pool, slots.astype(mx.int32)],
                   template=[("T", y.dtype), *constants.items()],
                   grid=(-(-B * N // WRITE_THREADS) * WRITE_THREADS, 1, 1), threadgroup=(WRITE_THREADS, 1, 1),

@@ -14,6 +14,7 @@ from mlx.nn.layers.distributed import (
 )
 
 from unikern.platform.kernel_cache import cuda_kernel, placeholder
+from unikern.stages.execute.paged_attention import ROPE_STORE
 
 # Rows from which a step multiplies dequantized weights (None: never), by backend. MLX's
 # CPU and CUDA quantized matmuls cost about one row's time per row (CPU, 4096x4096 4-bit:
@@ -156,21 +157,7 @@ ROPE_EPILOGUE
 # ROPE's epilogue, in a build of its own (`_GEMV_ROPE_SOURCE`): the other builds keep
 # their five inputs, since each input costs the host a little at every launch
 _GEMV_ROPE_EPILOGUE = """        float y = static_cast<float>(static_cast<T>(sum));  // the product, rounded
-        if (f < QN + KN) {
-            const float yp = static_cast<float>(static_cast<T>(other));
-            const int i = TRAD ? (f % HD) / 2 : (f % HD) % (HD / 2);
-            float sn, cs;  // the angle in units of pi: an exact range reduction, no slow path
-            sincospif(static_cast<float>(pos[row]) * freq_pi[i], &sn, &cs);
-            y = (j & 1) ? y * cs + yp * sn : y * cs - yp * sn;
-        }
-        if (!POOL || f < QN) {
-            out[(size_t)row * (POOL ? QN : N) + f] = static_cast<T>(y);
-        } else {  // k or v of kv head c / HD: into the pool [kv heads, slots, HD] at the row's slot
-            const bool is_v = f >= QN + KN;
-            const int c = f - (is_v ? QN + KN : QN);
-            T* pool = is_v ? const_cast<T*>(v_pool) : const_cast<T*>(k_pool);
-            pool[((size_t)(c / HD) * k_pool_shape[1] + slots[row]) * HD + c % HD] = static_cast<T>(y);
-        }"""
+""" + ROPE_STORE.replace("PAIR", "static_cast<float>(static_cast<T>(other))")
 _GEMV_SOURCE = _GEMV_BODY.replace("ROPE_EPILOGUE", "")
 _GEMV_ROPE_SOURCE = _GEMV_BODY.replace("ROPE_EPILOGUE", _GEMV_ROPE_EPILOGUE)
 GEMV_WARPS = 4  # warps per block, splitting K between them
