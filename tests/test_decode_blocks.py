@@ -269,6 +269,23 @@ def test_quantized_blocks_take_mlx_ops():
         np.testing.assert_array_equal(a, b)
 
 
+def test_ops_rows_left_to_the_blocks_take_unquantized_steps_to_64_rows_and_4bit_ones_to_4():
+    """ops_rows None (execute.fuse_blocks_ops_rows "auto"): unquantized blocks' steps of up
+    to AUTO_OPS_ROWS rows through MLX's ops, 4-bit blocks' only up to the kernels' rows."""
+    six = [[5 + r, 9, 11 + 2 * r] for r in range(6)]
+    plain, four_bit = tiny("llama"), tiny("llama")
+    nn.quantize(four_bit, group_size=32, bits=4)
+    fuse_projections(plain)
+    fuse_projections(four_bit, quantized=True)
+    for model in (plain, four_bit):
+        assert blocks.fuse_decode_blocks(model, use_kernel=False, ops_rows=None) == 2
+        decode_logits(model, six, 3)
+    assert blocks.fused_steps(plain) == blocks.fused_steps(plain, "ops_steps") == 2 * 3
+    assert {b.__dict__["_block_plan"].max_rows for b in blocks.layers_of(plain)} == {blocks.AUTO_OPS_ROWS}
+    assert blocks.fused_steps(four_bit) == 0  # 6 rows > the kernels' 4: the family's own code
+    assert {b.__dict__["_block_plan"].max_rows for b in blocks.layers_of(four_bit)} == {blocks.MAX_ROWS}
+
+
 def test_quantized_blocks_add_their_residuals_inside_the_gemv_when_asked(monkeypatch):
     """4-bit blocks with unikern's GEMV routing and quantized.GEMV_RESIDUAL: the o and down
     projections' residual adds go inside the GEMV (a stand-in with MLX's kernel here),

@@ -110,9 +110,15 @@ KERNEL_ROPE = 1
 # steps through MLX's ops (more rows than the kernels take, up to ops_rows) whose attention
 # reads the pool: RoPE and the pool write by one kernel after the q/k/v matmul
 # (paged_attention.rope_write) instead of MLX's RoPE, the write kernel and six views per
-# layer (a 1B 64-row step's 373 primitives: 16 RoPE, 64 slices, 32 reshapes and 16 writes
-# of them). Built after session 18's H200 run, not yet run on a GPU: off.
-OPS_ROPE_WRITE = False
+# layer. On an H200 (tools/results/gpu/session19/b-probe) a 1B 64-row step went from 373
+# primitives and 243 kernels to 261 and 211, 2.31 / 2.41 ms to 1.63 / 1.80 in two rounds,
+# the same tokens; its CUDA test passed. The default since.
+OPS_ROPE_WRITE = True
+# ops_rows when the caller leaves it to the blocks (execute.fuse_blocks_ops_rows "auto"):
+# unquantized blocks through MLX's ops up to 64 rows (session 19: tools/results/gpu/
+# session19/d-bench); 4-bit blocks only up to the kernels' MAX_ROWS, as before (not
+# measured above it)
+AUTO_OPS_ROWS = 64
 
 
 def inverse_frequencies(rope: Any, head_dim: int) -> tuple[mx.array, bool] | None:
@@ -301,7 +307,7 @@ def _family_class(block: Any) -> type | None:
     return next((c for c in type(block).__mro__ if (c.__module__, c.__name__) in BLOCKS), None)
 
 
-def _plan(block: Any, use_kernel: bool, ops_rows: int = 0) -> BlockPlan | None:
+def _plan(block: Any, use_kernel: bool, ops_rows: int | None = 0) -> BlockPlan | None:
     """The block's plan, or None where it is not one the fused steps take."""
     attn, mlp = block.get("self_attn"), block.get("mlp")
     if attn is None or mlp is None or _family_class(block) is None:
@@ -337,16 +343,18 @@ def _plan(block: Any, use_kernel: bool, ops_rows: int = 0) -> BlockPlan | None:
     eps = tuple(float(n.eps) for n in norms)
     transposed = {} if quantized else {id(layer): layer["weight"].T for layer in linears}
     mx.eval(list(transposed.values()))  # views: the weights' own buffers
+    if ops_rows is None:
+        ops_rows = 0 if quantized else AUTO_OPS_ROWS
     return BlockPlan(H, Hk, D, attn.scale, attn.rope, rope[0] / math.pi, rope[1], eps, module,
                      use_kernel and not quantized, ops_rows, transposed)
 
 
-def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int = 0) -> int:
+def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int | None = 0) -> int:
     """Give every block of `model` that the fused steps take their `__call__`; returns how
     many blocks (0: the model as it was). `use_kernel`: the CUDA kernels (default: where
     MLX's default device is CUDA), for steps of up to MAX_ROWS rows. `ops_rows`: steps of
     more rows, up to this many, run the fused steps through MLX's ops (0: the family's
-    own code)."""
+    own code; None: AUTO_OPS_ROWS for unquantized blocks, 0 for 4-bit ones)."""
     use_kernel = cuda_is_default() if use_kernel is None else use_kernel
     layers = layers_of(model)
     plans = [_plan(block, use_kernel, ops_rows) for block in layers]

@@ -108,14 +108,15 @@ class MLXExecuteParams(StageParams, frozen=True):
     # with fuse_blocks, decode steps of more rows than its kernels take (4), up to this
     # many, run the same block through MLX's ops instead of the family's code (4-bit
     # blocks, which the kernels do not take: every step of up to this many rows): 2-D
-    # matmuls through the weights' transposed views made once, q and k through one RoPE,
-    # no layout round trips: fewer graph nodes for MLX to encode each step (on an H200
-    # ~1 us of the host's time per view, 2-4 us per kernel: tools/results/gpu/session15;
-    # a 1B step there held 711 nodes, 44 per block). On the CPU machine a 16-row step of
-    # llama-5m went from 420 nodes to 324 (tools/probe_cuda.py's census), its values bit
-    # for bit the family's (tests/test_decode_blocks.py); not measured on a GPU yet, so
-    # 0 (off) by default
-    fuse_blocks_ops_rows: int = 0
+    # matmuls through the weights' transposed views made once, q and k rotated and written
+    # into the pool by one kernel (blocks.OPS_ROPE_WRITE), no layout round trips: fewer
+    # graph nodes for MLX to encode each step (a 1B 64-row step: 261 primitives against
+    # the family's 629). On an H200 (tools/results/gpu/session19) a 1B 64-row step took
+    # 1.63 / 1.80 ms in two rounds against the family's 3.30 / 2.17, the same tokens, and the
+    # three engines gave 0.91x and 0.89x llama.cpp at 64 requests (session 16: 0.64x).
+    # "auto": 64 for unquantized blocks; 4-bit blocks keep the kernels' 4 (not measured
+    # there above 4 rows); 0: the kernels' rows only
+    fuse_blocks_ops_rows: int | Literal["auto"] = "auto"
     # plain bfloat16 linear layers (the fused projections' among them), steps of 5 to 64
     # rows: unikern's tensor-core kernel (stages/execute/dense_mma.py) instead of MLX's
     # cuBLASLt matmul, whose encoding costs the host 13-17 us per call on an H200 against
@@ -169,8 +170,8 @@ class MLXExecuteParams(StageParams, frozen=True):
         problems = []
         if isinstance(self.dequantize_rows, int) and self.dequantize_rows < 1:
             problems.append(f"dequantize_rows: must be >= 1, \"auto\" or \"never\", got {self.dequantize_rows}")
-        if self.fuse_blocks_ops_rows < 0:
-            problems.append(f"fuse_blocks_ops_rows: must be >= 0 (0: off), got {self.fuse_blocks_ops_rows}")
+        if isinstance(self.fuse_blocks_ops_rows, int) and self.fuse_blocks_ops_rows < 0:
+            problems.append(f"fuse_blocks_ops_rows: must be >= 0 (0: off) or \"auto\", got {self.fuse_blocks_ops_rows}")
         if self.gil_switch_ms is not None and not self.gil_switch_ms > 0:
             problems.append(f"gil_switch_ms: must be > 0 (ms) or unset for Python's own 5 ms, got {self.gil_switch_ms}")
         if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
