@@ -50,8 +50,7 @@ def reference_greedy(path: str, prompt_tokens: list[int], max_tokens: int) -> Re
 # allowed difference, but each is counted: more than this many in one test fails it, as
 # a drift that keeps landing on near-ties is a bug. Every one is listed after the run.
 MAX_NEAR_TIES_PER_TEST = 2
-_near_ties: list[str] = []  # the running test's
-_all_near_ties: list[tuple[str, str]] = []  # (test id, note) for the summary
+from tests.near_ties import NOTES as _near_ties  # noqa: E402  (the running test's)
 
 
 def compare_greedy(ours: list[int], ref: Reference) -> tuple[bool, str]:
@@ -136,14 +135,19 @@ def near_tie_budget(request):
     _near_ties.clear()
     yield
     found = list(_near_ties)
-    _all_near_ties.extend((request.node.nodeid, note) for note in found)
+    # for the run's summary: a test's user properties travel with its report, from
+    # pytest-xdist's worker processes too
+    request.node.user_properties.extend(("near-tie", note) for note in found)
     assert len(found) <= MAX_NEAR_TIES_PER_TEST, (
         f"{len(found)} near-ties in one test (at most {MAX_NEAR_TIES_PER_TEST}): {found}"
     )
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    if _all_near_ties:
-        terminalreporter.section(f"near-ties: {len(_all_near_ties)} (allowed differences, counted)")
-        for nodeid, note in _all_near_ties:
+    found = [(report.nodeid, note) for reports in terminalreporter.stats.values() for report in reports
+             if getattr(report, "when", None) == "teardown"
+             for name, note in getattr(report, "user_properties", ()) if name == "near-tie"]
+    if found:
+        terminalreporter.section(f"near-ties: {len(found)} (allowed differences, counted)")
+        for nodeid, note in found:
             terminalreporter.write_line(f"{nodeid}: {note}")

@@ -69,3 +69,13 @@ def test_near_ties_are_counted_not_printed():
     assert conftest._near_ties == [note]  # counted against this test's budget
     conftest._near_ties.clear()  # a made-up one: not for the run's summary
     assert compare_greedy([4, 6, 7], ref)[0] is False and conftest._near_ties == []
+
+
+def test_the_budget_sees_the_near_ties_the_test_modules_count():
+    """The budget's fixture (pytest's `conftest`) and `compare_greedy` as the test modules
+    import it (`tests.conftest`) share one list: a near-tie counted here reaches it."""
+    import sys
+
+    from tests import conftest
+
+    assert sys.modules["conftest"]._near_ties is conftest._near_ties
