@@ -100,6 +100,27 @@ def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, 
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+@pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+@pytest.mark.parametrize("warps,features", [(1, 4), (2, 4), (4, 2), (2, 8)])
+def test_the_gemv_holds_for_other_block_shapes_in_an_emulation(warps, features, monkeypatch):
+    """The block shapes tools/probe_cuda.py's -w1, -w2, -f2 and -w2-f8 variants try on a
+    GPU (GEMV_WARPS, GEMV_FEATURES): each thread then covers more of K, or a block more or
+    fewer features, with the residual added inside; still x times the dequantized weights."""
+    monkeypatch.setattr(quantized, "GEMV_WARPS", warps)
+    monkeypatch.setattr(quantized, "GEMV_FEATURES", features)
+    rows, n, k, group_size = 3, 16, 4096, 64  # the 8B shape's K: 128 16-byte loads per feature
+    mx.random.seed(warps * 10 + features)
+    w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=4)
+    x, res = mx.random.normal((rows, k)), mx.random.normal((rows, n))
+    inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases),
+              "res": np.array(res)}
+    constants, blocks = quantized.gemv_launch(rows, n, k, group_size, res=True)
+    assert (constants["GEMV_W"], constants["GEMV_F"], blocks) == (warps, features, n // features)
+    got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, constants, blocks, warps * 32, (rows, n))
+    want = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T + res
+    np.testing.assert_allclose(got, np.array(want), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_the_gemv_source_gives_swiglu_of_gate_and_up_in_an_emulation(rows):
     """SWIGLU: the gate/up GEMV (w's rows gate, then up) gives silu(gate) * up, [rows, N/2]."""

@@ -107,6 +107,9 @@ Variants:
   engine-paged-q-blocks-magic-f8, -magic-w8  that with 8 output features per block
                (quantized.GEMV_FEATURES = 8: each thread 8 weight loads in flight), or 8
                warps per block (GEMV_WARPS = 8)
+  engine-paged-q-blocks-w1, -w2, -f2, -w2-f8  the 4-bit GEMV's blocks of 1 or 2 warps
+               (each thread then loops over 4 or 2 of a K = 4096 row's 16-byte loads per
+               feature, where 4 warps give it one), of 2 features, or 2 warps of 8
   engine-paged-blocks-smallpool, engine-paged-q-blocks-smallpool  those with a decode
                window's per-row arrays of one row in MLX's pool of small arrays, as up to
                session 18 (paged_cache.PAD_STEP_ROWS = 0)
@@ -188,7 +191,8 @@ VARIANTS = {
         ("s16", ["q-res=0", "pool-write=0"]), ("rope", ["q-rope=1"]), ("swiglu", ["q-swiglu=1"]),
         ("epi", ["q-rope=1", "q-swiglu=1"]), ("s17", ["q-rope=0", "q-swiglu=0"]),
         ("smallpool", ["step-pad=0"]), ("magic", ["q-magic=1"]), ("magic-f8", ["q-magic=1", "q-features=8"]),
-        ("magic-w8", ["q-magic=1", "q-warps=8"])]},
+        ("magic-w8", ["q-magic=1", "q-warps=8"]), ("w1", ["q-warps=1"]), ("w2", ["q-warps=2"]),
+        ("f2", ["q-features=2"]), ("w2-f8", ["q-warps=2", "q-features=8"])]},
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops300": ({"MLX_MAX_OPS_PER_BUFFER": "300"}, ["fused", "engine", "paged", "traced"]),
