@@ -101,15 +101,19 @@ def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
-@pytest.mark.parametrize("warps,features", [(1, 4), (2, 4), (4, 2), (2, 8)])
-def test_the_gemv_holds_for_other_block_shapes_in_an_emulation(warps, features, monkeypatch):
-    """The block shapes tools/probe_cuda.py's -w1, -w2, -f2 and -w2-f8 variants try on a
-    GPU (GEMV_WARPS, GEMV_FEATURES): each thread then covers more of K, or a block more or
-    fewer features, with the residual added inside; still x times the dequantized weights."""
+@pytest.mark.parametrize("warps,features,unroll", [(1, 4, 1), (2, 4, 1), (4, 2, 1), (2, 8, 1), (1, 4, 4),
+                                                   (2, 4, 2), (1, 4, 3)])
+def test_the_gemv_holds_for_other_block_shapes_in_an_emulation(warps, features, unroll, monkeypatch):
+    """The block shapes tools/probe_cuda.py's -w1, -w2, -f2, -w2-f8, -w1-u4 and -w2-u2
+    variants try on a GPU (GEMV_WARPS, GEMV_FEATURES, GEMV_UNROLL): each thread then covers
+    more of K, a block more or fewer features, or a thread's loop several strides per pass
+    (3: the last pass partial), with the residual added inside; still x times the
+    dequantized weights."""
     monkeypatch.setattr(quantized, "GEMV_WARPS", warps)
     monkeypatch.setattr(quantized, "GEMV_FEATURES", features)
+    monkeypatch.setattr(quantized, "GEMV_UNROLL", unroll)
     rows, n, k, group_size = 3, 16, 4096, 64  # the 8B shape's K: 128 16-byte loads per feature
-    mx.random.seed(warps * 10 + features)
+    mx.random.seed(warps * 100 + features * 10 + unroll)
     w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=4)
     x, res = mx.random.normal((rows, k)), mx.random.normal((rows, n))
     inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases),

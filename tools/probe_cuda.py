@@ -109,7 +109,8 @@ Variants:
                warps per block (GEMV_WARPS = 8)
   engine-paged-q-blocks-w1, -w2, -f2, -w2-f8  the 4-bit GEMV's blocks of 1 or 2 warps
                (each thread then loops over 4 or 2 of a K = 4096 row's 16-byte loads per
-               feature, where 4 warps give it one), of 2 features, or 2 warps of 8
+               feature, where 4 warps give it one), of 2 features, or 2 warps of 8;
+               -w1-u4, -w2-u2: 1 or 2 warps with that loop unrolled (GEMV_UNROLL)
   engine-paged-blocks-smallpool, engine-paged-q-blocks-smallpool  those with a decode
                window's per-row arrays of one row in MLX's pool of small arrays, as up to
                session 18 (paged_cache.PAD_STEP_ROWS = 0)
@@ -192,7 +193,8 @@ VARIANTS = {
         ("epi", ["q-rope=1", "q-swiglu=1"]), ("s17", ["q-rope=0", "q-swiglu=0"]),
         ("smallpool", ["step-pad=0"]), ("magic", ["q-magic=1"]), ("magic-f8", ["q-magic=1", "q-features=8"]),
         ("magic-w8", ["q-magic=1", "q-warps=8"]), ("w1", ["q-warps=1"]), ("w2", ["q-warps=2"]),
-        ("f2", ["q-features=2"]), ("w2-f8", ["q-warps=2", "q-features=8"])]},
+        ("f2", ["q-features=2"]), ("w2-f8", ["q-warps=2", "q-features=8"]),
+        ("w1-u4", ["q-warps=1", "q-unroll=4"]), ("w2-u2", ["q-warps=2", "q-unroll=2"])]},
     "engine-paged-nographs": ({"MLX_USE_CUDA_GRAPHS": "0"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops50": ({"MLX_MAX_OPS_PER_BUFFER": "50"}, ["fused", "engine", "paged", "traced"]),
     "engine-paged-ops300": ({"MLX_MAX_OPS_PER_BUFFER": "300"}, ["fused", "engine", "paged", "traced"]),
@@ -216,7 +218,7 @@ SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("p
             "q-rope": ("quantized", "GEMV_ROPE"), "q-swiglu": ("quantized", "GEMV_SWIGLU"),
             "step-pad": ("paged_cache", "PAD_STEP_ROWS"), "ops-rw": ("blocks", "OPS_ROPE_WRITE"),
             "q-magic": ("quantized", "GEMV_MAGIC_NIBBLES"), "q-features": ("quantized", "GEMV_FEATURES"),
-            "q-warps": ("quantized", "GEMV_WARPS")}
+            "q-warps": ("quantized", "GEMV_WARPS"), "q-unroll": ("quantized", "GEMV_UNROLL")}
 
 
 def compile_mlp_halves(model) -> int:

@@ -69,7 +69,14 @@ _GEMV_BODY = """
     float acc[MT][F];
     for (int r = 0; r < MT; ++r)
         for (int j = 0; j < F; ++j) acc[r][j] = 0.f;
-    for (int c = threadIdx.x; c < WORDS / WPL; c += blockDim.x) {
+    // the block's threads (GEMV_W warps) stride together, GEMV_U strides per pass of the
+    // outer loop, unrolled: a thread's loads of a pass can be issued before its FMAs
+    constexpr int STRIDE = GEMV_W * 32;
+    for (int c0 = threadIdx.x; c0 < WORDS / WPL; c0 += STRIDE * GEMV_U) {
+      #pragma unroll
+      for (int u = 0; u < GEMV_U; ++u) {
+        const int c = c0 + u * STRIDE;
+        if ((WORDS / WPL) % (STRIDE * GEMV_U) && c >= WORDS / WPL) break;  // (whole passes: no test)
         const int g = (c * WPL * 8) / GS;  // 8 * WPL <= 32 weights: inside one scale group
         unsigned words[F][4];  // the first WPL used
         float s[F], b[F];
@@ -114,6 +121,7 @@ _GEMV_BODY = """
                 }
             }
         }
+      }
     }
     __shared__ float partial[GEMV_W][MT * F];
     const int warp = threadIdx.x / 32;
@@ -166,10 +174,17 @@ GEMV_WARPS = 4  # warps per block, splitting K between them
 # conversion and two FMAs, so an 8B token's ~7G conversions alone would take ~1.7 ms at
 # 1.98 GHz on 132 SMs, where its 4-bit GEMVs took 2.4 ms of GPU time in session 18
 # (tools/results/gpu/session18/c-probe8b). 76 registers against 63 at one row (NVRTC).
-# Built after that run, not yet run on a GPU: off.
+# On an H200 in session 19 (tools/results/gpu/session19/b-probe) slower: the 8B gate/up
+# GEMV 1,240 against 1,155 us per token, so the conversions are not what bounds it: off.
 GEMV_MAGIC_NIBBLES = False
 GEMV_FEATURES = 4  # output features per block, each weight word read once for all rows
 GEMV_PASS_ROWS = 16  # rows per pass at most (registers: a thread keeps rows x features sums)
+# iterations of a thread's loop over K per pass, unrolled: with fewer warps per block
+# (GEMV_WARPS 1 or 2) a thread walks 4 or 2 of a K = 4096 row's 16-byte loads per
+# feature, and unrolled their loads can all be in flight at once, as with 4 warps, without
+# the block's shared-memory reduction after every few loads. 1: one iteration per pass
+# (the default; the others not yet run on a GPU: tools/probe_cuda.py's -w1-u4, -w2-u2)
+GEMV_UNROLL = 1
 # each thread's weight loads: 16 bytes (32 weights) per feature and load, or 4 (one word)
 # without GEMV_WIDE_LOADS. One 8B-shape 4-bit token on an H200 (CUPTI, the engine's
 # runner): the GEMV's 4096-wide calls 2,490 -> 2,162 us, 14336-wide 749 -> 595 us, the
@@ -197,7 +212,7 @@ def gemv_launch(rows: int, n: int, k: int, group_size: int, res: bool = False,
     `rope`: ROPE's parameters (ROPE, HD, QN, KN, TRAD, POOL; see _GEMV_BODY)."""
     per_pass = 1 << (min(rows, GEMV_PASS_ROWS) - 1).bit_length()
     constants = {"K": k, "GS": group_size, "MT": per_pass, "GEMV_W": GEMV_WARPS, "GEMV_F": GEMV_FEATURES,
-                 "GEMV_WPL": 4 if GEMV_WIDE_LOADS else 1, "MAGIC": int(GEMV_MAGIC_NIBBLES), "RES": int(res),
+                 "GEMV_U": GEMV_UNROLL, "GEMV_WPL": 4 if GEMV_WIDE_LOADS else 1, "MAGIC": int(GEMV_MAGIC_NIBBLES), "RES": int(res),
                  "SWIGLU": 0, **(rope or {"ROPE": 0, "HD": 2, "QN": 0, "KN": 0, "TRAD": 0, "POOL": 0})}
     return constants, -(-rows // per_pass) * -(-n // GEMV_FEATURES)
 
