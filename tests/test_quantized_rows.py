@@ -100,7 +100,6 @@ def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, 
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
-@pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
 @pytest.mark.parametrize("warps,features,unroll", [(1, 4, 1), (2, 4, 1), (4, 2, 1), (2, 8, 1), (1, 4, 4),
                                                    (2, 4, 2), (1, 4, 3)])
 def test_the_gemv_holds_for_other_block_shapes_in_an_emulation(warps, features, unroll, monkeypatch):
@@ -125,6 +124,7 @@ def test_the_gemv_holds_for_other_block_shapes_in_an_emulation(warps, features, 
     np.testing.assert_allclose(got, np.array(want), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
 @pytest.mark.parametrize("rows", [1, 3])
 def test_the_gemv_source_gives_swiglu_of_gate_and_up_in_an_emulation(rows):
     """SWIGLU: the gate/up GEMV (w's rows gate, then up) gives silu(gate) * up, [rows, N/2]."""
