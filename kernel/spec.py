@@ -160,6 +160,7 @@ def parse_pipeline(
 
     stages: dict[str, StageSpec] = {}
     classes: dict[str, Any] = {}
+    converted: dict[str, Any] = {}  # each member's params, for checks across members
     valid_types = ", ".join(sorted(stage_types()))
     for stage_name, body in raw_stages.items():
         path = f"$.{section.get(stage_name, 'stages')}.{stage_name}"
@@ -190,7 +191,13 @@ def parse_pipeline(
         problems += stage_problems
         if params is not None:
             stages[stage_name] = StageSpec(type=str(type_name), params=body, kind=kind)
+            converted[stage_name] = params
     problems += _check_graph(classes)
+    if not problems:  # settings one member refuses in the others (its `pipeline_problems`)
+        for stage_name, cls in classes.items():
+            check = getattr(cls, "pipeline_problems", None)
+            path = f"$.{section.get(stage_name, 'stages')}.{stage_name}"
+            problems += [f"{path}: {p}" for p in (check(converted) if check is not None else [])]
     if problems:
         raise PipelineErrors(source, problems)
     return PipelineSpec(name=name, description=description, stages=stages, source=source, server=server)

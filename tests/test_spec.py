@@ -349,6 +349,19 @@ def test_overrides_are_applied_and_validated() -> None:
     assert any(p.startswith("$.stages.kv.memory_fraction: must be in (0, 1]") for p in problems)
 
 
+def test_the_kv_tiers_with_several_ranks_are_refused_when_the_pipeline_is_read() -> None:
+    """A member's checks across members (`pipeline_problems`): the tiers of generate-offload
+    with execute.tensor_parallel 2 are refused by name before any rank starts; one rank
+    or the `generate` pipeline with two are fine."""
+    with pytest.raises(PipelineErrors) as caught:
+        load_pipeline("generate-offload", overrides=parse_overrides(["execute.tensor_parallel=2"]))
+    tiers = [p for p in caught.value.problems if "the KV tiers do not run with several ranks yet" in p]
+    assert sorted(p.split(":")[0] for p in tiers) == ["$.stages.disk", "$.stages.offload"]
+    assert all("pipeline_parallel give 2" in p for p in tiers)
+    load_pipeline("generate-offload")
+    load_pipeline("generate", overrides=parse_overrides(["execute.pipeline_parallel=2"]))
+
+
 # ---- files --------------------------------------------------------------------------
 
 

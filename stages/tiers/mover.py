@@ -16,7 +16,7 @@ from unikern import messages as m
 from unikern.platform import shared_bridge
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
 from unikern.stages.tiers.block_io import BlockLayout, copy_in, copy_out, tier_pools
-from unikern.stages.tiers.disk.service import refuse_several_ranks
+from unikern.stages.tiers.disk.service import refuse_several_ranks, several_ranks_problems
 from unikern.stages.tiers.queue import Job, OffloadQueue
 from unikern.stages.tiers.state_io import StateLayout, copy_state_in, copy_state_out
 
@@ -78,6 +78,7 @@ class OffloadMoverStage(StageBase):
     consumes = (m.LoadBlocks, m.StoreBlocks)
     produces = (m.BlocksLoaded, m.BlocksStored)
     requires = ("kv", "model", "disk")
+    pipeline_problems = staticmethod(several_ranks_problems)  # (kernel/spec.py)
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
         refuse_several_ranks(ctx.resource("model"), "offload_mover")

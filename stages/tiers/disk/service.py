@@ -207,6 +207,24 @@ def open_disk_tier(
     return DiskTier(store, layout, lock, state_layout)
 
 
+def ranks_asked(params_by_stage: dict[str, Any]) -> int:
+    """The ranks a pipeline's settings ask for (a stage's tensor_parallel or
+    pipeline_parallel; 1 where none does)."""
+    return max((getattr(p, key, 1) for p in params_by_stage.values()
+                for key in ("tensor_parallel", "pipeline_parallel")), default=1)
+
+
+def several_ranks_problems(params_by_stage: dict[str, Any]) -> list[str]:
+    """The pipeline-level form of `refuse_several_ranks`: a tier member in a pipeline whose
+    settings ask for several ranks is refused when the file is read, before any rank
+    starts (ranks from a hostfile or MLX_RANK alone meet the check at start)."""
+    ranks = ranks_asked(params_by_stage)
+    if ranks > 1:
+        return [f"the KV tiers do not run with several ranks yet (execute.tensor_parallel / pipeline_parallel "
+                f"give {ranks}); use the `generate` pipeline, or one rank"]
+    return []
+
+
 def refuse_several_ranks(loaded, member: str) -> None:
     """Tier moves read and write one rank's pool; the other ranks' shards do not follow them yet."""
     world = getattr(loaded, "world", None)
@@ -221,6 +239,7 @@ class DiskTierStage(ServiceBase):
     Params = DiskTierParams
     requires = ("model", "kv")
     provides = ("disk",)
+    pipeline_problems = staticmethod(several_ranks_problems)  # (kernel/spec.py)
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
         loaded = ctx.resource("model")
