@@ -217,7 +217,7 @@ def ranks_asked(params_by_stage: dict[str, Any]) -> int:
 def several_ranks_problems(params_by_stage: dict[str, Any]) -> list[str]:
     """The pipeline-level form of `refuse_several_ranks`: a tier member in a pipeline whose
     settings ask for several ranks is refused when the file is read, before any rank
-    starts (ranks from a hostfile or MLX_RANK alone meet the check at start)."""
+    starts (`refuse_several_ranks` checks the world again at start)."""
     ranks = ranks_asked(params_by_stage)
     if ranks > 1:
         return [f"the KV tiers do not run with several ranks yet (execute.tensor_parallel / pipeline_parallel "
