@@ -21,7 +21,10 @@ def test_the_last_holder_thaws():
         frozen = gc.get_freeze_count()
         assert frozen > 1000  # this interpreter's modules, at least
         heap.thaw()
-        assert gc.get_freeze_count() >= frozen  # one engine is still serving
+        # one engine is still serving: still frozen (less what was freed meanwhile: frozen
+        # objects that die leave the count, and other threads, pytest-xdist's among them,
+        # free some; an unfreeze would leave 0)
+        assert gc.get_freeze_count() > frozen * 0.9
     finally:
         while heap.holders():
             heap.thaw()
