@@ -219,20 +219,19 @@ def several_ranks_problems(params_by_stage: dict[str, Any]) -> list[str]:
     settings ask for several ranks is refused when the file is read, before any rank
     starts (`refuse_several_ranks` checks the world again at start)."""
     ranks = ranks_asked(params_by_stage)
-    if ranks > 1:
-        return [f"the KV tiers do not run with several ranks yet (execute.tensor_parallel / pipeline_parallel "
-                f"give {ranks}); use the `generate` pipeline, or one rank"]
-    return []
+    return [_several_ranks(ranks)] if ranks > 1 else []
+
+
+def _several_ranks(ranks: int) -> str:
+    return (f"the KV tiers do not run with several ranks yet (execute.tensor_parallel / pipeline_parallel "
+            f"give {ranks}); use the `generate` pipeline, or one rank")
 
 
 def refuse_several_ranks(loaded, member: str) -> None:
     """Tier moves read and write one rank's pool; the other ranks' shards do not follow them yet."""
     world = getattr(loaded, "world", None)
     if world is not None:
-        raise ConfigError(
-            f"{member}: the KV tiers do not run with several ranks yet (execute.tensor_parallel / "
-            f"pipeline_parallel give {world.size}); use the `generate` pipeline, or one rank"
-        )
+        raise ConfigError(f"{member}: {_several_ranks(world.size)}")
 
 
 class DiskTierStage(ServiceBase):
