@@ -207,18 +207,12 @@ def open_disk_tier(
     return DiskTier(store, layout, lock, state_layout)
 
 
-def ranks_asked(params_by_stage: dict[str, Any]) -> int:
-    """The ranks a pipeline's settings ask for (a stage's tensor_parallel or
-    pipeline_parallel; 1 where none does)."""
-    return max((getattr(p, key, 1) for p in params_by_stage.values()
-                for key in ("tensor_parallel", "pipeline_parallel")), default=1)
-
-
 def several_ranks_problems(params_by_stage: dict[str, Any]) -> list[str]:
     """The pipeline-level form of `refuse_several_ranks`: a tier member in a pipeline whose
-    settings ask for several ranks is refused when the file is read, before any rank
-    starts (`refuse_several_ranks` checks the world again at start)."""
-    ranks = ranks_asked(params_by_stage)
+    settings ask for several ranks (the execute stage's `world_size`) is refused when the
+    file is read, before any rank starts (`refuse_several_ranks` checks the world again at
+    start)."""
+    ranks = max((getattr(p, "world_size", 1) for p in params_by_stage.values()), default=1)
     return [_several_ranks(ranks)] if ranks > 1 else []
 
 
