@@ -8,7 +8,10 @@ tools/bench_gpu.py's for unikern (its prompts and its run_unikern), through the 
 
 Per level, the median over the repeats of: wall, time inside execute, the gaps' sum and
 largest one, and the steps (prefill and decode windows, with their lengths; "+" marks a
-window planned while the one before ran, schedule.overlap_windows).
+window planned while the one before ran, schedule.overlap_windows). The decode windows'
+time is split as tools/probe_cuda.py splits its runner's, per lookahead step: build (the
+traced step's replay), submit (`mx.async_eval`), wait (`mx.eval`) and other (the
+runner's own Python), so the engine's steps compare with the runner's alone.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ def main() -> None:
     from bench import batch_room, engine_overrides, make_prompts
     from bench_gpu import run_unikern
 
+    import mlx.core as mx
+
+    from unikern.stages.execute.compiled import CompiledDecode
     from unikern.stages.execute.runner import ModelRunner
     from unikern.testing.modelgen import cached_model
 
@@ -54,16 +60,41 @@ def main() -> None:
     overrides = engine_overrides(batch_room(args.concurrency, args.token_budget), args.overrides)
     steps: list[tuple[float, float, int, int, int, bool]] = []  # start, end, num_steps, rows, tokens fed, follow-up
     execute = ModelRunner.execute
+    # the decode windows' host time by part, on the model thread (seconds)
+    spent = {"build": 0.0, "submit": 0.0, "wait": 0.0}
+    window = {"in": False}
 
     def timed(self, step, seeds):
+        window["in"] = step.num_steps > 1
+        before = dict(spent)
         start = time.perf_counter()
         try:
             return execute(self, step, seeds)
         finally:
-            steps.append((start, time.perf_counter(), step.num_steps, len(step.work),
-                          sum(len(w.token_ids) for w in step.work), any(w.continues for w in step.work)))
+            end = time.perf_counter()
+            window["in"] = False
+            steps.append((start, end, step.num_steps, len(step.work),
+                          sum(len(w.token_ids) for w in step.work), any(w.continues for w in step.work),
+                          {k: spent[k] - before[k] for k in spent}))
+
+    def split(owner, name: str, key: str) -> None:
+        inner = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            if not window["in"]:
+                return inner(*args, **kwargs)
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - t
+
+        setattr(owner, name, call)
 
     ModelRunner.execute = timed
+    split(CompiledDecode, "__call__", "build")
+    split(mx, "async_eval", "submit")
+    split(mx, "eval", "wait")
     results = []
 
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
@@ -75,15 +106,23 @@ def main() -> None:
         run = await run_unikern(engine, prompts, args.max_tokens)
         ended = time.perf_counter()
         gaps = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
+        windows = [s for s in steps if s[2] > 1]
+        decode_steps = sum(s[2] for s in windows)
+        per_step = {}
+        if decode_steps:
+            per_step = {f"{k}_ms": sum(s[6][k] for s in windows) / decode_steps * 1e3 for k in spent}
+            per_step["window_step_ms"] = sum(s[1] - s[0] for s in windows) / decode_steps * 1e3
+            per_step["other_ms"] = per_step["window_step_ms"] - sum(per_step[f"{k}_ms"] for k in spent)
         # head: from the requests' submission to the first step; tail: from the last step's
         # end to the last request's end (its tokens detokenized and delivered)
         return {"wall_ms": run["wall"] * 1e3, "ttft_ms": run["ttft"] * 1e3, "execute_ms": sum(e - s for s, e, *_ in steps) * 1e3,
                 "gaps_ms": sum(gaps) * 1e3, "largest_gap_ms": max(gaps, default=0) * 1e3,
                 "head_ms": (steps[0][0] - began) * 1e3 if steps else None,
                 "tail_ms": (ended - steps[-1][1]) * 1e3 if steps else None,
+                **per_step,
                 "steps": [{"num_steps": n, "rows": r, "tokens_fed": t, "follow_up": f, "ms": (e - s) * 1e3,
                            "gap_before_ms": (s - steps[i - 1][1]) * 1e3 if i else None}
-                          for i, (s, e, n, r, t, f) in enumerate(steps)]}
+                          for i, (s, e, n, r, t, f, _) in enumerate(steps)]}
 
     async def main_async() -> None:
         async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
@@ -91,8 +130,10 @@ def main() -> None:
                 await run_level(engine, level)  # untimed: kernels built, steps traced
                 runs = [await run_level(engine, level) for _ in range(args.repeats)]
                 row = {"concurrency": level, "runs": runs}
-                for key in ("wall_ms", "ttft_ms", "execute_ms", "gaps_ms", "largest_gap_ms", "head_ms", "tail_ms"):
-                    row[key] = statistics.median(r[key] for r in runs)
+                for key in ("wall_ms", "ttft_ms", "execute_ms", "gaps_ms", "largest_gap_ms", "head_ms", "tail_ms",
+                            "window_step_ms", "build_ms", "submit_ms", "wait_ms", "other_ms"):
+                    if all(key in r for r in runs):
+                        row[key] = statistics.median(r[key] for r in runs)
                 results.append(row)
                 # "+": a window planned while the one before ran (schedule.overlap_windows)
                 shape = " ".join(f"{'+' if s['follow_up'] else ''}{s['num_steps']}x{s['rows']}"
@@ -101,6 +142,10 @@ def main() -> None:
                       f"{row['gaps_ms']:6.1f} (largest {row['largest_gap_ms']:.1f})  head {row['head_ms']:.1f} tail "
                       f"{row['tail_ms']:.1f}  steps (num_steps x rows): {shape}",
                       flush=True)
+                if "window_step_ms" in row:
+                    print(f"      decode windows: {row['window_step_ms']:.3f} ms per step  build {row['build_ms']:.3f}  "
+                          f"submit {row['submit_ms']:.3f}  wait {row['wait_ms']:.3f}  other {row['other_ms']:.3f}",
+                          flush=True)
 
     anyio.run(main_async)
     if args.json:
