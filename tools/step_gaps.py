@@ -36,6 +36,9 @@ def main() -> None:
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="Python's GIL switch interval in ms for the run (sys.setswitchinterval; default 5): "
                              "how long the model thread may wait for the GIL while the event loop detokenizes")
+    parser.add_argument("--clear-cache", action="store_true",
+                        help="mx.clear_cache() before each run, as bench_gpu's mlx-lm runs between unikern's do "
+                             "(mlx-lm's batch_generate clears MLX's buffer cache after each prompt batch)")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.switch_interval is not None:
@@ -101,6 +104,8 @@ def main() -> None:
 
     async def run_level(engine, level: int) -> dict:
         prompts = make_prompts(level, vocab, args.prompt_tokens, args.prompt_tokens, seed=level)  # as bench_gpu's
+        if args.clear_cache:
+            mx.clear_cache()
         steps.clear()
         began = time.perf_counter()
         run = await run_unikern(engine, prompts, args.max_tokens)
