@@ -265,7 +265,36 @@ async def test_the_gil_switch_interval_holds_while_the_engine_runs(tiny_llama):
     assert seen and all(s == pytest.approx(0.25e-3) for s in seen)
     assert sys.getswitchinterval() == before
     assert MLXExecuteParams(gil_switch_ms=0).validate() == [
-        "gil_switch_ms: must be > 0 (ms) or unset for Python's own 5 ms, got 0"]
+        "gil_switch_ms: must be > 0 (ms), \"auto\" or unset for Python's own 5 ms, got 0"]
+
+
+@pytest.mark.anyio
+async def test_the_gil_switch_interval_is_left_alone_here_and_shortened_on_cuda(tiny_llama, monkeypatch):
+    """gil_switch_ms `auto` (the default): Python's own interval off CUDA (a real model on
+    the CPU backend ran slower with a short one), AUTO_GIL_SWITCH_MS where MLX runs on CUDA."""
+    import sys
+
+    import unikern
+    import unikern.platform
+    from unikern.stages.execute import stage
+    from unikern.stages.execute.runner import ModelRunner
+
+    before = sys.getswitchinterval()
+    seen = []
+    execute = ModelRunner.execute
+
+    def recording(self, step, seeds):
+        seen.append(sys.getswitchinterval())
+        return execute(self, step, seeds)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording)
+    async with engine(tiny_llama) as eng:
+        await eng.complete(prompt_tokens=[5, 6, 7], max_tokens=3)
+    assert seen and all(s == before for s in seen)
+    assert stage.gil_switch_ms("auto") is None
+    monkeypatch.setattr(unikern.platform, "cuda_is_default", lambda: True)
+    assert stage.gil_switch_ms("auto") == stage.AUTO_GIL_SWITCH_MS < 5
+    assert stage.gil_switch_ms(0.25) == 0.25 and stage.gil_switch_ms(None) is None
 
 
 @pytest.mark.anyio

@@ -31,6 +31,9 @@ from unikern.stages.models import DEFAULT_MODEL
 
 log = structlog.get_logger("unikern")
 
+# execute.gil_switch_ms "auto" on CUDA (see the parameter)
+AUTO_GIL_SWITCH_MS = 0.5
+
 STOP_WAIT_S = 15.0  # at shutdown, how long the other ranks get to stop
 LOST_WAIT_S = 3.0  # after a rank was lost, how long the model thread gets to come back
 
@@ -137,16 +140,22 @@ class MLXExecuteParams(StageParams, frozen=True):
     # Python's GIL switch interval in ms while the stage runs (sys.setswitchinterval; it
     # is the process's, the one before comes back at stop): the longest the model thread
     # waits for the GIL while the event loop detokenizes and delivers, each time it wants
-    # it to build and launch a step. None: Python's own (5 ms). With tools/host_bound.py's
-    # stand-in model (0.3 ms of Python, then 2.3 ms without the GIL per step) 64 requests
-    # took 227-263 ms at 5 ms and 209-213 at 0.2, 16 and one request the same (three
-    # interleaved rounds on the CPU machine: tools/results/host-bound-switch/). With a real
-    # model on the CPU backend 0.2 was slower (llama-5m, tools/bench_ab.py, 4 paired
-    # repeats: 0.88x / 0.94x / 0.97x at 1 / 16 / 64 requests;
-    # tools/results/ab-llama-5m-cpu-switch.json). On an H200 (1B shape, tools/bench_ab.py,
-    # 6 paired repeats in one process) 1.09x / 1.31x / 0.96x at 1 / 16 / 64 requests
-    # (tools/results/gpu/session14/a-engines): unset by default
-    gil_switch_ms: float | None = None
+    # it back (after each `mx.async_eval`) to build and launch a step. None: Python's own
+    # (5 ms); "auto": AUTO_GIL_SWITCH_MS on CUDA, Python's own elsewhere. With
+    # tools/host_bound.py's stand-in model (0.3 ms of Python, then 2.3 ms without the GIL
+    # per step) 64 requests took 227-263 ms at 5 ms and 209-213 at 0.2, 16 and one
+    # request the same (three interleaved rounds on the CPU machine:
+    # tools/results/host-bound-switch/). With a real model on the CPU backend 0.2 was
+    # slower (llama-5m, tools/bench_ab.py, 4 paired repeats: 0.88x / 0.94x / 0.97x at 1 /
+    # 16 / 64 requests; tools/results/ab-llama-5m-cpu-switch.json). On an H200 (1B shape):
+    # tools/bench_ab.py, 6 paired repeats in one process, 0.2 ms: 1.09x / 1.31x / 0.96x at
+    # 1 / 16 / 64 requests (tools/results/gpu/session14/a-engines); tools/step_gaps.py, one
+    # process per setting, 3 repeats (tools/results/gpu/session20): wall at 16 / 64
+    # requests 205 / 247 ms at 5 ms against 131 / 146 at 0.5, 142 / 172 at 0.2, 153 / 189 at
+    # 0.1, 131 / 161 at 0.05; the decode windows' `mx.async_eval` per step at 64 requests
+    # 2.35 ms at 5 against 1.33-1.64 (a third process at 5 ms, another machine start:
+    # 180 ms at 64 requests); one request 90-124 ms either way
+    gil_switch_ms: float | Literal["auto"] | None = "auto"
     # once every stage has started, freeze the objects alive then (gc.freeze, after a
     # collection of the young generations: the imports, the tokenizer, the model's
     # tree), so Python's oldest-generation collection no longer walks them while the
@@ -172,8 +181,9 @@ class MLXExecuteParams(StageParams, frozen=True):
             problems.append(f"dequantize_rows: must be >= 1, \"auto\" or \"never\", got {self.dequantize_rows}")
         if isinstance(self.fuse_blocks_ops_rows, int) and self.fuse_blocks_ops_rows < 0:
             problems.append(f"fuse_blocks_ops_rows: must be >= 0 (0: off) or \"auto\", got {self.fuse_blocks_ops_rows}")
-        if self.gil_switch_ms is not None and not self.gil_switch_ms > 0:
-            problems.append(f"gil_switch_ms: must be > 0 (ms) or unset for Python's own 5 ms, got {self.gil_switch_ms}")
+        if self.gil_switch_ms not in (None, "auto") and not self.gil_switch_ms > 0:
+            problems.append(f"gil_switch_ms: must be > 0 (ms), \"auto\" or unset for Python's own 5 ms, "
+                            f"got {self.gil_switch_ms}")
         if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
             problems.append("tensor_parallel: tensor_parallel and pipeline_parallel must be >= 1")
         elif self.tensor_parallel > 1 and self.pipeline_parallel > 1:
@@ -202,8 +212,9 @@ class MLXExecuteStage(StageBase):
         world = None
         switch = sys.getswitchinterval()
         froze = False
-        if p.gil_switch_ms is not None:
-            sys.setswitchinterval(p.gil_switch_ms / 1e3)
+        switch_ms = gil_switch_ms(p.gil_switch_ms)
+        if switch_ms is not None:
+            sys.setswitchinterval(switch_ms / 1e3)
         try:
             if p.world_size > 1:
                 mode = "tensor" if p.tensor_parallel > 1 else "pipeline"
@@ -257,7 +268,7 @@ class MLXExecuteStage(StageBase):
             else:
                 await self._serve_world(ctx, handle, world)
         finally:
-            if p.gil_switch_ms is not None:
+            if switch_ms is not None:
                 sys.setswitchinterval(switch)
             if froze:
                 heap.thaw()
@@ -393,6 +404,15 @@ async def _deliver(ctx: StageContext, thread: ModelThread, future, previous: any
         await previous.wait()
     await ctx.send(done)
     sent.set()
+
+
+def gil_switch_ms(setting: float | str | None) -> float | None:
+    """The switch interval the stage sets, in ms (None: leave Python's as it is)."""
+    if setting == "auto":
+        from unikern.platform import cuda_is_default
+
+        return AUTO_GIL_SWITCH_MS if cuda_is_default() else None
+    return setting
 
 
 def _seed_for(salt: int, request_id: str) -> int:
