@@ -151,10 +151,11 @@ class MLXExecuteParams(StageParams, frozen=True):
     # tools/bench_ab.py, 6 paired repeats in one process, 0.2 ms: 1.09x / 1.31x / 0.96x at
     # 1 / 16 / 64 requests (tools/results/gpu/session14/a-engines); tools/step_gaps.py, one
     # process per setting, 3 repeats (tools/results/gpu/session20): wall at 16 / 64
-    # requests 205 / 247 ms at 5 ms against 131 / 146 at 0.5, 142 / 172 at 0.2, 153 / 189 at
-    # 0.1, 131 / 161 at 0.05; the decode windows' `mx.async_eval` per step at 64 requests
-    # 2.35 ms at 5 against 1.33-1.64 (a third process at 5 ms, another machine start:
-    # 180 ms at 64 requests); one request 90-124 ms either way
+    # requests 205 / 247 ms at 5 ms against 131 / 161 at 0.5, 142 / 172 at 0.2, 153 / 189 at
+    # 0.1, 131 / 146 at 0.05; the decode windows' `mx.async_eval` per step at 64 requests
+    # 2.35 ms at 5 against 1.33-1.64. On a second machine start, at 5 ms, 64 requests took
+    # 247 and 180 ms in two processes: the processes' spread is large. One request: 90-124
+    # ms at the short intervals, 104-150 at 5
     gil_switch_ms: float | Literal["auto"] | None = "auto"
     # once every stage has started, freeze the objects alive then (gc.freeze, after a
     # collection of the young generations: the imports, the tokenizer, the model's
