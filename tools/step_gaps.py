@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -61,21 +62,22 @@ def main() -> None:
 
     path = args.model if Path(args.model).exists() else str(cached_model(args.model))
     overrides = engine_overrides(batch_room(args.concurrency, args.token_budget), args.overrides)
-    steps: list[tuple[float, float, int, int, int, bool]] = []  # start, end, num_steps, rows, tokens fed, follow-up
+    # start, end, num_steps, rows, tokens fed, follow-up, the decode window's host time by part
+    steps: list[tuple[float, float, int, int, int, bool, dict[str, float]]] = []
     execute = ModelRunner.execute
     # the decode windows' host time by part, on the model thread (seconds)
     spent = {"build": 0.0, "submit": 0.0, "wait": 0.0}
-    window = {"in": False}
+    window = {"thread": None}  # the thread inside a decode window's execute, if any
 
     def timed(self, step, seeds):
-        window["in"] = step.num_steps > 1
+        window["thread"] = threading.get_ident() if step.num_steps > 1 else None
         before = dict(spent)
         start = time.perf_counter()
         try:
             return execute(self, step, seeds)
         finally:
             end = time.perf_counter()
-            window["in"] = False
+            window["thread"] = None
             steps.append((start, end, step.num_steps, len(step.work),
                           sum(len(w.token_ids) for w in step.work), any(w.continues for w in step.work),
                           {k: spent[k] - before[k] for k in spent}))
@@ -84,7 +86,7 @@ def main() -> None:
         inner = getattr(owner, name)
 
         def call(*args, **kwargs):
-            if not window["in"]:
+            if window["thread"] != threading.get_ident():
                 return inner(*args, **kwargs)
             t = time.perf_counter()
             try:
