@@ -190,6 +190,9 @@ def summarize(level: int, runs: dict[str, list[dict]]) -> dict:
                      "ttft_ms": 1e3 * statistics.median(ttft) if ttft else None}
         if "decode_tok_s" in rs[0]:  # llama.cpp's own figure for its generation phase alone
             row[name]["decode_tok_s"] = statistics.median(r["decode_tok_s"] for r in rs)
+        if "split" in rs[0]:  # unikern's steps, with --split: medians over the repeats
+            row[name]["split"] = {k: statistics.median(r["split"][k] for r in rs)
+                                  for k in rs[0]["split"] if all(r["split"].get(k) is not None for r in rs)}
     ours = [r["tokens"] / r["wall"] for r in runs["unikern"]]
     for peer in ("mlx-lm", "llama.cpp"):
         if runs.get(peer):
@@ -216,6 +219,21 @@ def cmd_bench(args) -> dict:
     runs = {c: {name: [] for name in ENGINES} for c in levels}
     llama_bin = Path(args.llama_bin) if args.llama_bin else None
 
+    clock = None
+    if args.split:
+        from step_gaps import StepClock
+
+        clock = StepClock()
+        clock.install()
+
+    async def timed_unikern(engine, prompts) -> dict:
+        if clock is None:
+            return await run_unikern(engine, prompts, args.max_tokens)
+        clock.steps.clear()
+        began = time.perf_counter()
+        run = await run_unikern(engine, prompts, args.max_tokens)
+        return {**run, "split": clock.summary(began, time.perf_counter())}
+
     async def main():
         async with unikern.Engine.from_pipeline("generate", model=args.model, overrides=overrides) as engine:
             for c in levels:  # untimed: kernels built and decode steps traced for each shape
@@ -226,7 +244,7 @@ def cmd_bench(args) -> dict:
                 for c in levels:
                     if "mlx-lm" in args.engines:
                         runs[c]["mlx-lm"].append(run_mlx_lm(model, tokenizer, prompts[c], args.max_tokens))
-                    runs[c]["unikern"].append(await run_unikern(engine, prompts[c], args.max_tokens))
+                    runs[c]["unikern"].append(await timed_unikern(engine, prompts[c]))
                 if llama_bin and args.gguf and "llama.cpp" in args.engines:
                     for c, run in run_llama_cpp(llama_bin, args.gguf, levels, args.prompt_tokens,
                                                 args.max_tokens).items():
@@ -253,6 +271,14 @@ def cmd_bench(args) -> dict:
                         for n in ENGINES)
         print(f"{row['concurrency']:>5} " + " ".join(f"{c:>24}" for c in cells)
               + f" {ratios[0]:>18} {ratios[1]:>18} {ttft:>20}")
+    for row in rows:
+        split = row["unikern"].get("split")
+        if split:
+            from step_gaps import windows_line
+
+            print(f"unikern c={row['concurrency']}: in execute {split['execute_ms']:.1f} ms, gaps {split['gaps_ms']:.1f}, "
+                  f"head {split['head_ms']:.1f}, tail {split['tail_ms']:.1f}"
+                  + (f"; {windows_line(split)}" if "window_step_ms" in split else ""))
     import mlx.core as mx
     import mlx_lm
 
@@ -316,6 +342,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--token-budget", type=int, default=4096)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.PARAM=VALUE")
+    p.add_argument("--split", action="store_true",
+                   help="time unikern's steps too (tools/step_gaps.py's StepClock): per level, the medians of its "
+                        "time inside execute, the gaps, and its decode windows' step split into build, submit, "
+                        "wait and other")
     p.add_argument("--json")
     p = sub.add_parser("plot", help="one figure from bench JSON files")
     p.add_argument("json", nargs="+")

@@ -100,10 +100,10 @@ if [ -n "${BUILD_PID:-}" ]; then
 fi
 step gguf-8b-q4 $M/llama-8b-q4_0.gguf $BIN/llama-quantize $M/llama-8b-bf16.gguf $M/llama-8b-q4_0.gguf Q4_0
 [ -e $M/llama-8b-q4_0.gguf ] && rm -f $M/llama-8b-bf16.gguf  # 16 GB of disk back
-TAIL=6 step bench-1b $RES/bench-gpu-1b.json python3 "$REPO/tools/bench_gpu.py" bench --model $M/llama-1b \
-  --gguf $M/llama-1b-bf16.gguf --llama-bin $BIN ${BENCH_ARGS:-} --label "llama 1B shape, bfloat16" --json $RES/bench-gpu-1b.json
-TAIL=6 step bench-8b-q4 $RES/bench-gpu-8b-q4.json python3 "$REPO/tools/bench_gpu.py" bench --model $M/llama-8b-q4 \
-  --gguf $M/llama-8b-q4_0.gguf --llama-bin $BIN ${BENCH_ARGS:-} --label "llama 8B shape, 4-bit (Q4_0 for llama.cpp)" \
+TAIL=9 step bench-1b $RES/bench-gpu-1b.json python3 "$REPO/tools/bench_gpu.py" bench --model $M/llama-1b \
+  --gguf $M/llama-1b-bf16.gguf --llama-bin $BIN --split ${BENCH_ARGS:-} --label "llama 1B shape, bfloat16" --json $RES/bench-gpu-1b.json
+TAIL=9 step bench-8b-q4 $RES/bench-gpu-8b-q4.json python3 "$REPO/tools/bench_gpu.py" bench --model $M/llama-8b-q4 \
+  --gguf $M/llama-8b-q4_0.gguf --llama-bin $BIN --split ${BENCH_ARGS:-} --label "llama 8B shape, 4-bit (Q4_0 for llama.cpp)" \
   --json $RES/bench-gpu-8b-q4.json
 step ready-1b $RES/ready-1b.json python3 "$REPO/tools/first_request.py" --model $M/llama-1b --cold-warm \
   --warm-starts ${WARM_STARTS:-1} --json $RES/ready-1b.json
@@ -177,7 +177,7 @@ if named ab; then
     --label "llama ${AB_MODEL:-1b}${AB_LABEL:-}" --json "$RES/ab-${AB_MODEL:-1b}${AB_LABEL:-}.json"
 fi
 # the engine's run split into time inside the model thread's steps and the gaps between them
-# (GAPS_ARGS, e.g. "--switch-interval 0.2": the GIL handed over sooner to the model thread)
+# (GAPS_ARGS, e.g. "--set execute.gil_switch_ms=0.2": the GIL handed over sooner to the model thread)
 TAIL=6 step gaps-1b "$RES/gaps-1b${GAPS_LABEL:-}.json" python3 "$REPO/tools/step_gaps.py" --model $M/llama-1b \
   --concurrency 1 16 64 ${GAPS_ARGS:-} --json "$RES/gaps-1b${GAPS_LABEL:-}.json"
 # the 8B 4-bit model's decode step: MLX's quantized matmul against unikern's GEMV and

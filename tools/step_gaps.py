@@ -19,10 +19,96 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
+
+# what StepClock.summary gives per run
+SUMMARY_KEYS = ("execute_ms", "gaps_ms", "largest_gap_ms", "head_ms", "tail_ms",
+                "window_step_ms", "build_ms", "submit_ms", "wait_ms", "other_ms")
+
+
+class StepClock:
+    """Times ModelRunner.execute per step and splits the decode windows' time on the model
+    thread into build (the traced step's replay), submit (`mx.async_eval`), wait
+    (`mx.eval`) and other (the runner's own Python). install() patches the classes for
+    the process (a tool's, not the engine's)."""
+
+    PARTS = ("build", "submit", "wait")
+
+    def __init__(self) -> None:
+        # start, end, num_steps, rows, tokens fed, follow-up, the window's host time by part
+        self.steps: list[tuple[float, float, int, int, int, bool, dict[str, float]]] = []
+        self.spent = dict.fromkeys(self.PARTS, 0.0)  # seconds, on the model thread
+        self._thread: int | None = None  # the thread inside a decode window's execute
+
+    def install(self) -> None:
+        import mlx.core as mx
+
+        from unikern.stages.execute.compiled import CompiledDecode
+        from unikern.stages.execute.runner import ModelRunner
+
+        execute = ModelRunner.execute
+        clock = self
+
+        def timed(runner, step, seeds):
+            clock._thread = threading.get_ident() if step.num_steps > 1 else None
+            before = dict(clock.spent)
+            start = time.perf_counter()
+            try:
+                return execute(runner, step, seeds)
+            finally:
+                end = time.perf_counter()
+                clock._thread = None
+                clock.steps.append((start, end, step.num_steps, len(step.work),
+                                    sum(len(w.token_ids) for w in step.work), any(w.continues for w in step.work),
+                                    {k: clock.spent[k] - before[k] for k in clock.PARTS}))
+
+        ModelRunner.execute = timed
+        self._split(CompiledDecode, "__call__", "build")
+        self._split(mx, "async_eval", "submit")
+        self._split(mx, "eval", "wait")
+
+    def _split(self, owner, name: str, part: str) -> None:
+        inner = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            if self._thread != threading.get_ident():
+                return inner(*args, **kwargs)
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.spent[part] += time.perf_counter() - t
+
+        setattr(owner, name, call)
+
+    def summary(self, began: float, ended: float, with_steps: bool = False) -> dict:
+        """The steps since `steps` was last cleared, in ms: time inside execute, the gaps
+        between steps, head (from `began` to the first step) and tail (from the last step
+        to `ended`), and per decode-window step its time and parts."""
+        steps = self.steps
+        gaps = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
+        windows = [s for s in steps if s[2] > 1]
+        decode_steps = sum(s[2] for s in windows)
+        out = {"execute_ms": sum(s[1] - s[0] for s in steps) * 1e3,
+               "gaps_ms": sum(gaps) * 1e3, "largest_gap_ms": max(gaps, default=0) * 1e3,
+               "head_ms": (steps[0][0] - began) * 1e3 if steps else None,
+               "tail_ms": (ended - steps[-1][1]) * 1e3 if steps else None}
+        if decode_steps:
+            out.update({f"{k}_ms": sum(s[6][k] for s in windows) / decode_steps * 1e3 for k in self.PARTS})
+            out["window_step_ms"] = sum(s[1] - s[0] for s in windows) / decode_steps * 1e3
+            out["other_ms"] = out["window_step_ms"] - sum(out[f"{k}_ms"] for k in self.PARTS)
+        if with_steps:
+            out["steps"] = [{"num_steps": n, "rows": r, "tokens_fed": t, "follow_up": f, "ms": (e - s) * 1e3,
+                             "gap_before_ms": (s - steps[i - 1][1]) * 1e3 if i else None}
+                            for i, (s, e, n, r, t, f, _) in enumerate(steps)]
+        return out
+
+
+def windows_line(row: dict) -> str:
+    return (f"decode windows: {row['window_step_ms']:.3f} ms per step  build {row['build_ms']:.3f}  "
+            f"submit {row['submit_ms']:.3f}  wait {row['wait_ms']:.3f}  other {row['other_ms']:.3f}")
 
 
 def main() -> None:
@@ -34,16 +120,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--token-budget", type=int, default=4096, help="schedule.max_num_batched_tokens, as bench_gpu")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="stage.key=value")
-    parser.add_argument("--switch-interval", type=float, default=None,
-                        help="Python's GIL switch interval in ms for the run (sys.setswitchinterval; default 5): "
-                             "how long the model thread may wait for the GIL while the event loop detokenizes")
     parser.add_argument("--clear-cache", action="store_true",
                         help="mx.clear_cache() before each run, as bench_gpu's mlx-lm runs between unikern's do "
                              "(mlx-lm's batch_generate clears MLX's buffer cache after each prompt batch)")
     parser.add_argument("--json")
     args = parser.parse_args()
-    if args.switch_interval is not None:
-        sys.setswitchinterval(args.switch_interval / 1e3)
 
     import unikern  # first: the BLAS MLX's CPU backend should use
 
@@ -54,52 +135,12 @@ def main() -> None:
     from bench import batch_room, engine_overrides, make_prompts
     from bench_gpu import run_unikern
 
-    import mlx.core as mx
-
-    from unikern.stages.execute.compiled import CompiledDecode
-    from unikern.stages.execute.runner import ModelRunner
     from unikern.testing.modelgen import cached_model
 
     path = args.model if Path(args.model).exists() else str(cached_model(args.model))
     overrides = engine_overrides(batch_room(args.concurrency, args.token_budget), args.overrides)
-    # start, end, num_steps, rows, tokens fed, follow-up, the decode window's host time by part
-    steps: list[tuple[float, float, int, int, int, bool, dict[str, float]]] = []
-    execute = ModelRunner.execute
-    # the decode windows' host time by part, on the model thread (seconds)
-    spent = {"build": 0.0, "submit": 0.0, "wait": 0.0}
-    window = {"thread": None}  # the thread inside a decode window's execute, if any
-
-    def timed(self, step, seeds):
-        window["thread"] = threading.get_ident() if step.num_steps > 1 else None
-        before = dict(spent)
-        start = time.perf_counter()
-        try:
-            return execute(self, step, seeds)
-        finally:
-            end = time.perf_counter()
-            window["thread"] = None
-            steps.append((start, end, step.num_steps, len(step.work),
-                          sum(len(w.token_ids) for w in step.work), any(w.continues for w in step.work),
-                          {k: spent[k] - before[k] for k in spent}))
-
-    def split(owner, name: str, key: str) -> None:
-        inner = getattr(owner, name)
-
-        def call(*args, **kwargs):
-            if window["thread"] != threading.get_ident():
-                return inner(*args, **kwargs)
-            t = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                spent[key] += time.perf_counter() - t
-
-        setattr(owner, name, call)
-
-    ModelRunner.execute = timed
-    split(CompiledDecode, "__call__", "build")
-    split(mx, "async_eval", "submit")
-    split(mx, "eval", "wait")
+    clock = StepClock()
+    clock.install()
     results = []
 
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
@@ -107,29 +148,14 @@ def main() -> None:
     async def run_level(engine, level: int) -> dict:
         prompts = make_prompts(level, vocab, args.prompt_tokens, args.prompt_tokens, seed=level)  # as bench_gpu's
         if args.clear_cache:
+            import mlx.core as mx
+
             mx.clear_cache()
-        steps.clear()
+        clock.steps.clear()
         began = time.perf_counter()
         run = await run_unikern(engine, prompts, args.max_tokens)
-        ended = time.perf_counter()
-        gaps = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
-        windows = [s for s in steps if s[2] > 1]
-        decode_steps = sum(s[2] for s in windows)
-        per_step = {}
-        if decode_steps:
-            per_step = {f"{k}_ms": sum(s[6][k] for s in windows) / decode_steps * 1e3 for k in spent}
-            per_step["window_step_ms"] = sum(s[1] - s[0] for s in windows) / decode_steps * 1e3
-            per_step["other_ms"] = per_step["window_step_ms"] - sum(per_step[f"{k}_ms"] for k in spent)
-        # head: from the requests' submission to the first step; tail: from the last step's
-        # end to the last request's end (its tokens detokenized and delivered)
-        return {"wall_ms": run["wall"] * 1e3, "ttft_ms": run["ttft"] * 1e3, "execute_ms": sum(e - s for s, e, *_ in steps) * 1e3,
-                "gaps_ms": sum(gaps) * 1e3, "largest_gap_ms": max(gaps, default=0) * 1e3,
-                "head_ms": (steps[0][0] - began) * 1e3 if steps else None,
-                "tail_ms": (ended - steps[-1][1]) * 1e3 if steps else None,
-                **per_step,
-                "steps": [{"num_steps": n, "rows": r, "tokens_fed": t, "follow_up": f, "ms": (e - s) * 1e3,
-                           "gap_before_ms": (s - steps[i - 1][1]) * 1e3 if i else None}
-                          for i, (s, e, n, r, t, f, _) in enumerate(steps)]}
+        return {"wall_ms": run["wall"] * 1e3, "ttft_ms": run["ttft"] * 1e3,
+                **clock.summary(began, time.perf_counter(), with_steps=True)}
 
     async def main_async() -> None:
         async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
@@ -137,8 +163,7 @@ def main() -> None:
                 await run_level(engine, level)  # untimed: kernels built, steps traced
                 runs = [await run_level(engine, level) for _ in range(args.repeats)]
                 row = {"concurrency": level, "runs": runs}
-                for key in ("wall_ms", "ttft_ms", "execute_ms", "gaps_ms", "largest_gap_ms", "head_ms", "tail_ms",
-                            "window_step_ms", "build_ms", "submit_ms", "wait_ms", "other_ms"):
+                for key in ("wall_ms", "ttft_ms", *SUMMARY_KEYS):
                     if all(key in r for r in runs):
                         row[key] = statistics.median(r[key] for r in runs)
                 results.append(row)
@@ -150,9 +175,7 @@ def main() -> None:
                       f"{row['tail_ms']:.1f}  steps (num_steps x rows): {shape}",
                       flush=True)
                 if "window_step_ms" in row:
-                    print(f"      decode windows: {row['window_step_ms']:.3f} ms per step  build {row['build_ms']:.3f}  "
-                          f"submit {row['submit_ms']:.3f}  wait {row['wait_ms']:.3f}  other {row['other_ms']:.3f}",
-                          flush=True)
+                    print("      " + windows_line(row), flush=True)
 
     anyio.run(main_async)
     if args.json:
