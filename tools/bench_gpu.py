@@ -16,7 +16,9 @@ level through one llama-batched-bench process. All three get prompts of the same
 and generate the same number of tokens, greedy; tok/s is generated tokens over wall time
 (prompt processing included); TTFT is the first token's delay (for llama.cpp its batch's
 prompt time; mlx-lm's batch_generate reports none). The table gives medians over the
-repeats, min-max, and unikern's ratios to each peer.
+repeats, min-max, and unikern's ratios to each peer. `--isolate` runs mlx-lm in a
+process of its own (MlxLmWorker), so that the benchmark's process holds the unikern
+engine alone; `--split` times unikern's steps in the same runs (step_gaps.StepClock).
 """
 
 from __future__ import annotations
@@ -211,8 +213,15 @@ def cmd_bench(args) -> dict:
 
     from unikern.platform import current_platform
 
-    model, tokenizer = load(args.model)
-    vocab = len(tokenizer)
+    if args.isolate:  # mlx-lm in a process of its own; this one holds unikern alone
+        worker = MlxLmWorker(args.model)
+        vocab, mlx_lm_run = worker.vocab, worker.run
+    else:
+        model, tokenizer = load(args.model)
+        vocab = len(tokenizer)
+
+        def mlx_lm_run(prompts: list[list[int]], max_tokens: int) -> dict:
+            return run_mlx_lm(model, tokenizer, prompts, max_tokens)
     levels = args.concurrency
     prompts = {c: make_prompts(c, vocab, args.prompt_tokens, args.prompt_tokens, seed=c) for c in levels}
     overrides = engine_overrides(batch_room(levels, args.token_budget), args.overrides)
@@ -238,12 +247,12 @@ def cmd_bench(args) -> dict:
         async with unikern.Engine.from_pipeline("generate", model=args.model, overrides=overrides) as engine:
             for c in levels:  # untimed: kernels built and decode steps traced for each shape
                 if "mlx-lm" in args.engines:
-                    run_mlx_lm(model, tokenizer, prompts[c], args.max_tokens)
+                    mlx_lm_run(prompts[c], args.max_tokens)
                 await run_unikern(engine, prompts[c], args.max_tokens)
             for r in range(args.repeats):
                 for c in levels:
                     if "mlx-lm" in args.engines:
-                        runs[c]["mlx-lm"].append(run_mlx_lm(model, tokenizer, prompts[c], args.max_tokens))
+                        runs[c]["mlx-lm"].append(mlx_lm_run(prompts[c], args.max_tokens))
                     runs[c]["unikern"].append(await timed_unikern(engine, prompts[c]))
                 if llama_bin and args.gguf and "llama.cpp" in args.engines:
                     for c, run in run_llama_cpp(llama_bin, args.gguf, levels, args.prompt_tokens,
@@ -284,7 +293,48 @@ def cmd_bench(args) -> dict:
 
     return {"label": args.label, "model": args.model, "gguf": args.gguf, "platform": current_platform().to_stats(),
             "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "prompt_tokens": args.prompt_tokens,
-            "max_tokens": args.max_tokens, "repeats": args.repeats, "overrides": args.overrides, "rows": rows}
+            "max_tokens": args.max_tokens, "repeats": args.repeats, "overrides": args.overrides,
+            "mlx_lm_process": "own" if args.isolate else "shared", "rows": rows}
+
+
+class MlxLmWorker:
+    """mlx-lm in a child process (`bench --isolate`): the model loaded there once, each
+    run asked for over its stdin and answered on its stdout, one JSON line each, so that
+    the benchmark's process holds the unikern engine alone (as a server's would) while
+    the repeats stay interleaved."""
+
+    def __init__(self, model: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "mlx-lm-worker", "--model", model],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.vocab = self._answer()["vocab"]
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:  # anything else it prints (logs) is not an answer
+            if line.startswith(ANSWER):
+                return json.loads(line[len(ANSWER):])
+        raise RuntimeError(f"the mlx-lm worker exited ({self.proc.wait()}) without answering")
+
+
+ANSWER = "mlx-lm-worker: "
+
+
+def cmd_mlx_lm_worker(args) -> None:
+    import unikern  # noqa: F401  first, as in the benchmark's process: the BLAS MLX's CPU backend should use
+
+    # isort: split
+    from bench import run_mlx_lm
+    from mlx_lm import load
+
+    model, tokenizer = load(args.model)
+    print(ANSWER + json.dumps({"vocab": len(tokenizer)}), flush=True)
+    for line in sys.stdin:
+        ask = json.loads(line)
+        print(ANSWER + json.dumps(run_mlx_lm(model, tokenizer, ask["prompts"], ask["max_tokens"])), flush=True)
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -346,7 +396,12 @@ def main() -> None:
                    help="time unikern's steps too (tools/step_gaps.py's StepClock): per level, the medians of its "
                         "time inside execute, the gaps, and its decode windows' step split into build, submit, "
                         "wait and other")
+    p.add_argument("--isolate", action="store_true",
+                   help="mlx-lm in a process of its own (MlxLmWorker), the repeats still interleaved; by default it "
+                        "runs in this one, beside the unikern engine")
     p.add_argument("--json")
+    p = sub.add_parser("mlx-lm-worker")  # bench --isolate's child
+    p.add_argument("--model", required=True)
     p = sub.add_parser("plot", help="one figure from bench JSON files")
     p.add_argument("json", nargs="+")
     p.add_argument("--out", required=True)
@@ -355,6 +410,8 @@ def main() -> None:
         cmd_models(args)
     elif args.cmd == "gguf":
         cmd_gguf(args)
+    elif args.cmd == "mlx-lm-worker":
+        cmd_mlx_lm_worker(args)
     elif args.cmd == "bench":
         result = cmd_bench(args)
         if args.json:

@@ -105,6 +105,14 @@ TAIL=9 step bench-1b $RES/bench-gpu-1b.json python3 "$REPO/tools/bench_gpu.py" b
 TAIL=9 step bench-8b-q4 $RES/bench-gpu-8b-q4.json python3 "$REPO/tools/bench_gpu.py" bench --model $M/llama-8b-q4 \
   --gguf $M/llama-8b-q4_0.gguf --llama-bin $BIN --split ${BENCH_ARGS:-} --label "llama 8B shape, 4-bit (Q4_0 for llama.cpp)" \
   --json $RES/bench-gpu-8b-q4.json
+# the 1B bench with mlx-lm in a process of its own (bench --isolate), so that this one holds
+# the unikern engine alone; runs only when GPU_STEPS names it. Session 20's step_gaps runs
+# (unikern alone in its process) were faster than its bench's unikern runs
+if named bench-1b-iso; then
+  TAIL=9 step bench-1b-iso $RES/bench-gpu-1b-iso.json python3 "$REPO/tools/bench_gpu.py" bench --model $M/llama-1b \
+    --gguf $M/llama-1b-bf16.gguf --llama-bin $BIN --split --isolate ${BENCH_ARGS:-} \
+    --label "llama 1B shape, bfloat16, mlx-lm in its own process" --json $RES/bench-gpu-1b-iso.json
+fi
 step ready-1b $RES/ready-1b.json python3 "$REPO/tools/first_request.py" --model $M/llama-1b --cold-warm \
   --warm-starts ${WARM_STARTS:-1} --json $RES/ready-1b.json
 # the warm start with the transformers release that pip installs beside unikern today
