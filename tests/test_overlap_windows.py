@@ -236,19 +236,15 @@ async def test_families_with_overlapped_windows(family, follows):
     assert (got[True][1] > 0) == follows
 
 
-@pytest.mark.anyio
-async def test_the_gil_switch_interval_holds_while_the_engine_runs(tiny_llama):
-    """execute.gil_switch_ms sets Python's switch interval for the engine's run, the
-    model thread's steps see it, and the one before comes back at stop."""
+async def _switch_intervals_seen(model: str, execute_params: dict) -> list[float]:
+    """Python's switch interval as each of an engine's steps saw it (one short request)."""
     import sys
 
     from test_sampling import SMALL_KV
 
     import unikern
     from unikern.stages.execute.runner import ModelRunner
-    from unikern.stages.execute.stage import MLXExecuteParams
 
-    before = sys.getswitchinterval()
     seen = []
     execute = ModelRunner.execute
 
@@ -256,12 +252,25 @@ async def test_the_gil_switch_interval_holds_while_the_engine_runs(tiny_llama):
         seen.append(sys.getswitchinterval())
         return execute(self, step, seeds)
 
-    overrides = {**SMALL_KV, "execute": {"gil_switch_ms": 0.25}}
+    overrides = {**SMALL_KV, "execute": execute_params}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ModelRunner, "execute", recording)
-        async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as eng:
+        async with unikern.Engine.from_pipeline("generate", model=model, overrides=overrides) as eng:
             events = [e async for e in eng.generate(prompt_tokens=[5, 6, 7], max_tokens=3)]
     assert isinstance(events[-1], m.DoneEvent)
+    return seen
+
+
+@pytest.mark.anyio
+async def test_the_gil_switch_interval_holds_while_the_engine_runs(tiny_llama):
+    """execute.gil_switch_ms sets Python's switch interval for the engine's run, the
+    model thread's steps see it, and the one before comes back at stop."""
+    import sys
+
+    from unikern.stages.execute.stage import MLXExecuteParams
+
+    before = sys.getswitchinterval()
+    seen = await _switch_intervals_seen(tiny_llama, {"gil_switch_ms": 0.25})
     assert seen and all(s == pytest.approx(0.25e-3) for s in seen)
     assert sys.getswitchinterval() == before
     assert MLXExecuteParams(gil_switch_ms=0).validate() == [
@@ -274,22 +283,11 @@ async def test_the_gil_switch_interval_is_left_alone_here_and_shortened_on_cuda(
     the CPU backend ran slower with a short one), AUTO_GIL_SWITCH_MS where MLX runs on CUDA."""
     import sys
 
-    import unikern
     import unikern.platform
     from unikern.stages.execute import stage
-    from unikern.stages.execute.runner import ModelRunner
 
     before = sys.getswitchinterval()
-    seen = []
-    execute = ModelRunner.execute
-
-    def recording(self, step, seeds):
-        seen.append(sys.getswitchinterval())
-        return execute(self, step, seeds)
-
-    monkeypatch.setattr(ModelRunner, "execute", recording)
-    async with engine(tiny_llama) as eng:
-        await eng.complete(prompt_tokens=[5, 6, 7], max_tokens=3)
+    seen = await _switch_intervals_seen(tiny_llama, {})
     assert seen and all(s == before for s in seen)
     assert stage.gil_switch_ms("auto") is None
     monkeypatch.setattr(unikern.platform, "cuda_is_default", lambda: True)
