@@ -193,8 +193,9 @@ def summarize(level: int, runs: dict[str, list[dict]]) -> dict:
         if "decode_tok_s" in rs[0]:  # llama.cpp's own figure for its generation phase alone
             row[name]["decode_tok_s"] = statistics.median(r["decode_tok_s"] for r in rs)
         if "split" in rs[0]:  # unikern's steps, with --split: medians over the repeats
-            row[name]["split"] = {k: statistics.median(r["split"][k] for r in rs)
-                                  for k in rs[0]["split"] if all(r["split"].get(k) is not None for r in rs)}
+            from step_gaps import medians
+
+            row[name]["split"] = medians([r["split"] for r in rs])
     ours = [r["tokens"] / r["wall"] for r in runs["unikern"]]
     for peer in ("mlx-lm", "llama.cpp"):
         if runs.get(peer):

@@ -427,12 +427,14 @@ def graph_census(runner, pool, rows, window: int) -> dict:
     return {"primitives": len(labels), "by_type": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
 
 
-def timed(owner, name: str, spent: dict, key: str) -> None:
+def timed(owner, name: str, spent: dict, key: str, when=None) -> None:
     """Replace owner.name (a callable: a module function or an object) by one that adds
-    its calls' time to spent[key]."""
+    its calls' time to spent[key]; with `when`, only the calls made while when() holds."""
     inner = getattr(owner, name)
 
     def call(*args, **kwargs):
+        if when is not None and not when():
+            return inner(*args, **kwargs)
         t = time.perf_counter()
         try:
             return inner(*args, **kwargs)

@@ -23,10 +23,6 @@ import threading
 import time
 from pathlib import Path
 
-# what StepClock.summary gives per run
-SUMMARY_KEYS = ("execute_ms", "gaps_ms", "largest_gap_ms", "head_ms", "tail_ms",
-                "window_step_ms", "build_ms", "submit_ms", "wait_ms", "other_ms")
-
 
 class StepClock:
     """Times ModelRunner.execute per step and splits the decode windows' time on the model
@@ -44,6 +40,7 @@ class StepClock:
 
     def install(self) -> None:
         import mlx.core as mx
+        from probe_cuda import timed  # tools/ is on sys.path
 
         from unikern.stages.execute.compiled import CompiledDecode
         from unikern.stages.execute.runner import ModelRunner
@@ -51,7 +48,7 @@ class StepClock:
         execute = ModelRunner.execute
         clock = self
 
-        def timed(runner, step, seeds):
+        def execute_timed(runner, step, seeds):
             clock._thread = threading.get_ident() if step.num_steps > 1 else None
             before = dict(clock.spent)
             start = time.perf_counter()
@@ -64,24 +61,14 @@ class StepClock:
                                     sum(len(w.token_ids) for w in step.work), any(w.continues for w in step.work),
                                     {k: clock.spent[k] - before[k] for k in clock.PARTS}))
 
-        ModelRunner.execute = timed
-        self._split(CompiledDecode, "__call__", "build")
-        self._split(mx, "async_eval", "submit")
-        self._split(mx, "eval", "wait")
+        ModelRunner.execute = execute_timed
 
-    def _split(self, owner, name: str, part: str) -> None:
-        inner = getattr(owner, name)
+        def on_model_thread() -> bool:
+            return self._thread == threading.get_ident()
 
-        def call(*args, **kwargs):
-            if self._thread != threading.get_ident():
-                return inner(*args, **kwargs)
-            t = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.spent[part] += time.perf_counter() - t
-
-        setattr(owner, name, call)
+        timed(CompiledDecode, "__call__", self.spent, "build", when=on_model_thread)
+        timed(mx, "async_eval", self.spent, "submit", when=on_model_thread)
+        timed(mx, "eval", self.spent, "wait", when=on_model_thread)
 
     def summary(self, began: float, ended: float, with_steps: bool = False) -> dict:
         """The steps since `steps` was last cleared, in ms: time inside execute, the gaps
@@ -104,6 +91,12 @@ class StepClock:
                              "gap_before_ms": (s - steps[i - 1][1]) * 1e3 if i else None}
                             for i, (s, e, n, r, t, f, _) in enumerate(steps)]
         return out
+
+
+def medians(runs: list[dict]) -> dict:
+    """Each figure the runs all have (numbers, not None), as its median over them."""
+    return {k: statistics.median(r[k] for r in runs) for k, v in runs[0].items()
+            if isinstance(v, int | float) and all(isinstance(r.get(k), int | float) for r in runs)}
 
 
 def windows_line(row: dict) -> str:
@@ -162,10 +155,7 @@ def main() -> None:
             for level in args.concurrency:
                 await run_level(engine, level)  # untimed: kernels built, steps traced
                 runs = [await run_level(engine, level) for _ in range(args.repeats)]
-                row = {"concurrency": level, "runs": runs}
-                for key in ("wall_ms", "ttft_ms", *SUMMARY_KEYS):
-                    if all(key in r for r in runs):
-                        row[key] = statistics.median(r[key] for r in runs)
+                row = {"concurrency": level, "runs": runs, **medians(runs)}
                 results.append(row)
                 # "+": a window planned while the one before ran (schedule.overlap_windows)
                 shape = " ".join(f"{'+' if s['follow_up'] else ''}{s['num_steps']}x{s['rows']}"
