@@ -69,6 +69,7 @@ static void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst
 static unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
 static unsigned atomicExch(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).exchange(v); }
 static float rsqrtf(float v) { return 1.f / std::sqrt(v); }
+static void __nanosleep(unsigned) {}
 """
 
 
@@ -131,13 +132,15 @@ def written_inputs(source: str) -> list[str]:
 
 def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, int], blocks: int, threads: int,
                output_shape: tuple[int, ...], header: str = "",
-               outputs: dict[str, tuple[int, ...]] | None = None) -> np.ndarray | dict[str, np.ndarray]:
+               outputs: dict[str, tuple[int, ...]] | None = None,
+               initial: dict[str, np.ndarray] | None = None) -> np.ndarray | dict[str, np.ndarray]:
     """`source` run over `blocks` blocks of `threads` threads: the inputs (float32, int32
     or uint32 arrays, each with its `<name>_shape`), `constants` as the kernel's
     template parameters (T is float), one float32 output `out` of `output_shape` (or,
     with `outputs`, one per name and shape, returned by name), and `header` (C++
     helpers, e.g. TENSOR_CORE_HEADER) before the kernel. Float32 inputs the source
-    writes in place (`written_inputs`) are written back into the given numpy arrays."""
+    writes in place (`written_inputs`) are written back into the given numpy arrays.
+    `initial`: outputs' contents before the kernel runs (zeros otherwise)."""
     assert threads % 32 == 0 and threads // 32 <= 64
     params, shapes, reads = [], [], []
     for name, a in inputs.items():
@@ -154,7 +157,9 @@ def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, 
     shapes_out = outputs or {"out": output_shape}
     call_args = ", ".join([f"{name}_data.data()" for name in inputs] + [f"{name}.data()" for name in shapes_out])
     out_params = "".join(f", T* {name}" for name in shapes_out)
+    initial = initial or {}
     out_vectors = " ".join(f"std::vector<float> {name}({int(np.prod(shape))});" for name, shape in shapes_out.items())
+    out_vectors += " ".join(f"fread({name}.data(), 4, {name}.size(), stdin);" for name in shapes_out if name in initial)
     written = [n for n in dict.fromkeys(written_inputs(source)) if n in inputs and inputs[n].dtype == np.float32]
     out_writes = " ".join(f"fwrite({name}.data(), 4, {name}.size(), stdout);" for name in shapes_out)
     out_writes += " ".join(f"fwrite({name}_data.data(), 4, {name}_data.size(), stdout);" for name in written)
@@ -190,6 +195,7 @@ int main() {{
 }}
 """
     data = b"".join(np.ascontiguousarray(a).tobytes() for a in inputs.values())
+    data += b"".join(np.ascontiguousarray(initial[n], dtype=np.float32).tobytes() for n in shapes_out if n in initial)
     done = subprocess.run([_built(code)], input=data, capture_output=True, check=True)
     flat, results = np.frombuffer(done.stdout, dtype=np.float32), {}
     for name, shape in shapes_out.items():
@@ -250,9 +256,16 @@ def emulated_cuda_kernels(launched: list[str] | None = None, header: str | None 
                     mx.eval(a)
             arrays = {n: np.array(a, copy=n not in written) for n, a in zip(input_names, inputs, strict=True)}
             constants = {k: v for k, v in template if k != "T"}
-            out = run_kernel(source, arrays, constants, grid[0] // threadgroup[0], threadgroup[0], output_shapes[0],
-                             header if own_header is None else own_header,
-                             dict(zip(outputs, output_shapes, strict=True)))
+            shapes = dict(zip(outputs, output_shapes, strict=True))
+            # phases FIRST..LAST that meet at grid-wide barriers (block_kernel.py): one
+            # launch per phase, the outputs carried over (the blocks here run one after
+            # another, so a block waiting at such a barrier would wait forever)
+            out = None
+            for phase in range(constants.get("FIRST", 0), constants.get("LAST", 0) + 1):
+                if "FIRST" in constants:
+                    constants.update(FIRST=phase, LAST=phase)
+                out = run_kernel(source, arrays, constants, grid[0] // threadgroup[0], threadgroup[0], output_shapes[0],
+                                 header if own_header is None else own_header, shapes, out)
             return [mx.array(out[n]).astype(d) for n, d in zip(outputs, output_dtypes, strict=True)]
         return launch
 

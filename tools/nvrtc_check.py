@@ -122,7 +122,13 @@ def record_launches() -> list[Build]:
     import mlx.nn as nn
 
     from unikern.platform import kernel_cache
-    from unikern.stages.execute import block_gemv, paged_attention, quantized, residual
+    from unikern.stages.execute import (
+        block_gemv,
+        block_kernel,
+        paged_attention,
+        quantized,
+        residual,
+    )
 
     builds: list[Build] = []
 
@@ -191,6 +197,21 @@ def record_launches() -> list[Build]:
                     block_gemv.gemv(mx.zeros((rows, inter), dtype=dtype), mx.zeros((hidden, inter), dtype=dtype),
                                 block_gemv.RESIDUAL, res=x, hand_ss=counter)
                     block_gemv.gemv(x, mx.zeros((2 * inter, hidden), dtype=dtype), block_gemv.SWIGLU, norm=norm, ss=ss)
+            # a decoder block's one-row step as one kernel (block_kernel.py), 1B shape, with q/k/v's bias and without
+            hidden, H, Hk, D, inter = 2048, 32, 8, 64, 8192
+            paged_attention.POSITIONS_IN_FLIGHT = saved[1]
+            if dtype == mx.float32:  # (the 1B shape's row in float32 is more shared memory than a kernel has)
+                inter = 4096
+            assert block_kernel.fits(hidden, inter, H, Hk, D, dtype, 128)
+            qkv, pool = mx.zeros(((H + 2 * Hk) * D, hidden), dtype=dtype), mx.zeros((Hk, 64, D), dtype=dtype)
+            one = mx.zeros((1,), dtype=mx.int32)
+            for bias in (None, qkv[:, 0]):
+                block_kernel.block_step(
+                    mx.zeros((1, 1, hidden), dtype=dtype), qkv, bias, (mx.zeros((hidden,), dtype=dtype), 1e-5),
+                    mx.zeros((hidden, H * D), dtype=dtype), (mx.zeros((hidden,), dtype=dtype), 1e-5),
+                    mx.zeros((2 * inter, hidden), dtype=dtype), mx.zeros((hidden, inter), dtype=dtype), one,
+                    mx.zeros((D // 2,), dtype=mx.float32), H, Hk, D, False, D**-0.5, (pool, pool, one),
+                    mx.zeros((1, 128), dtype=mx.int32), one, block_kernel.barrier())
         w, scales, biases = mx.quantize(mx.zeros((64, 4096), dtype=mx.bfloat16), group_size=64, bits=4)
         # the defaults, the nibbles made floats by their bits (GEMV_MAGIC_NIBBLES), then
         # session 8's 4-byte loads and narrow blocks

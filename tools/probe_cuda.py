@@ -59,6 +59,8 @@ Variants:
                stages/execute/residual.py)
   engine-paged-blocks  engine-paged with each block's decode steps of up to 4 rows as four
                GEMV kernels (execute.fuse_blocks: stages/execute/blocks.py)
+  engine-paged-blocks-one  the same, a one-row step's block as one kernel (execute.block_kernel:
+               stages/execute/block_kernel.py)
   engine-paged-blocks-u1, -u4, -u8  the same, each lane with 1, 4 or 8 of a weight row's
                16-byte chunks in flight per pass (block_gemv.UNROLL; 2 by default): 1 gives
                few registers and many warps per SM, as MLX's own GEMV
@@ -168,6 +170,7 @@ VARIANTS = {
     "engine-paged-split1024": ({}, ["fused", "engine", "paged", "traced", "split-blocks=1024", "split-min=64"]),
     "engine-paged-norms": ({}, ["fused", "engine", "paged", "traced", "norms"]),
     "engine-paged-blocks": ({}, ["fused", "engine", "paged", "traced", "blocks"]),
+    "engine-paged-blocks-one": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one"]),
     "engine-paged-blocks-u4": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=4"]),
     "engine-paged-blocks-u1": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=1"]),
     "engine-paged-blocks-u8": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=8"]),
@@ -276,7 +279,8 @@ def child(args) -> None:
         from unikern.stages.execute import blocks
 
         # blocks-ops: steps of more rows through MLX's ops (execute.fuse_blocks_ops_rows=64)
-        notes["decode_blocks"] = blocks.fuse_decode_blocks(model, ops_rows=64 if "blocks-ops" in features else 0)
+        notes["decode_blocks"] = blocks.fuse_decode_blocks(model, ops_rows=64 if "blocks-ops" in features else 0,
+                                                           one_kernel="blocks-one" in features)
     if "pool-scatter" in features:  # the pool writes by the cache's two scatters per layer, as before
         from unikern.stages.execute.paged_cache import PagedLayerCache
 

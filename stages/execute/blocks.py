@@ -66,7 +66,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from unikern.platform import cuda_is_default
-from unikern.stages.execute import quantized
+from unikern.stages.execute import block_kernel, quantized
 from unikern.stages.execute.block_gemv import (
     ITEMSIZE,
     MAX_ROWS,
@@ -164,6 +164,10 @@ class BlockPlan:
     steps: int = 0  # fused steps built (a traced step counts once)
     ops_steps: int = 0  # of those, the steps ops_rows added (more than MAX_ROWS rows)
     pool_steps: int = 0  # of those, the steps whose q/k/v kernel wrote k and v into the pool
+    # one-row steps as one kernel (block_kernel.py; execute.block_kernel), its barrier
+    one_kernel: bool = False
+    bar: mx.array | None = None
+    kernel_steps: int = 0  # of the steps, those that ran as one kernel
 
     @property
     def max_rows(self) -> int:
@@ -214,6 +218,10 @@ class FusedDecodeBlock:
         q4_rope = not kernel and epilogue_gemv_applies(attn.fused_q_proj, rows, quantized.GEMV_ROPE)
         if (kernel and KERNEL_ROPE or q4_rope or not kernel and OPS_ROPE_WRITE) and hasattr(cache, "pool_target"):
             target = cache.pool_target(H, D, x.dtype)
+        if kernel and B == 1 and plan.one_kernel and target is not None:
+            out = self._one_kernel(plan, x, offset, cache, target)
+            if out is not None:
+                return out
         ss = handed[1] if kernel and handed is not None and handed[0] is x else None
         q, k, v = self._qkv(plan, rows, offset, kernel, target, ss, q4_rope)
         if target is not None:
@@ -248,6 +256,26 @@ class FusedDecodeBlock:
                 a = swiglu(gate, up)
             out = _plus(down, a, h, plan)
         return out.reshape(B, 1, width)
+
+    def _one_kernel(self, plan: BlockPlan, x: mx.array, offset: Any, cache: Any,
+                    target: tuple[mx.array, mx.array, mx.array]) -> mx.array | None:
+        """The one-row step as one kernel (block_kernel.py) where the row's slot table is one
+        it takes; None otherwise (nothing built)."""
+        attn, mlp = self.self_attn, self.mlp
+        H, Hk, D = plan.heads, plan.kv_heads, plan.head_dim
+        cache.written_in_place()
+        slots, lengths = cache.paged_table()
+        down = mlp.down_proj["weight"]
+        if not block_kernel.fits(x.shape[-1], down.shape[1], H, Hk, D, x.dtype, slots.shape[1]):
+            return None
+        plan.pool_steps += 1
+        plan.kernel_steps += 1
+        fused = attn.fused_q_proj
+        return block_kernel.block_step(
+            x, fused["weight"], fused.get("bias"), (self.input_layernorm["weight"], plan.eps[0]), attn.o_proj["weight"],
+            (self.post_attention_layernorm["weight"], plan.eps[1]), mlp.fused_gate_proj["weight"], down,
+            _positions(offset, 1), plan.freq_pi, H, Hk, D, plan.traditional, plan.scale, target, slots, lengths,
+            plan.bar)[0]
 
     def _qkv(self, plan: BlockPlan, rows: mx.array, offset: Any, kernel: bool,
              pool: tuple[mx.array, mx.array, mx.array] | None = None, ss: mx.array | None = None,
@@ -349,21 +377,27 @@ def _plan(block: Any, use_kernel: bool, ops_rows: int | None = 0) -> BlockPlan |
                      use_kernel and not quantized, ops_rows, transposed)
 
 
-def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int | None = 0) -> int:
+def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int | None = 0,
+                       one_kernel: bool = False) -> int:
     """Give every block of `model` that the fused steps take their `__call__`; returns how
     many blocks (0: the model as it was). `use_kernel`: the CUDA kernels (default: where
     MLX's default device is CUDA), for steps of up to MAX_ROWS rows. `ops_rows`: steps of
     more rows, up to this many, run the fused steps through MLX's ops (0: the family's
-    own code; None: AUTO_OPS_ROWS for unquantized blocks, 0 for 4-bit ones)."""
+    own code; None: AUTO_OPS_ROWS for unquantized blocks, 0 for 4-bit ones). `one_kernel`:
+    one-row steps with the kernels as one kernel per block where they fit (block_kernel.py)."""
     use_kernel = cuda_is_default() if use_kernel is None else use_kernel
     layers = layers_of(model)
     plans = [_plan(block, use_kernel, ops_rows) for block in layers]
     if not layers or any(p is None for p in plans):
         return 0
-    for plan, after in zip(plans, [*plans[1:], None], strict=True):
+    for block, plan, after in zip(layers, plans, [*plans[1:], None], strict=True):
         plan.next = after
         plan.counters = (counter(), counter())
-    mx.eval([c for p in plans for c in p.counters])
+        # one-row steps as one kernel: unquantized blocks (the kernels') with no bias but q/k/v's
+        plan.one_kernel = one_kernel and plan.use_kernel and not any(
+            "bias" in layer for layer in (block.self_attn.o_proj, block.mlp.fused_gate_proj, block.mlp.down_proj))
+        plan.bar = block_kernel.barrier() if plan.one_kernel else None
+    mx.eval([c for p in plans for c in (*p.counters, *([p.bar] if p.bar is not None else []))])
     for block, plan in zip(layers, plans, strict=True):
         cls = type(block)
         if not isinstance(block, FusedDecodeBlock):  # (a fused block again: a new plan only)
@@ -377,6 +411,6 @@ def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int
 def fused_steps(model: Any, field: str = "steps") -> int:
     """How many block steps took the fused path (a traced step counts once); `ops_steps`:
     how many of them only fuse_blocks_ops_rows sent there (more rows than the kernels
-    take); `pool_steps`: how many wrote k and v into
-    the pool from the q/k/v kernel."""
+    take); `pool_steps`: how many wrote k and v into the pool from the q/k/v kernel;
+    `kernel_steps`: how many ran as one kernel (block_kernel.py)."""
     return sum(getattr(p, field) for b in layers_of(model) if (p := b.__dict__.get("_block_plan")) is not None)

@@ -121,14 +121,15 @@ class LoadedModel:
 
 def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized: bool = False,
                fuse_norms: bool = False, fuse_blocks: bool = False, dense_mma: bool = False,
-               blocks_ops_rows: int | None = 0) -> LoadedModel:
+               blocks_ops_rows: int | None = 0, block_kernel: bool = False) -> LoadedModel:
     """Load with mlx-lm; with a world of several ranks, keep this rank's shard only
     (loaded lazily, so only the shard's weights are ever read). `fuse`: q/k/v and
     gate/up projections through one weight each (fused.py), quantized ones too if
     `fuse_quantized`. `fuse_norms`: each block's residual adds and the norms after them
     as one kernel (residual.py; one rank only). `fuse_blocks`: each block's decode steps of
     few rows as four GEMV kernels (blocks.py; one rank, needs `fuse`), and steps of up to
-    `blocks_ops_rows` rows as the same steps through MLX's ops (None: blocks.AUTO_OPS_ROWS). `dense_mma`: plain
+    `blocks_ops_rows` rows as the same steps through MLX's ops (None: blocks.AUTO_OPS_ROWS), and with
+    `block_kernel` one-row steps as one kernel per block (block_kernel.py). `dense_mma`: plain
     bfloat16 linear layers' steps of 5-64 rows through unikern's tensor-core kernel
     (dense_mma.py; one rank)."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -163,7 +164,7 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
     if fuse_blocks and fused_groups and not sharded:
         from unikern.stages.execute.blocks import fuse_decode_blocks
 
-        decode_blocks = fuse_decode_blocks(model, ops_rows=blocks_ops_rows)
+        decode_blocks = fuse_decode_blocks(model, ops_rows=blocks_ops_rows, one_kernel=block_kernel)
     dense_mma_layers = 0
     if dense_mma and not sharded:
         from unikern.stages.execute.dense_mma import route_dense_layers

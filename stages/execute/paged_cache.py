@@ -314,6 +314,15 @@ class PagedLayerCache:
         self._paged_inputs = (self.pool.keys[self.layer], self.pool.values[self.layer], self.layout.read_slots,
                               lengths, after)
 
+    def paged_table(self) -> tuple[mx.array, mx.array]:
+        """The rows' slot tables [B, L] and lengths [B] of this decode step, once its keys
+        and values are in the pool (`written_in_place`), for a kernel that reads them back
+        itself (block_kernel.py)."""
+        if self._paged_inputs is None:
+            raise RuntimeError("the slot table is known once the step's keys and values are in the pool "
+                               "(written_in_place)")
+        return self._paged_inputs[2], self._paged_inputs[3]
+
     def paged_decode(self, q: mx.array, scale: float) -> mx.array | None:
         """This layer's decode attention straight from the pool, or None when this step
         is not one it takes (prefill, a windowed layer, one row through slices)."""

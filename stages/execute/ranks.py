@@ -81,6 +81,7 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
                         fuse_norms=params.fuse_norms == "always",
                         fuse_blocks=switch(params.fuse_blocks, auto=backend == "cuda"),
                         blocks_ops_rows=None if params.fuse_blocks_ops_rows == "auto" else params.fuse_blocks_ops_rows,
+                        block_kernel=switch(params.block_kernel, auto=backend == "cuda"),
                         dense_mma=switch(params.dense_mma, auto=backend == "cuda") and cuda_is_default())
     loaded_at = time.perf_counter()
     wired = wiring.wire(loaded.weights, params.wire_weights)

@@ -1,0 +1,358 @@
+"""A decoder block's one-row decode step as one CUDA kernel (execute.block_kernel).
+
+At one stream the host paces a token, not the GPU: a 1B token on an H200 ran 99 kernels,
+5 per block (blocks.py), and MLX spent 0.89-1.56 ms encoding them plus 0.32-0.53 ms
+replaying the traced step, against 0.97 ms of GPU time; llama.cpp's token took 1.2 ms
+(tools/results/gpu/H200-issue17.md, session 20). Here the block's five steps run in one
+kernel whose phases meet at grid-wide barriers:
+
+  0. RMS norm -> q/k/v GEMV -> RoPE on q and k; k and v into the pool at the row's slot
+  1. the decode attention over the row's slot table (paged_attention's group kernel:
+     one block per KV head)
+  2. output GEMV -> + residual                 -> h
+  3. RMS norm -> gate/up GEMV -> SwiGLU         -> a
+  4. down GEMV -> + residual                    -> the block's output
+
+A fixed grid of GRID_BLOCKS blocks (one per SM of an H200, so all are resident at once:
+a barrier's waiting blocks cannot hold back one not yet started) walks each phase's
+output pairs in turn; a phase's blocks stage its input row in shared memory (normalized,
+the row's sum of squares summed by the block itself), and each warp (or SPLIT warps) gives
+one output pair as block_gemv's kernel does, rounding as MLX's ops round. The barrier is a
+counter and a generation in device memory: the block's first thread arrives with a
+fence, the last to arrive resets the count and advances the generation, the others spin
+on it (at most SPIN_LIMIT polls, then they go on and mark `bar[2]`, so a grid that
+could not all be resident gives wrong numbers, which the tests see, instead of a hung
+GPU). The kernel's intermediate rows are outputs of their own (q, the attention, h, a):
+written in one phase, read in the next, never read before they are written, so no block
+can hold a stale copy in its cache.
+
+Phases FIRST..LAST run in one launch; the tests' emulation (tests/cuda_emulation.py),
+which runs blocks one after another, runs one phase per launch with the rows carried
+over. One row, unquantized blocks (blocks.py's BlockPlan), a slot table the group kernel
+takes whole (paged_attention.partitions 1) and shared memory within 48 KB; other steps
+keep the five kernels."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from unikern.platform.kernel_cache import cuda_kernel, float_bits, off_small_pool, placeholder
+from unikern.stages.execute import paged_attention
+from unikern.stages.execute.block_gemv import _HEADER, ITEMSIZE
+
+GRID_BLOCKS = 132  # an H100's or H200's SMs
+WARPS = 16  # per block (the attention phase's warps too: FEW_BLOCKS_WARPS)
+UNROLL = 2  # 16-byte chunks per lane in flight per weight row
+MIN_CHUNKS = 64  # of a weight row per warp at least (two per lane) when a pair is split
+SPIN_LIMIT = 1 << 24  # polls of the barrier's generation before a block gives up on it
+SHARED_BYTES = 48 << 10  # static shared memory a kernel may declare
+PHASES = 5
+
+# the attention phase: paged_attention's group kernel for one row, one block per KV head,
+# its blocks walked by the grid ("vb"), writing `att`
+_ATTENTION = ("for (int vb = blockIdx.x; vb < HK; vb += gridDim.x) {\n"
+              + paged_attention._GROUP_SOURCE.replace("blockIdx.x", "vb").replace("gridDim.x", "HK")
+              .replace("q[row + e]", "qs[row + e]")
+              + paged_attention._GROUP_OUT.replace("out[row + e]", "att[row + e]")
+              + "    __syncthreads();\n}\n")
+
+_SOURCE = """
+    constexpr int PACK = 16 / sizeof(T);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    __shared__ __align__(16) T xs[XMAX];  // the phase's input row, normalized where it is
+    __shared__ float red[WARPS];
+    __shared__ float sums[WARPS][2];
+
+    // every block at the barrier before any goes on (see the module's notes)
+    auto grid_sync = [&]() {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned* count = const_cast<unsigned*>(bar);
+            volatile unsigned* gen = count + 1;
+            const unsigned seen = *gen;
+            __threadfence();
+            if (atomicAdd(count, 1u) == gridDim.x - 1) {
+                atomicExch(count, 0u);
+                __threadfence();
+                atomicAdd(count + 1, 1u);
+            } else {
+                int spins = 0;
+                while (*gen == seen && spins < SPIN_LIMIT) {
+                    __nanosleep(32);
+                    ++spins;
+                }
+                if (spins == SPIN_LIMIT) atomicExch(count + 2, 1u);
+            }
+            __threadfence();
+        }
+        __syncthreads();
+    };
+
+    // K elements of `row` into xs: with `nw`, RMS-normalized as MLX's rms_norm rounds
+    // (the normalized value rounded, times the weight, rounded)
+    auto stage = [&](const T* row, int K, const T* nw, float eps) {
+        float inv = 1.f;
+        if (nw != nullptr) {
+            float s = 0.f;
+            for (int i = threadIdx.x; i < K; i += blockDim.x) {
+                const float v = static_cast<float>(row[i]);
+                s += v * v;
+            }
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+            if (lane == 0) red[warp] = s;
+            __syncthreads();
+            float t = 0.f;
+            for (int w = 0; w < WARPS; ++w) t += red[w];
+            inv = rsqrtf(t / K + eps);
+        }
+        for (int i = threadIdx.x; i < K; i += blockDim.x) {
+            const float v = static_cast<float>(row[i]);
+            xs[i] = nw != nullptr ? static_cast<T>(static_cast<float>(nw[i]) * static_cast<float>(static_cast<T>(v * inv)))
+                                  : row[i];
+        }
+        __syncthreads();
+    };
+
+    // rows f0 and f1 of w [., K] against xs, over `split` warps of the block: the sums, in
+    // the pair's first warp (every thread of the block calls it: it may wait on the block)
+    auto dot_pair = [&](const T* w, int K, int split, int f0, int f1, bool live, float& s0, float& s1) {
+        const int C = K / PACK;
+        const int per = (C + split - 1) / split;
+        const int lo = (warp % split) * per;
+        const int hi = min(C, lo + per);
+        const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)f0 * K);
+        const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)f1 * K);
+        const uint4* xv = reinterpret_cast<const uint4*>(xs);
+        float a0 = 0.f, a1 = 0.f;
+        for (int c0 = lo; live && c0 < hi; c0 += 32 * UW) {
+            uint4 a[UW], b[UW];
+            #pragma unroll
+            for (int u = 0; u < UW; ++u) {
+                const int c = c0 + u * 32 + lane;
+                if (c < hi) {
+                    a[u] = w0[c];
+                    b[u] = w1[c];
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < UW; ++u) {
+                const int c = c0 + u * 32 + lane;
+                if (c < hi) {
+                    float wa[PACK], wb[PACK], xe[PACK];
+                    unikern_unpack<T>(a[u], wa);
+                    unikern_unpack<T>(b[u], wb);
+                    unikern_unpack<T>(xv[c], xe);
+                    #pragma unroll
+                    for (int e = 0; e < PACK; ++e) {
+                        a0 += xe[e] * wa[e];
+                        a1 += xe[e] * wb[e];
+                    }
+                }
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            a0 += __shfl_xor_sync(0xffffffff, a0, o);
+            a1 += __shfl_xor_sync(0xffffffff, a1, o);
+        }
+        if (split > 1) {  // the pair's other warps hand their sums to its first
+            if (lane == 0) {
+                sums[warp][0] = a0;
+                sums[warp][1] = a1;
+            }
+            __syncthreads();
+            if (warp % split == 0)
+                for (int q = 1; q < split; ++q) {
+                    a0 += sums[warp + q][0];
+                    a1 += sums[warp + q][1];
+                }
+            __syncthreads();
+        }
+        s0 = a0;
+        s1 = a1;
+    };
+
+    // every pair p of a phase: blocks in turn, WARPS / split pairs each (block-uniform)
+    #define UNIKERN_PAIRS(NPAIRS, SPLIT_)                                                   \\
+        for (int first_p = blockIdx.x * (WARPS / SPLIT_); first_p < NPAIRS;                 \\
+             first_p += gridDim.x * (WARPS / SPLIT_))
+    #define UNIKERN_PAIR(SPLIT_) const int p = first_p + warp / SPLIT_;                     \\
+        const bool live = p < NPAIRS_NOW;                                                   \\
+        const bool writer = live && lane == 0 && warp % SPLIT_ == 0
+
+    for (int phase = FIRST; phase <= LAST; ++phase) {
+        if (phase == 0) {  // q/k/v with the input norm and RoPE; k and v into the pool
+            stage(x, WIDTH, n1, __int_as_float(EPS1));
+            constexpr int NPAIRS_NOW = NQKV / 2;
+            UNIKERN_PAIRS(NPAIRS_NOW, SA) {
+                UNIKERN_PAIR(SA);
+                int f0 = 2 * p, f1 = 2 * p + 1;  // v: neighbours
+                const bool rope = p < (QN + KN) / 2;
+                if (live && rope) {  // q and k: the two halves of a RoPE rotation
+                    const int head = p / (D / 2), i = p % (D / 2);
+                    f0 = TRAD ? head * D + 2 * i : head * D + i;
+                    f1 = TRAD ? f0 + 1 : f0 + D / 2;
+                }
+                float s0, s1;
+                dot_pair(w_qkv, WIDTH, SA, live ? f0 : 0, live ? f1 : 0, live, s0, s1);
+                if (writer) {
+                    if (BIAS) {
+                        s0 += static_cast<float>(b_qkv[f0]);
+                        s1 += static_cast<float>(b_qkv[f1]);
+                    }
+                    float y0 = static_cast<float>(static_cast<T>(s0));  // the matmul's output, rounded
+                    float y1 = static_cast<float>(static_cast<T>(s1));
+                    if (rope) {
+                        float sn, cs;  // the angle in units of pi: an exact range reduction
+                        sincospif(static_cast<float>(pos[0]) * freq_pi[p % (D / 2)], &sn, &cs);
+                        const float r0 = y0 * cs - y1 * sn, r1 = y1 * cs + y0 * sn;
+                        y0 = r0;
+                        y1 = r1;
+                    }
+                    if (f0 < QN) {
+                        qs[f0] = static_cast<T>(y0);
+                        qs[f1] = static_cast<T>(y1);
+                    } else {  // kv head c / D of k or v, at the row's slot
+                        const bool is_v = f0 >= QN + KN;
+                        const int c0 = f0 - (is_v ? QN + KN : QN), c1 = f1 - (is_v ? QN + KN : QN);
+                        T* pool = is_v ? const_cast<T*>(v_pool) : const_cast<T*>(k_pool);
+                        const size_t S = k_pool_shape[1];
+                        pool[((size_t)(c0 / D) * S + wslot[0]) * D + c0 % D] = static_cast<T>(y0);
+                        pool[((size_t)(c1 / D) * S + wslot[0]) * D + c1 % D] = static_cast<T>(y1);
+                    }
+                }
+            }
+        } else if (phase == 1) {  // the attention over the row's table, k and v of phase 0 in it
+""" + _ATTENTION + """
+        } else if (phase == 2) {  // h = x + att @ w_o.T
+            stage(att, QN, nullptr, 0.f);
+            constexpr int NPAIRS_NOW = WIDTH / 2;
+            UNIKERN_PAIRS(NPAIRS_NOW, SC) {
+                UNIKERN_PAIR(SC);
+                float s0, s1;
+                dot_pair(w_o, QN, SC, live ? 2 * p : 0, live ? 2 * p + 1 : 0, live, s0, s1);
+                if (writer) {
+                    h[2 * p] = static_cast<T>(static_cast<float>(static_cast<T>(s0)) + static_cast<float>(x[2 * p]));
+                    h[2 * p + 1] = static_cast<T>(static_cast<float>(static_cast<T>(s1)) + static_cast<float>(x[2 * p + 1]));
+                }
+            }
+        } else if (phase == 3) {  // a = swiglu(gate, up) of norm(h) @ w_gu.T, rounded as mlx-lm's
+            stage(h, WIDTH, n2, __int_as_float(EPS2));
+            constexpr int NPAIRS_NOW = INTER;
+            UNIKERN_PAIRS(NPAIRS_NOW, SD) {
+                UNIKERN_PAIR(SD);
+                float s0, s1;
+                dot_pair(w_gu, WIDTH, SD, live ? p : 0, live ? p + INTER : 0, live, s0, s1);
+                if (writer) {
+                    const float g = static_cast<float>(static_cast<T>(s0));
+                    const float u = static_cast<float>(static_cast<T>(s1));
+                    const float sig = static_cast<float>(static_cast<T>(1.f / (1.f + expf(-g))));
+                    const float act = static_cast<float>(static_cast<T>(g * sig));
+                    a[p] = static_cast<T>(act * u);
+                }
+            }
+        } else {  // out = h + a @ w_down.T
+            stage(a, INTER, nullptr, 0.f);
+            constexpr int NPAIRS_NOW = WIDTH / 2;
+            UNIKERN_PAIRS(NPAIRS_NOW, SE) {
+                UNIKERN_PAIR(SE);
+                float s0, s1;
+                dot_pair(w_down, INTER, SE, live ? 2 * p : 0, live ? 2 * p + 1 : 0, live, s0, s1);
+                if (writer) {
+                    out[2 * p] = static_cast<T>(static_cast<float>(static_cast<T>(s0)) + static_cast<float>(h[2 * p]));
+                    out[2 * p + 1] = static_cast<T>(static_cast<float>(static_cast<T>(s1)) + static_cast<float>(h[2 * p + 1]));
+                }
+            }
+        }
+        if (phase < LAST) grid_sync();
+    }
+    #undef UNIKERN_PAIRS
+    #undef UNIKERN_PAIR
+"""
+INPUTS = ("x", "w_qkv", "b_qkv", "n1", "w_o", "n2", "w_gu", "w_down", "pos", "freq_pi", "k_pool", "v_pool",
+          "wslot", "slots", "lengths", "bar")
+OUTPUTS = ("out", "qs", "att", "h", "a")
+
+
+def split_for(K: int, pairs: int, itemsize: int, grid: int, warps: int) -> int:
+    """Warps per output pair for a phase of `pairs` pairs over rows of K: the split whose
+    rounds of the grid leave the fewest blocks idle (ties: the smaller), each warp keeping
+    at least MIN_CHUNKS of its row's 16-byte chunks."""
+    chunks, best, best_idle = K * itemsize // 16, 1, None
+    split = 1
+    while split <= warps:
+        if split == 1 or chunks // split >= MIN_CHUNKS:
+            turns = -(-pairs // (warps // split))  # block turns
+            idle = -(-turns // grid) * grid - turns
+            if best_idle is None or idle < best_idle:
+                best, best_idle = split, idle
+        split *= 2
+    return best
+
+
+def shared_bytes(width: int, inter: int, heads: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """The kernel's static shared memory: the staged row, the attention's per-warp partials."""
+    group, warps = heads // kv_heads, WARPS
+    return (max(width, inter, heads * head_dim) * itemsize + warps * group * (head_dim + 2) * 4
+            + warps * 12)
+
+
+def fits(width: int, inter: int, heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, table: int) -> bool:
+    """Whether a one-row step of these shapes takes the kernel: 16-byte loads along every
+    weight row, head sizes the attention takes, a slot table `table` wide that it takes
+    whole, the shared memory within SHARED_BYTES."""
+    if dtype not in ITEMSIZE:
+        return False
+    pack = 16 // ITEMSIZE[dtype]
+    return (width % pack == 0 and inter % pack == 0 and (heads * head_dim) % pack == 0 and width % 2 == 0
+            and paged_attention.supports(head_dim, heads, kv_heads)
+            and paged_attention.partitions(1, kv_heads, table) == 1
+            and shared_bytes(width, inter, heads, kv_heads, head_dim, ITEMSIZE[dtype]) <= SHARED_BYTES)
+
+
+def barrier() -> mx.array:
+    """A zero barrier for the kernel (count, generation, the spin-out mark), in device
+    memory (kernel_cache.SMALL_POOL_BYTES)."""
+    return mx.zeros((off_small_pool(3, 4),), dtype=mx.uint32)
+
+
+def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tuple[mx.array, float], w_o: mx.array,
+               norm2: tuple[mx.array, float], w_gu: mx.array, w_down: mx.array, pos: mx.array, freq_pi: mx.array,
+               heads: int, kv_heads: int, head_dim: int, traditional: bool, scale: float,
+               pool: tuple[mx.array, mx.array, mx.array], slots: mx.array, lengths: mx.array, bar: mx.array,
+               phases: tuple[int, int] = (0, PHASES - 1)) -> list[mx.array]:
+    """One row x [1, ..., width] through a decoder block (see the module's notes): its
+    outputs [out (x's shape), q, the attention, h, a]. w_qkv [(heads + 2 kv_heads) *
+    head_dim, width] with its bias or None, norm1 and norm2 (weight, eps) before the q/k/v
+    and gate/up GEMVs, w_gu [2 * inter, width] (gate's rows, then up's), w_down [width,
+    inter]; pos: the row's position (int32 [1]); freq_pi: RoPE's inverse frequencies over
+    pi; pool: the layer's pool arrays [kv heads, slots, head_dim] and the row's slot (k and
+    v go there in place); slots [1, L] and lengths [1]: the row's slot table and length
+    for the attention; bar: `barrier()`, kept for the call site; `phases`: the first and
+    last phase to run. The grid: GRID_BLOCKS blocks of WARPS warps."""
+    width = w_qkv.shape[1]
+    inter = w_down.shape[1]
+    if x.size != width or w_gu.shape != (2 * inter, width) or w_o.shape != (width, heads * head_dim):
+        raise ValueError(f"the block kernel takes one row of {width} and a block's weights: x {x.shape}, "
+                         f"o {w_o.shape}, gate/up {w_gu.shape}, down {w_down.shape}")
+    k_pool, v_pool, wslot = pool
+    itemsize, grid, warps = ITEMSIZE[x.dtype], GRID_BLOCKS, WARPS
+    qn, kn = heads * head_dim, kv_heads * head_dim
+    template = [("T", x.dtype), ("WIDTH", width), ("INTER", inter), ("QN", qn), ("KN", kn), ("NQKV", qn + 2 * kn),
+                ("XMAX", max(width, inter, qn)), ("WARPS", warps), ("UW", UNROLL),
+                ("SA", split_for(width, (qn + 2 * kn) // 2, itemsize, grid, warps)),
+                ("SC", split_for(qn, width // 2, itemsize, grid, warps)),
+                ("SD", split_for(width, inter, itemsize, grid, warps)),
+                ("SE", split_for(inter, width // 2, itemsize, grid, warps)),
+                ("BIAS", int(b_qkv is not None)), ("TRAD", int(traditional)),
+                ("EPS1", float_bits(norm1[1])), ("EPS2", float_bits(norm2[1])),
+                # the attention phase (paged_attention's group kernel)
+                ("D", head_dim), ("E", head_dim // 32), ("H", heads), ("HK", kv_heads), ("G", heads // kv_heads),
+                ("NW", warps), ("U", paged_attention.POSITIONS_IN_FLIGHT), ("SCALE", float_bits(scale)),
+                ("FIRST", phases[0]), ("LAST", phases[1]), ("SPIN_LIMIT", SPIN_LIMIT)]
+    inputs = [x, w_qkv, b_qkv if b_qkv is not None else placeholder(x.dtype), norm1[0], w_o, norm2[0], w_gu, w_down,
+              pos, freq_pi, k_pool, v_pool, wslot, slots, lengths, bar]
+    kernel = cuda_kernel("unikern_block_step", INPUTS, _SOURCE, _HEADER, OUTPUTS)
+    return kernel(inputs=inputs, template=template, grid=(grid * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
+                  output_shapes=[x.shape, (1, heads, 1, head_dim), (1, heads, 1, head_dim), (1, width), (1, inter)],
+                  output_dtypes=[x.dtype] * 5)
