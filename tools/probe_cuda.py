@@ -60,7 +60,9 @@ Variants:
   engine-paged-blocks  engine-paged with each block's decode steps of up to 4 rows as four
                GEMV kernels (execute.fuse_blocks: stages/execute/blocks.py)
   engine-paged-blocks-one  the same, a one-row step's block as one kernel (execute.block_kernel:
-               stages/execute/block_kernel.py)
+               stages/execute/block_kernel.py); -nopf: without its L2 prefetch
+               (block_kernel.PREFETCH = 0); -u4: 4 chunks per lane and weight row in flight
+               (block_kernel.UNROLL = 4)
   engine-paged-blocks-u1, -u4, -u8  the same, each lane with 1, 4 or 8 of a weight row's
                16-byte chunks in flight per pass (block_gemv.UNROLL; 2 by default): 1 gives
                few registers and many warps per SM, as MLX's own GEMV
@@ -171,6 +173,10 @@ VARIANTS = {
     "engine-paged-norms": ({}, ["fused", "engine", "paged", "traced", "norms"]),
     "engine-paged-blocks": ({}, ["fused", "engine", "paged", "traced", "blocks"]),
     "engine-paged-blocks-one": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one"]),
+    "engine-paged-blocks-one-nopf": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
+                                          "block-prefetch=0"]),
+    "engine-paged-blocks-one-u4": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
+                                        "block-unroll=4"]),
     "engine-paged-blocks-u4": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=4"]),
     "engine-paged-blocks-u1": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=1"]),
     "engine-paged-blocks-u8": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=8"]),
@@ -221,7 +227,8 @@ SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("p
             "q-rope": ("quantized", "GEMV_ROPE"), "q-swiglu": ("quantized", "GEMV_SWIGLU"),
             "step-pad": ("paged_cache", "PAD_STEP_ROWS"), "ops-rw": ("blocks", "OPS_ROPE_WRITE"),
             "q-magic": ("quantized", "GEMV_MAGIC_NIBBLES"), "q-features": ("quantized", "GEMV_FEATURES"),
-            "q-warps": ("quantized", "GEMV_WARPS"), "q-unroll": ("quantized", "GEMV_UNROLL")}
+            "q-warps": ("quantized", "GEMV_WARPS"), "q-unroll": ("quantized", "GEMV_UNROLL"),
+            "block-prefetch": ("block_kernel", "PREFETCH"), "block-unroll": ("block_kernel", "UNROLL")}
 
 
 def compile_mlp_halves(model) -> int:

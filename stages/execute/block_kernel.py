@@ -38,7 +38,8 @@ import mlx.core as mx
 
 from unikern.platform.kernel_cache import cuda_kernel, float_bits, off_small_pool, placeholder
 from unikern.stages.execute import paged_attention
-from unikern.stages.execute.block_gemv import _HEADER, ITEMSIZE
+from unikern.stages.execute.block_gemv import _HEADER as _GEMV_HEADER
+from unikern.stages.execute.block_gemv import ITEMSIZE
 
 GRID_BLOCKS = 132  # an H100's or H200's SMs
 WARPS = 16  # per block (the attention phase's warps too: FEW_BLOCKS_WARPS)
@@ -47,6 +48,14 @@ MIN_CHUNKS = 64  # of a weight row per warp at least (two per lane) when a pair 
 SPIN_LIMIT = 1 << 24  # polls of the barrier's generation before a block gives up on it
 SHARED_BYTES = 48 << 10  # static shared memory a kernel may declare
 PHASES = 5
+# the attention phase's idle blocks prefetch the o and gate/up phases' first weights into L2
+PREFETCH = 1
+
+_HEADER = _GEMV_HEADER + """
+__device__ inline void unikern_prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(p));
+}
+"""
 
 # the attention phase: paged_attention's group kernel for one row, one block per KV head,
 # its blocks walked by the grid ("vb"), writing `att`
@@ -224,6 +233,22 @@ _SOURCE = """
             }
         } else if (phase == 1) {  // the attention over the row's table, k and v of phase 0 in it
 """ + _ATTENTION + """
+            if (PREFETCH && (int)blockIdx.x >= HK) {
+                // the blocks the attention leaves idle pull the next phases' first weights into
+                // L2 meanwhile: all of w_o, then the gate and up rows of phase 3's first round
+                const int helpers = gridDim.x - HK;
+                const int me = (blockIdx.x - HK) * blockDim.x + threadIdx.x;
+                constexpr int LINE = 128 / sizeof(T);  // elements per 128-byte line
+                const int o_lines = WIDTH * QN / LINE;
+                const int round_rows = min(INTER, (int)gridDim.x * (WARPS / SD));
+                const int gu_lines = round_rows * WIDTH / LINE;
+                for (int i = me; i < o_lines + 2 * gu_lines; i += helpers * blockDim.x) {
+                    const T* line = i < o_lines ? w_o + (size_t)i * LINE
+                                  : w_gu + (size_t)((i - o_lines) % gu_lines) * LINE
+                                         + ((i - o_lines) >= gu_lines ? (size_t)INTER * WIDTH : 0);
+                    unikern_prefetch_l2(line);
+                }
+            }
         } else if (phase == 2) {  // h = x + att @ w_o.T
             stage(att, QN, nullptr, 0.f);
             constexpr int NPAIRS_NOW = WIDTH / 2;
@@ -349,7 +374,7 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
                 # the attention phase (paged_attention's group kernel)
                 ("D", head_dim), ("E", head_dim // 32), ("H", heads), ("HK", kv_heads), ("G", heads // kv_heads),
                 ("NW", warps), ("U", paged_attention.POSITIONS_IN_FLIGHT), ("SCALE", float_bits(scale)),
-                ("FIRST", phases[0]), ("LAST", phases[1]), ("SPIN_LIMIT", SPIN_LIMIT)]
+                ("FIRST", phases[0]), ("LAST", phases[1]), ("SPIN_LIMIT", SPIN_LIMIT), ("PREFETCH", PREFETCH)]
     inputs = [x, w_qkv, b_qkv if b_qkv is not None else placeholder(x.dtype), norm1[0], w_o, norm2[0], w_gu, w_down,
               pos, freq_pi, k_pool, v_pool, wslot, slots, lengths, bar]
     kernel = cuda_kernel("unikern_block_step", INPUTS, _SOURCE, _HEADER, OUTPUTS)

@@ -121,11 +121,13 @@ class MLXExecuteParams(StageParams, frozen=True):
     # there above 4 rows); 0: the kernels' rows only
     fuse_blocks_ops_rows: int | Literal["auto"] = "auto"
     # with fuse_blocks' kernels, a one-row decode step of each block as one kernel whose
-    # five phases meet at grid-wide barriers (stages/execute/block_kernel.py): 16 kernels
-    # a 1B token instead of 80 for MLX to encode, where the host paced the token (session
-    # 20: 1.3-2.2 ms of host time against 0.97 ms of GPU time). Not measured on a GPU yet,
-    # so "never" by default ("auto": on CUDA)
-    block_kernel: Literal["auto", "always", "never"] = "never"
+    # five phases meet at grid-wide barriers (stages/execute/block_kernel.py): a 1B token
+    # 34 kernels instead of 99 for MLX to encode, where the host paced the token. On an
+    # H200 (tools/results/gpu/session21/a-one-kernel) the runner's token took 1.13 / 1.15 ms
+    # against 1.34 / 1.33 in two rounds, the same tokens (GPU 1.07 against 0.97-0.99 ms),
+    # and the engine at one request 769 against 455 tok/s (one-process A/B, 6 of 6
+    # repeats). So "auto" (CUDA) by default
+    block_kernel: Literal["auto", "always", "never"] = "auto"
     # plain bfloat16 linear layers (the fused projections' among them), steps of 5 to 64
     # rows: unikern's tensor-core kernel (stages/execute/dense_mma.py) instead of MLX's
     # cuBLASLt matmul, whose encoding costs the host 13-17 us per call on an H200 against
