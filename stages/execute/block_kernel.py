@@ -43,13 +43,13 @@ from unikern.stages.execute.block_gemv import ITEMSIZE
 
 GRID_BLOCKS = 132  # an H100's or H200's SMs
 WARPS = 16  # per block (the attention phase's warps too: FEW_BLOCKS_WARPS)
-UNROLL = 2  # 16-byte chunks per lane in flight per weight row
+UNROLL = 4  # 16-byte chunks per lane in flight per weight row
 MIN_CHUNKS = 64  # of a weight row per warp at least (two per lane) when a pair is split
 SPIN_LIMIT = 1 << 24  # polls of the barrier's generation before a block gives up on it
 SHARED_BYTES = 48 << 10  # static shared memory a kernel may declare
 PHASES = 5
 # the attention phase's idle blocks prefetch the o and gate/up phases' first weights into L2
-PREFETCH = 1
+PREFETCH = 0
 
 _HEADER = _GEMV_HEADER + """
 __device__ inline void unikern_prefetch_l2(const void* p) {
