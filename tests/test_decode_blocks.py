@@ -440,16 +440,20 @@ def block_reference(x, w_qkv, b_qkv, n1, w_o, n2, w_gu, w_down, pos, inv_freq, H
 
 
 @emulation
-@pytest.mark.parametrize("bias, trad, min_chunks", [(False, False, 64), (True, True, 2)])
-def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, min_chunks, monkeypatch):
+@pytest.mark.parametrize("bias, trad, min_chunks, attn_split", [(False, False, 64, 0), (True, True, 2, 0),
+                                                                 (False, False, 64, 1)])
+def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, min_chunks, attn_split, monkeypatch):
     """block_kernel.py's one kernel per block, its five phases one launch each in the
     emulation, against numpy: the block's output row, and k and v in the pool at the
-    row's slot (float32). With min_chunks 2 three phases split their pairs over 2 warps."""
+    row's slot (float32). With min_chunks 2 three phases split their pairs over 2 warps;
+    with attn_split each KV head's 5 positions over 3 blocks, merged by the last done."""
     monkeypatch.setattr(block_kernel, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(
         None, cuda_emulation.UNPACK_HEADER))
     monkeypatch.setattr(block_kernel, "MIN_CHUNKS", min_chunks)
     monkeypatch.setattr(block_kernel, "WARPS", 2)
-    monkeypatch.setattr(block_kernel, "GRID_BLOCKS", 3)
+    monkeypatch.setattr(block_kernel, "GRID_BLOCKS", 6 if attn_split else 3)
+    monkeypatch.setattr(block_kernel, "ATTN_SPLIT", attn_split)
+    monkeypatch.setattr(block_kernel, "ATTN_MIN_POSITIONS", 2)
     rng = np.random.default_rng(5)
     width, inter, H, Hk, D, S = 64, 96, 4, 2, 32, 16
 
@@ -471,11 +475,14 @@ def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, min_chunks, m
         (mx.array(n1), 1e-5), mx.array(w_o), (mx.array(n2), 1e-5), mx.array(w_gu), mx.array(w_down),
         mx.array([pos], dtype=mx.int32), inv_freq / np.pi, H, Hk, D, trad, D**-0.5,
         (k_pool, v_pool, mx.array(table[-1:])), mx.array(table[None]), mx.array([pos + 1]),
-        block_kernel.barrier())
+        block_kernel.barrier(Hk))
     assert outs[0].shape == (1, 1, width)
     np.testing.assert_allclose(np.array(outs[0]).reshape(-1), want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.array(k_pool), want_k, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.array(v_pool), want_v, rtol=1e-4, atol=1e-4)
+    if attn_split:  # 3 partials per KV head (positions 0-1, 2-3, 4), merged into `att`
+        assert outs[5].shape == (6 // Hk * H * (D + 2),)
+        assert not np.all(np.array(outs[5]) == 0)
 
 
 @emulation
@@ -628,12 +635,14 @@ def test_the_kernels_on_cuda_give_mlxs_ops(dtype, rows):
 
 
 @cuda
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_the_block_kernel_on_cuda_is_the_block(dtype):
+@pytest.mark.parametrize("dtype, attn_split", [(mx.float32, 0), (mx.bfloat16, 0), (mx.bfloat16, 1)])
+def test_the_block_kernel_on_cuda_is_the_block(dtype, attn_split, monkeypatch):
     """block_kernel.py's one launch, its phases meeting at grid-wide barriers, at the 1B
     shape (float32: a narrower MLP, for shared memory) against numpy from the same
     inputs (run with MLX_ENABLE_TF32=0): the output row and k and v in the pool, and no
-    block gave up waiting at a barrier."""
+    block gave up waiting at a barrier; attn_split: the attention over 7 blocks per KV
+    head (16 positions each), merged by the last done."""
+    monkeypatch.setattr(block_kernel, "ATTN_SPLIT", attn_split)
     rng = np.random.default_rng(9)
     width, H, Hk, D, S = 2048, 32, 8, 64, 256
     inter = 8192 if dtype == mx.bfloat16 else 4096
@@ -652,7 +661,7 @@ def test_the_block_kernel_on_cuda_is_the_block(dtype):
     want_k, want_v = pool_k.copy(), pool_v.copy()
     want = block_reference(x, w_qkv, b_qkv, n1, w_o, n2, w_gu, w_down, pos, np.array(inv_freq), H, Hk, D, False,
                            D**-0.5, want_k, want_v, int(table[-1]), table)
-    k_pool, v_pool, bar = mx.array(pool_k).astype(dtype), mx.array(pool_v).astype(dtype), block_kernel.barrier()
+    k_pool, v_pool, bar = mx.array(pool_k).astype(dtype), mx.array(pool_v).astype(dtype), block_kernel.barrier(Hk)
     args = [mx.array(a).astype(dtype) for a in (x.reshape(1, 1, width), w_qkv, b_qkv, n1, w_o, n2, w_gu, w_down)]
     assert block_kernel.fits(width, inter, H, Hk, D, dtype, len(table))
     out = block_kernel.block_step(
@@ -667,9 +676,13 @@ def test_the_block_kernel_on_cuda_is_the_block(dtype):
 
 
 @cuda
-def test_one_row_steps_run_as_one_kernel_per_block_on_cuda(monkeypatch):
+@pytest.mark.parametrize("attn_split", [0, 1])
+def test_one_row_steps_run_as_one_kernel_per_block_on_cuda(attn_split, monkeypatch):
     """The runner's one-row steps with execute.block_kernel on a CUDA GPU (run with
-    MLX_ENABLE_TF32=0): the family's greedy tokens."""
+    MLX_ENABLE_TF32=0): the family's greedy tokens (attn_split: the attention phase split
+    over blocks, 2 positions each at least)."""
+    monkeypatch.setattr(block_kernel, "ATTN_SPLIT", attn_split)
+    monkeypatch.setattr(block_kernel, "ATTN_MIN_POSITIONS", 2)
     pool_writes_case(monkeypatch, emulate=False, one_kernel=True)
 
 

@@ -30,7 +30,14 @@ Phases FIRST..LAST run in one launch; the tests' emulation (tests/cuda_emulation
 which runs blocks one after another, runs one phase per launch with the rows carried
 over. One row, unquantized blocks (blocks.py's BlockPlan), a slot table the group kernel
 takes whole (paged_attention.partitions 1) and shared memory within 48 KB; other steps
-keep the five kernels."""
+keep the five kernels.
+
+Measured on an H200 (1B shape, one row, tools/results/gpu/session21): a token 34 kernels
+instead of 99, the runner's token 1.08-1.15 ms against 1.33-1.34 (host: the traced step's
+replay 0.11-0.19 ms and mx.async_eval 0.38-0.48, against 0.39 and 0.93), the same 64
+tokens; the 16 block kernels take 948 us of GPU time with UNROLL 4 (59 us a block for
+its 122 MB of weights, 2.1 TB/s), 981 with 2, against 0.96-0.99 ms for the whole token
+before. The engine at one request: 769 against 455 tok/s (one-process A/B, 6 of 6)."""
 
 from __future__ import annotations
 
@@ -43,13 +50,19 @@ from unikern.stages.execute.block_gemv import ITEMSIZE
 
 GRID_BLOCKS = 132  # an H100's or H200's SMs
 WARPS = 16  # per block (the attention phase's warps too: FEW_BLOCKS_WARPS)
-UNROLL = 4  # 16-byte chunks per lane in flight per weight row
+UNROLL = 4  # 16-byte chunks per lane in flight per weight row (2: 981 against 948 us a 1B token)
 MIN_CHUNKS = 64  # of a weight row per warp at least (two per lane) when a pair is split
 SPIN_LIMIT = 1 << 24  # polls of the barrier's generation before a block gives up on it
 SHARED_BYTES = 48 << 10  # static shared memory a kernel may declare
 PHASES = 5
-# the attention phase's idle blocks prefetch the o and gate/up phases' first weights into L2
+# the attention phase's idle blocks prefetch the o and gate/up phases' first weights into
+# L2 (1): on an H200 the 1B token's block kernels took 1,034 us with it, 980 without (session 21)
 PREFETCH = 0
+# the attention phase split over several blocks per KV head, ATTN_MIN_POSITIONS each at least
+# (1), instead of one block per KV head while the others wait at the barrier (0): not
+# measured on a GPU yet (the 5-kernel path's attention took 7.8 us per 1B layer, one row)
+ATTN_SPLIT = 0
+ATTN_MIN_POSITIONS = 16
 
 _HEADER = _GEMV_HEADER + """
 __device__ inline void unikern_prefetch_l2(const void* p) {
@@ -57,13 +70,58 @@ __device__ inline void unikern_prefetch_l2(const void* p) {
 }
 """
 
-# the attention phase: paged_attention's group kernel for one row, one block per KV head,
-# its blocks walked by the grid ("vb"), writing `att`
-_ATTENTION = ("for (int vb = blockIdx.x; vb < HK; vb += gridDim.x) {\n"
-              + paged_attention._GROUP_SOURCE.replace("blockIdx.x", "vb").replace("gridDim.x", "HK")
+# the attention phase: paged_attention's group kernel for one row, its blocks walked by the
+# grid ("vb"): one per KV head writing `att`, or (ATTN_SPLIT, `nparts` > 1) each KV head's
+# positions split over nparts blocks writing their partial softmaxes to `parts`, the last
+# of a KV head's blocks to finish (its counter in `bar`) merging them into `att`, as
+# paged_attention's split and merge kernels do
+def _without_last_brace(text: str) -> str:
+    head, _, tail = text.rpartition("}")
+    assert not tail.strip(), "the group kernel's endings close its loop over the heads"
+    return head
+
+
+_ATTENTION = ("for (int vb = blockIdx.x; vb < HK * nparts; vb += gridDim.x) {\n"
+              + paged_attention._GROUP_SOURCE.replace("blockIdx.x", "vb").replace("gridDim.x", "(HK * nparts)")
               .replace("q[row + e]", "qs[row + e]")
-              + paged_attention._GROUP_OUT.replace("out[row + e]", "att[row + e]")
-              + "    __syncthreads();\n}\n")
+              + "        if (nparts == 1) {\n"
+              + _without_last_brace(paged_attention._GROUP_OUT.replace("out[row + e]", "att[row + e]"))
+              + "        } else {\n"
+              + _without_last_brace(paged_attention._GROUP_PARTS.replace("out[at", "parts[at"))
+              + """        }
+    }
+    if (nparts > 1) {  // the last of the KV head's blocks merges its partials
+        __shared__ int last_part;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            last_part = atomicAdd(const_cast<unsigned*>(bar) + 3 + kvh, 1u) == (unsigned)nparts - 1;
+        }
+        __syncthreads();
+        if (last_part) {
+            __threadfence();
+            const volatile float* part = parts;
+            for (int g = warp; g < G; g += NW) {
+                float top = -INFINITY;
+                for (int q = 0; q < nparts; ++q) top = fmaxf(top, part[((size_t)(kvh * nparts + q) * G + g) * (D + 2) + D]);
+                float total = 0.f;
+                float o[E];
+                for (int e = 0; e < E; ++e) o[e] = 0.f;
+                for (int q = 0; q < nparts; ++q) {
+                    const size_t at = ((size_t)(kvh * nparts + q) * G + g) * (D + 2);
+                    const float c = part[at + D] == -INFINITY ? 0.f : expf(part[at + D] - top);
+                    total += part[at + D + 1] * c;
+                    for (int e = 0; e < E; ++e) o[e] += part[at + lane * E + e] * c;
+                }
+                for (int e = 0; e < E; ++e) att[(size_t)(kvh * G + g) * D + lane * E + e] = static_cast<T>(o[e] / total);
+            }
+            if (threadIdx.x == 0) atomicExch(const_cast<unsigned*>(bar) + 3 + kvh, 0u);  // ready for the next launch
+        }
+    }
+    __syncthreads();
+}
+""")
+
 
 _SOURCE = """
     constexpr int PACK = 16 / sizeof(T);
@@ -232,6 +290,8 @@ _SOURCE = """
                 }
             }
         } else if (phase == 1) {  // the attention over the row's table, k and v of phase 0 in it
+            const int len = min(lengths[0], slots_shape[1]);
+            const int nparts = ATTN_SPLIT ? max(1, min((int)gridDim.x / HK, (len + ATTN_MIN - 1) / ATTN_MIN)) : 1;
 """ + _ATTENTION + """
             if (PREFETCH && (int)blockIdx.x >= HK) {
                 // the blocks the attention leaves idle pull the next phases' first weights into
@@ -296,7 +356,7 @@ _SOURCE = """
 """
 INPUTS = ("x", "w_qkv", "b_qkv", "n1", "w_o", "n2", "w_gu", "w_down", "pos", "freq_pi", "k_pool", "v_pool",
           "wslot", "slots", "lengths", "bar")
-OUTPUTS = ("out", "qs", "att", "h", "a")
+OUTPUTS = ("out", "qs", "att", "h", "a", "parts")
 
 
 def split_for(K: int, pairs: int, itemsize: int, grid: int, warps: int) -> int:
@@ -335,10 +395,11 @@ def fits(width: int, inter: int, heads: int, kv_heads: int, head_dim: int, dtype
             and shared_bytes(width, inter, heads, kv_heads, head_dim, ITEMSIZE[dtype]) <= SHARED_BYTES)
 
 
-def barrier() -> mx.array:
-    """A zero barrier for the kernel (count, generation, the spin-out mark), in device
-    memory (kernel_cache.SMALL_POOL_BYTES)."""
-    return mx.zeros((off_small_pool(3, 4),), dtype=mx.uint32)
+def barrier(kv_heads: int) -> mx.array:
+    """A zero barrier for the kernel (count, generation, the spin-out mark, then a
+    counter per KV head for the split attention's merge), in device memory
+    (kernel_cache.SMALL_POOL_BYTES)."""
+    return mx.zeros((off_small_pool(3 + kv_heads, 4),), dtype=mx.uint32)
 
 
 def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tuple[mx.array, float], w_o: mx.array,
@@ -353,7 +414,7 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
     inter]; pos: the row's position (int32 [1]); freq_pi: RoPE's inverse frequencies over
     pi; pool: the layer's pool arrays [kv heads, slots, head_dim] and the row's slot (k and
     v go there in place); slots [1, L] and lengths [1]: the row's slot table and length
-    for the attention; bar: `barrier()`, kept for the call site; `phases`: the first and
+    for the attention; bar: `barrier(kv_heads)`, kept for the call site; `phases`: the first and
     last phase to run. The grid: GRID_BLOCKS blocks of WARPS warps."""
     width = w_qkv.shape[1]
     inter = w_down.shape[1]
@@ -374,10 +435,12 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
                 # the attention phase (paged_attention's group kernel)
                 ("D", head_dim), ("E", head_dim // 32), ("H", heads), ("HK", kv_heads), ("G", heads // kv_heads),
                 ("NW", warps), ("U", paged_attention.POSITIONS_IN_FLIGHT), ("SCALE", float_bits(scale)),
-                ("FIRST", phases[0]), ("LAST", phases[1]), ("SPIN_LIMIT", SPIN_LIMIT), ("PREFETCH", PREFETCH)]
+                ("FIRST", phases[0]), ("LAST", phases[1]), ("SPIN_LIMIT", SPIN_LIMIT), ("PREFETCH", PREFETCH),
+                ("ATTN_SPLIT", ATTN_SPLIT), ("ATTN_MIN", ATTN_MIN_POSITIONS)]
     inputs = [x, w_qkv, b_qkv if b_qkv is not None else placeholder(x.dtype), norm1[0], w_o, norm2[0], w_gu, w_down,
               pos, freq_pi, k_pool, v_pool, wslot, slots, lengths, bar]
     kernel = cuda_kernel("unikern_block_step", INPUTS, _SOURCE, _HEADER, OUTPUTS)
     return kernel(inputs=inputs, template=template, grid=(grid * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
-                  output_shapes=[x.shape, (1, heads, 1, head_dim), (1, heads, 1, head_dim), (1, width), (1, inter)],
-                  output_dtypes=[x.dtype] * 5)
+                  output_shapes=[x.shape, (1, heads, 1, head_dim), (1, heads, 1, head_dim), (1, width), (1, inter),
+                                 (max(1, grid // kv_heads) * heads * (head_dim + 2) if ATTN_SPLIT else 1,)],
+                  output_dtypes=[x.dtype] * 5 + [mx.float32])

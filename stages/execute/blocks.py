@@ -396,7 +396,7 @@ def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int
         # one-row steps as one kernel: unquantized blocks (the kernels') with no bias but q/k/v's
         plan.one_kernel = one_kernel and plan.use_kernel and not any(
             "bias" in layer for layer in (block.self_attn.o_proj, block.mlp.fused_gate_proj, block.mlp.down_proj))
-        plan.bar = block_kernel.barrier() if plan.one_kernel else None
+        plan.bar = block_kernel.barrier(plan.kv_heads) if plan.one_kernel else None
     mx.eval([c for p in plans for c in (*p.counters, *([p.bar] if p.bar is not None else []))])
     for block, plan in zip(layers, plans, strict=True):
         cls = type(block)
