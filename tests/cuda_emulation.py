@@ -260,12 +260,14 @@ def emulated_cuda_kernels(launched: list[str] | None = None, header: str | None 
             shapes = dict(zip(outputs, output_shapes, strict=True))
             # phases FIRST..LAST that meet at grid-wide barriers (block_kernel.py): one
             # launch per phase, the outputs carried over (the blocks here run one after
-            # another, so a block waiting at such a barrier would wait forever)
-            out = None
-            for phase in range(constants.get("FIRST", 0), constants.get("LAST", 0) + 1):
-                if "FIRST" in constants:
+            # another, so a block waiting at such a barrier would wait forever), unless
+            # the grid is one block (its barriers pass at once)
+            out, blocks = None, grid[0] // threadgroup[0]
+            phased = "FIRST" in constants and blocks > 1
+            for phase in range(constants["FIRST"], constants["LAST"] + 1) if phased else [None]:
+                if phased:
                     constants.update(FIRST=phase, LAST=phase)
-                out = run_kernel(source, arrays, constants, grid[0] // threadgroup[0], threadgroup[0], output_shapes[0],
+                out = run_kernel(source, arrays, constants, blocks, threadgroup[0], output_shapes[0],
                                  header if own_header is None else own_header, shapes, out)
             return [mx.array(out[n]).astype(d) for n, d in zip(outputs, output_dtypes, strict=True)]
         return launch

@@ -440,18 +440,23 @@ def block_reference(x, w_qkv, b_qkv, n1, w_o, n2, w_gu, w_down, pos, inv_freq, H
 
 
 @emulation
-@pytest.mark.parametrize("bias, trad, min_chunks, attn_split", [(False, False, 64, 0), (True, True, 2, 0),
-                                                                 (False, False, 64, 1)])
-def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, min_chunks, attn_split, monkeypatch):
-    """block_kernel.py's one kernel per block, its five phases one launch each in the
-    emulation, against numpy: the block's output row, and k and v in the pool at the
-    row's slot (float32). With min_chunks 2 three phases split their pairs over 2 warps;
-    with attn_split each KV head's 5 positions over 3 blocks, merged by the last done."""
+@pytest.mark.parametrize("bias, trad, min_chunks, attn_split, preload, grid", [
+    (False, False, 64, 0, 0, 3), (True, True, 2, 0, 0, 3), (False, False, 64, 1, 0, 6), (False, False, 64, 0, 1, 1),
+    (True, True, 2, 1, 1, 6)])
+def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, min_chunks, attn_split, preload, grid,
+                                                       monkeypatch):
+    """block_kernel.py's one kernel per block against numpy: the block's output row, and k
+    and v in the pool at the row's slot (float32). Its five phases run one launch each in
+    the emulation, or in one launch, through its grid-wide barriers, where the grid is one
+    block. With min_chunks 2 three phases split their pairs over 2 warps; with attn_split
+    each KV head's 5 positions go over 3 blocks, merged by the last done; with preload
+    each warp's first weight loads of a phase come before the phase's barrier or norm."""
     monkeypatch.setattr(block_kernel, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(
         None, cuda_emulation.UNPACK_HEADER))
     monkeypatch.setattr(block_kernel, "MIN_CHUNKS", min_chunks)
     monkeypatch.setattr(block_kernel, "WARPS", 2)
-    monkeypatch.setattr(block_kernel, "GRID_BLOCKS", 6 if attn_split else 3)
+    monkeypatch.setattr(block_kernel, "GRID_BLOCKS", grid)
+    monkeypatch.setattr(block_kernel, "PRELOAD", preload)
     monkeypatch.setattr(block_kernel, "ATTN_SPLIT", attn_split)
     monkeypatch.setattr(block_kernel, "ATTN_MIN_POSITIONS", 2)
     rng = np.random.default_rng(5)
@@ -481,7 +486,7 @@ def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, min_chunks, a
     np.testing.assert_allclose(np.array(k_pool), want_k, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.array(v_pool), want_v, rtol=1e-4, atol=1e-4)
     if attn_split:  # 3 partials per KV head (positions 0-1, 2-3, 4), merged into `att`
-        assert outs[5].shape == (6 // Hk * H * (D + 2),)
+        assert outs[5].shape == (grid // Hk * H * (D + 2),)
         assert not np.all(np.array(outs[5]) == 0)
 
 
@@ -635,14 +640,17 @@ def test_the_kernels_on_cuda_give_mlxs_ops(dtype, rows):
 
 
 @cuda
-@pytest.mark.parametrize("dtype, attn_split", [(mx.float32, 0), (mx.bfloat16, 0), (mx.bfloat16, 1)])
-def test_the_block_kernel_on_cuda_is_the_block(dtype, attn_split, monkeypatch):
+@pytest.mark.parametrize("dtype, attn_split, preload", [(mx.float32, 0, 0), (mx.bfloat16, 0, 0), (mx.bfloat16, 1, 0),
+                                                        (mx.bfloat16, 0, 1)])
+def test_the_block_kernel_on_cuda_is_the_block(dtype, attn_split, preload, monkeypatch):
     """block_kernel.py's one launch, its phases meeting at grid-wide barriers, at the 1B
     shape (float32: a narrower MLP, for shared memory) against numpy from the same
     inputs (run with MLX_ENABLE_TF32=0): the output row and k and v in the pool, and no
     block gave up waiting at a barrier; attn_split: the attention over 7 blocks per KV
-    head (16 positions each), merged by the last done."""
+    head (16 positions each), merged by the last done; preload: each phase's first weight
+    loads before its barrier."""
     monkeypatch.setattr(block_kernel, "ATTN_SPLIT", attn_split)
+    monkeypatch.setattr(block_kernel, "PRELOAD", preload)
     rng = np.random.default_rng(9)
     width, H, Hk, D, S = 2048, 32, 8, 64, 256
     inter = 8192 if dtype == mx.bfloat16 else 4096
@@ -676,12 +684,14 @@ def test_the_block_kernel_on_cuda_is_the_block(dtype, attn_split, monkeypatch):
 
 
 @cuda
-@pytest.mark.parametrize("attn_split", [0, 1])
-def test_one_row_steps_run_as_one_kernel_per_block_on_cuda(attn_split, monkeypatch):
+@pytest.mark.parametrize("attn_split, preload", [(0, 0), (1, 1)])
+def test_one_row_steps_run_as_one_kernel_per_block_on_cuda(attn_split, preload, monkeypatch):
     """The runner's one-row steps with execute.block_kernel on a CUDA GPU (run with
     MLX_ENABLE_TF32=0): the family's greedy tokens (attn_split: the attention phase split
-    over blocks, 2 positions each at least)."""
+    over blocks, 2 positions each at least; preload: each phase's first loads before its
+    barrier, where the registers allow it: not in this float32 model)."""
     monkeypatch.setattr(block_kernel, "ATTN_SPLIT", attn_split)
+    monkeypatch.setattr(block_kernel, "PRELOAD", preload)
     monkeypatch.setattr(block_kernel, "ATTN_MIN_POSITIONS", 2)
     pool_writes_case(monkeypatch, emulate=False, one_kernel=True)
 

@@ -205,15 +205,16 @@ def record_launches() -> list[Build]:
             assert block_kernel.fits(hidden, inter, H, Hk, D, dtype, 128)
             qkv, pool = mx.zeros(((H + 2 * Hk) * D, hidden), dtype=dtype), mx.zeros((Hk, 64, D), dtype=dtype)
             one = mx.zeros((1,), dtype=mx.int32)
-            attn_split = block_kernel.ATTN_SPLIT
-            for bias, block_kernel.ATTN_SPLIT in ((None, 0), (qkv[:, 0], 0), (None, 1)):
+            attn_split, preload = block_kernel.ATTN_SPLIT, block_kernel.PRELOAD
+            for bias, block_kernel.ATTN_SPLIT, block_kernel.PRELOAD in ((None, 0, 0), (qkv[:, 0], 0, 0), (None, 1, 0),
+                                                                          (None, 1, 1)):
                 block_kernel.block_step(
                     mx.zeros((1, 1, hidden), dtype=dtype), qkv, bias, (mx.zeros((hidden,), dtype=dtype), 1e-5),
                     mx.zeros((hidden, H * D), dtype=dtype), (mx.zeros((hidden,), dtype=dtype), 1e-5),
                     mx.zeros((2 * inter, hidden), dtype=dtype), mx.zeros((hidden, inter), dtype=dtype), one,
                     mx.zeros((D // 2,), dtype=mx.float32), H, Hk, D, False, D**-0.5, (pool, pool, one),
                     mx.zeros((1, 128), dtype=mx.int32), one, block_kernel.barrier(Hk))
-            block_kernel.ATTN_SPLIT = attn_split
+            block_kernel.ATTN_SPLIT, block_kernel.PRELOAD = attn_split, preload
         w, scales, biases = mx.quantize(mx.zeros((64, 4096), dtype=mx.bfloat16), group_size=64, bits=4)
         # the defaults, the nibbles made floats by their bits (GEMV_MAGIC_NIBBLES), then
         # session 8's 4-byte loads and narrow blocks

@@ -64,7 +64,8 @@ Variants:
                (block_kernel.UNROLL, 4 by default); -pf: the attention phase's idle blocks
                prefetching the next weights into L2 (PREFETCH = 1; slower in session 21);
                -g264: 264 blocks of 8 warps (two per SM) instead of 132 of 16; -split: the
-               attention phase over several blocks per KV head (ATTN_SPLIT = 1)
+               attention phase over several blocks per KV head (ATTN_SPLIT = 1); -preload:
+               each phase's first weight loads before its barrier (PRELOAD = 1)
   engine-paged-blocks-u1, -u4, -u8  the same, each lane with 1, 4 or 8 of a weight row's
                16-byte chunks in flight per pass (block_gemv.UNROLL; 2 by default): 1 gives
                few registers and many warps per SM, as MLX's own GEMV
@@ -183,6 +184,10 @@ VARIANTS = {
                                           "block-grid=264", "block-warps=8"]),
     "engine-paged-blocks-one-split": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
                                            "block-attn-split=1"]),
+    "engine-paged-blocks-one-preload": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
+                                             "block-preload=1"]),
+    "engine-paged-blocks-one-split-preload": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
+                                                   "block-attn-split=1", "block-preload=1"]),
     "engine-paged-blocks-u4": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=4"]),
     "engine-paged-blocks-u1": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=1"]),
     "engine-paged-blocks-u8": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=8"]),
@@ -236,7 +241,7 @@ SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("p
             "q-warps": ("quantized", "GEMV_WARPS"), "q-unroll": ("quantized", "GEMV_UNROLL"),
             "block-prefetch": ("block_kernel", "PREFETCH"), "block-unroll": ("block_kernel", "UNROLL"),
             "block-grid": ("block_kernel", "GRID_BLOCKS"), "block-warps": ("block_kernel", "WARPS"),
-            "block-attn-split": ("block_kernel", "ATTN_SPLIT")}
+            "block-attn-split": ("block_kernel", "ATTN_SPLIT"), "block-preload": ("block_kernel", "PRELOAD")}
 
 
 def compile_mlp_halves(model) -> int:

@@ -63,6 +63,12 @@ PREFETCH = 0
 # measured on a GPU yet (the 5-kernel path's attention took 7.8 us per 1B layer, one row)
 ATTN_SPLIT = 0
 ATTN_MIN_POSITIONS = 16
+# each warp's first weight loads of a phase issued before the barrier (or the norm) the
+# phase waits on (1), so each phase's start does not wait a full memory latency: not
+# measured on a GPU yet. Only where the block's threads' registers fit an SM's 65,536:
+# with it a thread takes these many (NVRTC, sm_90), by itemsize (float32: 16 warps do not fit)
+PRELOAD = 0
+PRELOAD_REGISTERS = {2: 127, 4: 136}
 
 _HEADER = _GEMV_HEADER + """
 __device__ inline void unikern_prefetch_l2(const void* p) {
@@ -181,6 +187,53 @@ _SOURCE = """
         __syncthreads();
     };
 
+    // q/k/v's pair p: the two halves of a RoPE rotation for q and k, neighbours for v
+    auto qkv_rows = [&](int p, int& f0, int& f1) {
+        f0 = 2 * p;
+        f1 = 2 * p + 1;
+        if (p < (QN + KN) / 2) {
+            const int head = p / (D / 2), i = p % (D / 2);
+            f0 = TRAD ? head * D + 2 * i : head * D + i;
+            f1 = TRAD ? f0 + 1 : f0 + D / 2;
+        }
+    };
+
+    // PRELOAD: a phase's first pass of weight loads for each warp's first pair, issued
+    // before the barrier (or the norm) that the phase waits on, used by its first dot_pair
+    uint4 wa[UW], wb[UW];  // a pass of loads of the two rows (kept here: the preload's too)
+    bool preloaded = false;
+    auto preload = [&](const T* w, int K, int split, int f0, int f1, bool live) {
+        const int C = K / PACK;
+        const int lo = (warp % split) * ((C + split - 1) / split);
+        const int hi = min(C, lo + (C + split - 1) / split);
+        #pragma unroll
+        for (int u = 0; u < UW; ++u) {
+            const int c = lo + u * 32 + lane;
+            if (live && c < hi) {
+                wa[u] = reinterpret_cast<const uint4*>(w + (size_t)f0 * K)[c];
+                wb[u] = reinterpret_cast<const uint4*>(w + (size_t)f1 * K)[c];
+            }
+        }
+        preloaded = true;
+    };
+    auto preload_phase = [&](int phase) {  // the rows each warp's first pair of `phase` reads
+        if (phase == 0) {
+            const int p = blockIdx.x * (WARPS / SA) + warp / SA;
+            int f0, f1;
+            qkv_rows(p, f0, f1);
+            preload(w_qkv, WIDTH, SA, f0, f1, p < NQKV / 2);
+        } else if (phase == 2) {
+            const int p = blockIdx.x * (WARPS / SC) + warp / SC;
+            preload(w_o, QN, SC, 2 * p, 2 * p + 1, p < WIDTH / 2);
+        } else if (phase == 3) {
+            const int p = blockIdx.x * (WARPS / SD) + warp / SD;
+            preload(w_gu, WIDTH, SD, p, p + INTER, p < INTER);
+        } else if (phase == 4) {
+            const int p = blockIdx.x * (WARPS / SE) + warp / SE;
+            preload(w_down, INTER, SE, 2 * p, 2 * p + 1, p < WIDTH / 2);
+        }
+    };
+
     // rows f0 and f1 of w [., K] against xs, over `split` warps of the block: the sums, in
     // the pair's first warp (every thread of the block calls it: it may wait on the block)
     auto dot_pair = [&](const T* w, int K, int split, int f0, int f1, bool live, float& s0, float& s1) {
@@ -193,27 +246,28 @@ _SOURCE = """
         const uint4* xv = reinterpret_cast<const uint4*>(xs);
         float a0 = 0.f, a1 = 0.f;
         for (int c0 = lo; live && c0 < hi; c0 += 32 * UW) {
-            uint4 a[UW], b[UW];
-            #pragma unroll
-            for (int u = 0; u < UW; ++u) {
-                const int c = c0 + u * 32 + lane;
-                if (c < hi) {
-                    a[u] = w0[c];
-                    b[u] = w1[c];
+            if (c0 != lo || !preloaded) {  // (preloaded: the same rows, the warp's first pair of the phase)
+                #pragma unroll
+                for (int u = 0; u < UW; ++u) {
+                    const int c = c0 + u * 32 + lane;
+                    if (c < hi) {
+                        wa[u] = w0[c];
+                        wb[u] = w1[c];
+                    }
                 }
             }
             #pragma unroll
             for (int u = 0; u < UW; ++u) {
                 const int c = c0 + u * 32 + lane;
                 if (c < hi) {
-                    float wa[PACK], wb[PACK], xe[PACK];
-                    unikern_unpack<T>(a[u], wa);
-                    unikern_unpack<T>(b[u], wb);
+                    float fa[PACK], fb[PACK], xe[PACK];
+                    unikern_unpack<T>(wa[u], fa);
+                    unikern_unpack<T>(wb[u], fb);
                     unikern_unpack<T>(xv[c], xe);
                     #pragma unroll
                     for (int e = 0; e < PACK; ++e) {
-                        a0 += xe[e] * wa[e];
-                        a1 += xe[e] * wb[e];
+                        a0 += xe[e] * fa[e];
+                        a1 += xe[e] * fb[e];
                     }
                 }
             }
@@ -237,6 +291,7 @@ _SOURCE = """
         }
         s0 = a0;
         s1 = a1;
+        preloaded = false;
     };
 
     // every pair p of a phase: blocks in turn, WARPS / split pairs each (block-uniform)
@@ -247,19 +302,16 @@ _SOURCE = """
         const bool live = p < NPAIRS_NOW;                                                   \\
         const bool writer = live && lane == 0 && warp % SPLIT_ == 0
 
+    if (PRELOAD) preload_phase(FIRST);  // (phase 1, the attention, reads no weights)
     for (int phase = FIRST; phase <= LAST; ++phase) {
         if (phase == 0) {  // q/k/v with the input norm and RoPE; k and v into the pool
             stage(x, WIDTH, n1, __int_as_float(EPS1));
             constexpr int NPAIRS_NOW = NQKV / 2;
             UNIKERN_PAIRS(NPAIRS_NOW, SA) {
                 UNIKERN_PAIR(SA);
-                int f0 = 2 * p, f1 = 2 * p + 1;  // v: neighbours
                 const bool rope = p < (QN + KN) / 2;
-                if (live && rope) {  // q and k: the two halves of a RoPE rotation
-                    const int head = p / (D / 2), i = p % (D / 2);
-                    f0 = TRAD ? head * D + 2 * i : head * D + i;
-                    f1 = TRAD ? f0 + 1 : f0 + D / 2;
-                }
+                int f0, f1;
+                qkv_rows(p, f0, f1);
                 float s0, s1;
                 dot_pair(w_qkv, WIDTH, SA, live ? f0 : 0, live ? f1 : 0, live, s0, s1);
                 if (writer) {
@@ -349,7 +401,10 @@ _SOURCE = """
                 }
             }
         }
-        if (phase < LAST) grid_sync();
+        if (phase < LAST) {
+            if (PRELOAD) preload_phase(phase + 1);
+            grid_sync();
+        }
     }
     #undef UNIKERN_PAIRS
     #undef UNIKERN_PAIR
@@ -436,7 +491,7 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
                 ("D", head_dim), ("E", head_dim // 32), ("H", heads), ("HK", kv_heads), ("G", heads // kv_heads),
                 ("NW", warps), ("U", paged_attention.POSITIONS_IN_FLIGHT), ("SCALE", float_bits(scale)),
                 ("FIRST", phases[0]), ("LAST", phases[1]), ("SPIN_LIMIT", SPIN_LIMIT), ("PREFETCH", PREFETCH),
-                ("ATTN_SPLIT", ATTN_SPLIT), ("ATTN_MIN", ATTN_MIN_POSITIONS)]
+                ("ATTN_SPLIT", ATTN_SPLIT), ("ATTN_MIN", ATTN_MIN_POSITIONS), ("PRELOAD", int(PRELOAD and PRELOAD_REGISTERS[itemsize] * warps * 32 <= 65536))]
     inputs = [x, w_qkv, b_qkv if b_qkv is not None else placeholder(x.dtype), norm1[0], w_o, norm2[0], w_gu, w_down,
               pos, freq_pi, k_pool, v_pool, wslot, slots, lengths, bar]
     kernel = cuda_kernel("unikern_block_step", INPUTS, _SOURCE, _HEADER, OUTPUTS)
