@@ -302,6 +302,20 @@ _SOURCE = """
         const bool live = p < NPAIRS_NOW;                                                   \\
         const bool writer = live && lane == 0 && warp % SPLIT_ == 0
 
+    // dst = res + xs @ w.T (w [WIDTH, K]): the o and down phases, pairs of neighbours
+    auto residual_gemv = [&](const T* w, int K, int split, const T* res, T* dst) {
+        constexpr int NPAIRS_NOW = WIDTH / 2;
+        UNIKERN_PAIRS(NPAIRS_NOW, split) {
+            UNIKERN_PAIR(split);
+            float s0, s1;
+            dot_pair(w, K, split, live ? 2 * p : 0, live ? 2 * p + 1 : 0, live, s0, s1);
+            if (writer) {
+                dst[2 * p] = static_cast<T>(static_cast<float>(static_cast<T>(s0)) + static_cast<float>(res[2 * p]));
+                dst[2 * p + 1] = static_cast<T>(static_cast<float>(static_cast<T>(s1)) + static_cast<float>(res[2 * p + 1]));
+            }
+        }
+    };
+
     if (PRELOAD) preload_phase(FIRST);  // (phase 1, the attention, reads no weights)
     for (int phase = FIRST; phase <= LAST; ++phase) {
         if (phase == 0) {  // q/k/v with the input norm and RoPE; k and v into the pool
@@ -363,16 +377,7 @@ _SOURCE = """
             }
         } else if (phase == 2) {  // h = x + att @ w_o.T
             stage(att, QN, nullptr, 0.f);
-            constexpr int NPAIRS_NOW = WIDTH / 2;
-            UNIKERN_PAIRS(NPAIRS_NOW, SC) {
-                UNIKERN_PAIR(SC);
-                float s0, s1;
-                dot_pair(w_o, QN, SC, live ? 2 * p : 0, live ? 2 * p + 1 : 0, live, s0, s1);
-                if (writer) {
-                    h[2 * p] = static_cast<T>(static_cast<float>(static_cast<T>(s0)) + static_cast<float>(x[2 * p]));
-                    h[2 * p + 1] = static_cast<T>(static_cast<float>(static_cast<T>(s1)) + static_cast<float>(x[2 * p + 1]));
-                }
-            }
+            residual_gemv(w_o, QN, SC, x, h);
         } else if (phase == 3) {  // a = swiglu(gate, up) of norm(h) @ w_gu.T, rounded as mlx-lm's
             stage(h, WIDTH, n2, __int_as_float(EPS2));
             constexpr int NPAIRS_NOW = INTER;
@@ -390,16 +395,7 @@ _SOURCE = """
             }
         } else {  // out = h + a @ w_down.T
             stage(a, INTER, nullptr, 0.f);
-            constexpr int NPAIRS_NOW = WIDTH / 2;
-            UNIKERN_PAIRS(NPAIRS_NOW, SE) {
-                UNIKERN_PAIR(SE);
-                float s0, s1;
-                dot_pair(w_down, INTER, SE, live ? 2 * p : 0, live ? 2 * p + 1 : 0, live, s0, s1);
-                if (writer) {
-                    out[2 * p] = static_cast<T>(static_cast<float>(static_cast<T>(s0)) + static_cast<float>(h[2 * p]));
-                    out[2 * p + 1] = static_cast<T>(static_cast<float>(static_cast<T>(s1)) + static_cast<float>(h[2 * p + 1]));
-                }
-            }
+            residual_gemv(w_down, INTER, SE, h, out);
         }
         if (phase < LAST) {
             if (PRELOAD) preload_phase(phase + 1);
