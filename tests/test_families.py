@@ -117,6 +117,8 @@ async def test_family_greedy_parity(family, variant, paged_decode_calls):
     # default ("auto") in unquantized blocks only
     ops = fused_blocks and (variant == "blocks-ops" or family == "llama")
     assert (decode["ops_steps"] > 0) == ops, decode
+    # one kernel per block (execute.block_kernel): one-row steps with the CUDA kernels only
+    assert decode["kernel_steps"] == 0 or (fused_blocks and family == "llama" and cuda_is_default()), decode
     # on CUDA the q/k/v kernel writes the keys and values into the pool the paged kernel
     # reads (unquantized blocks: the kernels' own steps)
     assert (decode["pool_steps"] > 0) == (fused_blocks and family == "llama" and cuda_is_default()), decode

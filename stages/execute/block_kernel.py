@@ -8,7 +8,7 @@ kernel whose phases meet at grid-wide barriers:
 
   0. RMS norm -> q/k/v GEMV -> RoPE on q and k; k and v into the pool at the row's slot
   1. the decode attention over the row's slot table (paged_attention's group kernel:
-     one block per KV head)
+     one block per KV head, or with ATTN_SPLIT several, merged by the last done)
   2. output GEMV -> + residual                 -> h
   3. RMS norm -> gate/up GEMV -> SwiGLU         -> a
   4. down GEMV -> + residual                    -> the block's output
@@ -22,7 +22,8 @@ counter and a generation in device memory: the block's first thread arrives with
 fence, the last to arrive resets the count and advances the generation, the others spin
 on it (at most SPIN_LIMIT polls, then they go on and mark `bar[2]`, so a grid that
 could not all be resident gives wrong numbers, which the tests see, instead of a hung
-GPU). The kernel's intermediate rows are outputs of their own (q, the attention, h, a):
+GPU). The kernel's intermediate rows are outputs of their own (q, the attention, h, a,
+the split attention's partials):
 written in one phase, read in the next, never read before they are written, so no block
 can hold a stale copy in its cache.
 
