@@ -685,7 +685,7 @@ def test_the_block_kernel_on_cuda_is_the_block(dtype, attn_split, preload, monke
 
 @cuda
 @pytest.mark.parametrize("attn_split, preload", [(0, 0), (1, 1)])
-def test_one_row_steps_run_as_one_kernel_per_block_on_cuda(attn_split, preload, monkeypatch):
+def test_one_row_steps_through_the_block_kernel_on_cuda(attn_split, preload, monkeypatch):
     """The runner's one-row steps with execute.block_kernel on a CUDA GPU (run with
     MLX_ENABLE_TF32=0): the family's greedy tokens (attn_split: the attention phase split
     over blocks, 2 positions each at least; preload: each phase's first loads before its
