@@ -490,6 +490,21 @@ def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, min_chunks, a
         assert not np.all(np.array(outs[5]) == 0)
 
 
+def test_the_block_kernel_takes_the_shapes_it_was_written_for(monkeypatch):
+    """block_kernel.fits: the 1B shape in bfloat16 at a short table; not its float32 row
+    (more shared memory than a kernel declares), not a head size the attention does not
+    take, and a table the paged kernel would split only with the kernel's own split."""
+    bf16, f32 = mx.bfloat16, mx.float32
+    assert block_kernel.fits(2048, 8192, 32, 8, 64, bf16, 128)
+    assert not block_kernel.fits(2048, 8192, 32, 8, 64, f32, 128)
+    assert block_kernel.fits(2048, 4096, 32, 8, 64, f32, 128)
+    assert not block_kernel.fits(2048, 8192, 32, 8, 48, bf16, 128)
+    monkeypatch.setattr(block_kernel, "ATTN_SPLIT", 0)
+    assert not block_kernel.fits(2048, 8192, 32, 8, 64, bf16, 4096)
+    monkeypatch.setattr(block_kernel, "ATTN_SPLIT", 1)
+    assert block_kernel.fits(2048, 8192, 32, 8, 64, bf16, 4096)
+
+
 @emulation
 def test_one_row_steps_run_as_one_kernel_per_block_when_asked(monkeypatch):
     """execute.block_kernel: a one-row decode step of each block as one kernel

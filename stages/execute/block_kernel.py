@@ -30,8 +30,8 @@ can hold a stale copy in its cache.
 Phases FIRST..LAST run in one launch; the tests' emulation (tests/cuda_emulation.py),
 which runs blocks one after another, runs one phase per launch with the rows carried
 over. One row, unquantized blocks (blocks.py's BlockPlan), a slot table the group kernel
-takes whole (paged_attention.partitions 1) and shared memory within 48 KB; other steps
-keep the five kernels.
+takes whole (paged_attention.partitions 1; any with ATTN_SPLIT) and shared memory within
+48 KB; other steps keep the five kernels.
 
 Measured on an H200 (1B shape, one row, tools/results/gpu/session21): a token 34 kernels
 instead of 99, the runner's token 1.08-1.15 ms against 1.33-1.34 (host: the traced step's
@@ -436,14 +436,15 @@ def shared_bytes(width: int, inter: int, heads: int, kv_heads: int, head_dim: in
 
 def fits(width: int, inter: int, heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, table: int) -> bool:
     """Whether a one-row step of these shapes takes the kernel: 16-byte loads along every
-    weight row, head sizes the attention takes, a slot table `table` wide that it takes
-    whole, the shared memory within SHARED_BYTES."""
+    weight row, head sizes the attention takes, a slot table `table` wide that one block
+    per KV head takes whole (paged_attention's kernel would not split it) or any with
+    ATTN_SPLIT, the shared memory within SHARED_BYTES."""
     if dtype not in ITEMSIZE:
         return False
     pack = 16 // ITEMSIZE[dtype]
     return (width % pack == 0 and inter % pack == 0 and (heads * head_dim) % pack == 0 and width % 2 == 0
             and paged_attention.supports(head_dim, heads, kv_heads)
-            and paged_attention.partitions(1, kv_heads, table) == 1
+            and (ATTN_SPLIT or paged_attention.partitions(1, kv_heads, table) == 1)
             and shared_bytes(width, inter, heads, kv_heads, head_dim, ITEMSIZE[dtype]) <= SHARED_BYTES)
 
 
