@@ -493,8 +493,13 @@ def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, min_chunks, a
 def test_the_block_kernel_takes_the_shapes_it_was_written_for(monkeypatch):
     """block_kernel.fits: the 1B shape in bfloat16 at a short table; not its float32 row
     (more shared memory than a kernel declares), not a head size the attention does not
-    take, and a table the paged kernel would split only with the kernel's own split."""
+    take, and a table the paged kernel would split only with the kernel's own split; no
+    shape where the grid's size (one block per SM) is not known."""
     bf16, f32 = mx.bfloat16, mx.float32
+    monkeypatch.setattr(block_kernel, "GRID_BLOCKS", None)
+    monkeypatch.setattr(block_kernel, "cuda_sm_count", lambda: None)  # (no CUDA driver to ask)
+    assert not block_kernel.fits(2048, 8192, 32, 8, 64, bf16, 128)
+    monkeypatch.setattr(block_kernel, "cuda_sm_count", lambda: 132)  # an H200's
     assert block_kernel.fits(2048, 8192, 32, 8, 64, bf16, 128)
     assert not block_kernel.fits(2048, 8192, 32, 8, 64, f32, 128)
     assert block_kernel.fits(2048, 4096, 32, 8, 64, f32, 128)
@@ -503,6 +508,14 @@ def test_the_block_kernel_takes_the_shapes_it_was_written_for(monkeypatch):
     assert not block_kernel.fits(2048, 8192, 32, 8, 64, bf16, 4096)
     monkeypatch.setattr(block_kernel, "ATTN_SPLIT", 1)
     assert block_kernel.fits(2048, 8192, 32, 8, 64, bf16, 4096)
+
+
+def test_the_sm_count_comes_from_the_cuda_driver_where_there_is_one():
+    from unikern.platform import cuda_sm_count
+
+    assert cuda_sm_count("libunikern-no-such-driver.so") is None
+    count = cuda_sm_count()
+    assert count is None if not cuda_is_default() else count > 0
 
 
 @emulation

@@ -202,10 +202,11 @@ def record_launches() -> list[Build]:
             paged_attention.POSITIONS_IN_FLIGHT = saved[1]
             if dtype == mx.float32:  # (the 1B shape's row in float32 is more shared memory than a kernel has)
                 inter = 4096
+            attn_split, preload, grid = block_kernel.ATTN_SPLIT, block_kernel.PRELOAD, block_kernel.GRID_BLOCKS
+            block_kernel.GRID_BLOCKS = 132  # (an H200's SMs: no driver to ask here)
             assert block_kernel.fits(hidden, inter, H, Hk, D, dtype, 128)
             qkv, pool = mx.zeros(((H + 2 * Hk) * D, hidden), dtype=dtype), mx.zeros((Hk, 64, D), dtype=dtype)
             one = mx.zeros((1,), dtype=mx.int32)
-            attn_split, preload = block_kernel.ATTN_SPLIT, block_kernel.PRELOAD
             for bias, block_kernel.ATTN_SPLIT, block_kernel.PRELOAD in ((None, 0, 0), (qkv[:, 0], 0, 0), (None, 1, 0),
                                                                           (None, 1, 1)):
                 block_kernel.block_step(
@@ -214,7 +215,7 @@ def record_launches() -> list[Build]:
                     mx.zeros((2 * inter, hidden), dtype=dtype), mx.zeros((hidden, inter), dtype=dtype), one,
                     mx.zeros((D // 2,), dtype=mx.float32), H, Hk, D, False, D**-0.5, (pool, pool, one),
                     mx.zeros((1, 128), dtype=mx.int32), one, block_kernel.barrier(Hk))
-            block_kernel.ATTN_SPLIT, block_kernel.PRELOAD = attn_split, preload
+            block_kernel.ATTN_SPLIT, block_kernel.PRELOAD, block_kernel.GRID_BLOCKS = attn_split, preload, grid
         w, scales, biases = mx.quantize(mx.zeros((64, 4096), dtype=mx.bfloat16), group_size=64, bits=4)
         # the defaults, the nibbles made floats by their bits (GEMV_MAGIC_NIBBLES), then
         # session 8's 4-byte loads and narrow blocks

@@ -20,6 +20,30 @@ def cuda_is_default() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
+# CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT in CUDA's driver API
+_SM_COUNT_ATTRIBUTE = 16
+
+
+@functools.cache
+def cuda_sm_count(library: str = "libcuda.so.1") -> int | None:
+    """The streaming multiprocessors of CUDA device 0 (the one MLX's default GPU is, after
+    CUDA_VISIBLE_DEVICES; a MIG slice's own count), asked of the CUDA driver through
+    ctypes, so neither PyTorch nor a toolkit is needed; None where there is no driver or
+    it cannot say."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL(library)
+    except OSError:
+        return None
+    device, count = ctypes.c_int(), ctypes.c_int()
+    if driver.cuInit(0) or driver.cuDeviceGet(ctypes.byref(device), 0):
+        return None
+    if driver.cuDeviceGetAttribute(ctypes.byref(count), _SM_COUNT_ATTRIBUTE, device):
+        return None
+    return count.value or None
+
+
 @functools.cache
 def current_platform() -> Platform:
     from unikern.platform.facts import Platform

@@ -13,8 +13,8 @@ kernel whose phases meet at grid-wide barriers:
   3. RMS norm -> gate/up GEMV -> SwiGLU         -> a
   4. down GEMV -> + residual                    -> the block's output
 
-A fixed grid of GRID_BLOCKS blocks (one per SM of an H200, so all are resident at once:
-a barrier's waiting blocks cannot hold back one not yet started) walks each phase's
+A fixed grid of one block per SM (GRID_BLOCKS, so all are resident at once: a
+barrier's waiting blocks cannot hold back one not yet started) walks each phase's
 output pairs in turn; a phase's blocks stage its input row in shared memory (normalized,
 the row's sum of squares summed by the block itself), and each warp (or SPLIT warps) gives
 one output pair as block_gemv's kernel does, rounding as MLX's ops round. The barrier is a
@@ -44,12 +44,16 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from unikern.platform import cuda_sm_count
 from unikern.platform.kernel_cache import cuda_kernel, float_bits, off_small_pool, placeholder
 from unikern.stages.execute import paged_attention
 from unikern.stages.execute.block_gemv import _HEADER as _GEMV_HEADER
 from unikern.stages.execute.block_gemv import ITEMSIZE
 
-GRID_BLOCKS = 132  # an H100's or H200's SMs
+# blocks of the grid: one per SM of the device (platform.cuda_sm_count; 132 on an H100 or
+# H200), so all are resident at once (a block's registers and shared memory fit one SM of
+# sm_80 and later); None: ask the driver, and where it cannot say the kernel is not used
+GRID_BLOCKS: int | None = None
 WARPS = 16  # per block (the attention phase's warps too: FEW_BLOCKS_WARPS)
 UNROLL = 4  # 16-byte chunks per lane in flight per weight row (2: 981 against 948 us a 1B token)
 MIN_CHUNKS = 64  # of a weight row per warp at least (two per lane) when a pair is split
@@ -434,12 +438,17 @@ def shared_bytes(width: int, inter: int, heads: int, kv_heads: int, head_dim: in
             + warps * 12)
 
 
+def grid_blocks() -> int | None:
+    """The grid's blocks: GRID_BLOCKS, or the device's SMs where it is None."""
+    return GRID_BLOCKS or cuda_sm_count()
+
+
 def fits(width: int, inter: int, heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, table: int) -> bool:
     """Whether a one-row step of these shapes takes the kernel: 16-byte loads along every
     weight row, head sizes the attention takes, a slot table `table` wide that one block
     per KV head takes whole (paged_attention's kernel would not split it) or any with
-    ATTN_SPLIT, the shared memory within SHARED_BYTES."""
-    if dtype not in ITEMSIZE:
+    ATTN_SPLIT, the shared memory within SHARED_BYTES, a grid size known (grid_blocks)."""
+    if dtype not in ITEMSIZE or not grid_blocks():
         return False
     pack = 16 // ITEMSIZE[dtype]
     return (width % pack == 0 and inter % pack == 0 and (heads * head_dim) % pack == 0 and width % 2 == 0
@@ -468,14 +477,17 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
     pi; pool: the layer's pool arrays [kv heads, slots, head_dim] and the row's slot (k and
     v go there in place); slots [1, L] and lengths [1]: the row's slot table and length
     for the attention; bar: `barrier(kv_heads)`, kept for the call site; `phases`: the first and
-    last phase to run. The grid: GRID_BLOCKS blocks of WARPS warps."""
+    last phase to run. The grid: grid_blocks() blocks of WARPS warps."""
     width = w_qkv.shape[1]
     inter = w_down.shape[1]
     if x.size != width or w_gu.shape != (2 * inter, width) or w_o.shape != (width, heads * head_dim):
         raise ValueError(f"the block kernel takes one row of {width} and a block's weights: x {x.shape}, "
                          f"o {w_o.shape}, gate/up {w_gu.shape}, down {w_down.shape}")
     k_pool, v_pool, wslot = pool
-    itemsize, grid, warps = ITEMSIZE[x.dtype], GRID_BLOCKS, WARPS
+    itemsize, grid, warps = ITEMSIZE[x.dtype], grid_blocks(), WARPS
+    if not grid:
+        raise RuntimeError("the block kernel's grid is one block per SM, and the CUDA driver did not say how many "
+                           "SMs the device has: set block_kernel.GRID_BLOCKS, or execute.block_kernel: never")
     qn, kn = heads * head_dim, kv_heads * head_dim
     template = [("T", x.dtype), ("WIDTH", width), ("INTER", inter), ("QN", qn), ("KN", kn), ("NQKV", qn + 2 * kn),
                 ("XMAX", max(width, inter, qn)), ("WARPS", warps), ("UW", UNROLL),
