@@ -13,7 +13,7 @@ kernel whose phases meet at grid-wide barriers:
   3. RMS norm -> gate/up GEMV -> SwiGLU         -> a
   4. down GEMV -> + residual                    -> the block's output
 
-A fixed grid of one block per SM (GRID_BLOCKS, so all are resident at once: a
+A grid of one block per SM (grid_blocks(), so all are resident at once: a
 barrier's waiting blocks cannot hold back one not yet started) walks each phase's
 output pairs in turn; a phase's blocks stage its input row in shared memory (normalized,
 the row's sum of squares summed by the block itself), and each warp (or SPLIT warps) gives
