@@ -112,7 +112,6 @@ static void unikern_mma(float d[4], const unsigned a[4], const unsigned b[2]) {
 UNPACK_HEADER = r"""
 #define __align__(n) __attribute__((aligned(n)))
 template <typename U> static void unikern_unpack(const uint4& v, float* o) { std::memcpy(o, &v, 16); }
-static void unikern_prefetch_l2(const void*) {}
 """
 
 

@@ -61,9 +61,7 @@ Variants:
                GEMV kernels (execute.fuse_blocks: stages/execute/blocks.py)
   engine-paged-blocks-one  the same, a one-row step's block as one kernel (execute.block_kernel:
                stages/execute/block_kernel.py); -u2: 2 chunks per lane and weight row in flight
-               (block_kernel.UNROLL, 4 by default); -pf: the attention phase's idle blocks
-               prefetching the next weights into L2 (PREFETCH = 1; slower in session 21);
-               -g264: 264 blocks of 8 warps (two per SM) instead of 132 of 16; -split: the
+               (block_kernel.UNROLL, 4 by default); -g264: 264 blocks of 8 warps (two per SM) instead of 132 of 16; -split: the
                attention phase over several blocks per KV head (ATTN_SPLIT = 1); -preload:
                each phase's first weight loads before its barrier (PRELOAD = 1)
   engine-paged-blocks-u1, -u4, -u8  the same, each lane with 1, 4 or 8 of a weight row's
@@ -178,8 +176,6 @@ VARIANTS = {
     "engine-paged-blocks-one": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one"]),
     "engine-paged-blocks-one-u2": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
                                         "block-unroll=2"]),
-    "engine-paged-blocks-one-pf": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
-                                        "block-prefetch=1"]),
     "engine-paged-blocks-one-g264": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
                                           "block-grid=264", "block-warps=8"]),
     "engine-paged-blocks-one-split": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
@@ -239,7 +235,7 @@ SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("p
             "step-pad": ("paged_cache", "PAD_STEP_ROWS"), "ops-rw": ("blocks", "OPS_ROPE_WRITE"),
             "q-magic": ("quantized", "GEMV_MAGIC_NIBBLES"), "q-features": ("quantized", "GEMV_FEATURES"),
             "q-warps": ("quantized", "GEMV_WARPS"), "q-unroll": ("quantized", "GEMV_UNROLL"),
-            "block-prefetch": ("block_kernel", "PREFETCH"), "block-unroll": ("block_kernel", "UNROLL"),
+            "block-unroll": ("block_kernel", "UNROLL"),
             "block-grid": ("block_kernel", "GRID_BLOCKS"), "block-warps": ("block_kernel", "WARPS"),
             "block-attn-split": ("block_kernel", "ATTN_SPLIT"), "block-preload": ("block_kernel", "PRELOAD")}
 

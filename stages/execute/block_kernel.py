@@ -47,8 +47,7 @@ import mlx.core as mx
 from unikern.platform import cuda_sm_count
 from unikern.platform.kernel_cache import cuda_kernel, float_bits, off_small_pool, placeholder
 from unikern.stages.execute import paged_attention
-from unikern.stages.execute.block_gemv import _HEADER as _GEMV_HEADER
-from unikern.stages.execute.block_gemv import ITEMSIZE
+from unikern.stages.execute.block_gemv import _HEADER, ITEMSIZE
 
 # blocks of the grid: one per SM of the device (platform.cuda_sm_count; 132 on an H100 or
 # H200), so all are resident at once (a block's registers and shared memory fit one SM of
@@ -60,9 +59,6 @@ MIN_CHUNKS = 64  # of a weight row per warp at least (two per lane) when a pair 
 SPIN_LIMIT = 1 << 24  # polls of the barrier's generation before a block gives up on it
 SHARED_BYTES = 48 << 10  # static shared memory a kernel may declare
 PHASES = 5
-# the attention phase's idle blocks prefetch the o and gate/up phases' first weights into
-# L2 (1): on an H200 the 1B token's block kernels took 1,034 us with it, 980 without (session 21)
-PREFETCH = 0
 # the attention phase split over several blocks per KV head, ATTN_MIN_POSITIONS each at least
 # (1), instead of one block per KV head while the others wait at the barrier (0): not
 # measured on a GPU yet (the 5-kernel path's attention took 7.8 us per 1B layer, one row)
@@ -75,12 +71,6 @@ ATTN_MIN_POSITIONS = 16
 PRELOAD = 0
 PRELOAD_REGISTERS = {2: 127, 4: 136}
 
-_HEADER = _GEMV_HEADER + """
-__device__ inline void unikern_prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(p));
-}
-"""
-
 # the attention phase: paged_attention's group kernel for one row, its blocks walked by the
 # grid ("vb"): one per KV head writing `att`, or (ATTN_SPLIT, `nparts` > 1) each KV head's
 # positions split over nparts blocks writing their partial softmaxes to `parts`, the last
@@ -92,16 +82,24 @@ def _without_last_brace(text: str) -> str:
     return head
 
 
+def _edited(text: str, *edits: tuple[str, str]) -> str:
+    """paged_attention's kernel text with each (old, new) replaced, every old present."""
+    for old, new in edits:
+        assert old in text, f"paged_attention's kernel text no longer holds {old!r}"
+        text = text.replace(old, new)
+    return text
+
+
 _ATTENTION = ("for (int vb = blockIdx.x; vb < HK * nparts; vb += gridDim.x) {\n"
-              + paged_attention._GROUP_SOURCE.replace("blockIdx.x", "vb").replace("gridDim.x", "(HK * nparts)")
-              .replace("q[row + e]", "qs[row + e]")
+              + _edited(paged_attention._GROUP_SOURCE, ("blockIdx.x", "vb"), ("gridDim.x", "(HK * nparts)"),
+                        ("q[row + e]", "qs[row + e]"))
               + "        if (nparts == 1) {\n"
-              + _without_last_brace(paged_attention._GROUP_OUT.replace("out[row + e]", "att[row + e]"))
+              + _without_last_brace(_edited(paged_attention._GROUP_OUT, ("out[row + e]", "att[row + e]")))
               + "        } else {\n"
-              + _without_last_brace(paged_attention._GROUP_PARTS.replace("out[at", "parts[at"))
+              + _without_last_brace(_edited(paged_attention._GROUP_PARTS, ("out[at", "parts[at")))
               + """        }
     }
-    if (nparts > 1) {  // the last of the KV head's blocks merges its partials
+    if (nparts > 1) {  // the last of the KV head's blocks merges its partials (the merge kernel's text)
         __shared__ int last_part;
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -111,20 +109,10 @@ _ATTENTION = ("for (int vb = blockIdx.x; vb < HK * nparts; vb += gridDim.x) {\n"
         __syncthreads();
         if (last_part) {
             __threadfence();
-            const volatile float* part = parts;
             for (int g = warp; g < G; g += NW) {
-                float top = -INFINITY;
-                for (int q = 0; q < nparts; ++q) top = fmaxf(top, part[((size_t)(kvh * nparts + q) * G + g) * (D + 2) + D]);
-                float total = 0.f;
-                float o[E];
-                for (int e = 0; e < E; ++e) o[e] = 0.f;
-                for (int q = 0; q < nparts; ++q) {
-                    const size_t at = ((size_t)(kvh * nparts + q) * G + g) * (D + 2);
-                    const float c = part[at + D] == -INFINITY ? 0.f : expf(part[at + D] - top);
-                    total += part[at + D + 1] * c;
-                    for (int e = 0; e < E; ++e) o[e] += part[at + lane * E + e] * c;
-                }
-                for (int e = 0; e < E; ++e) att[(size_t)(kvh * G + g) * D + lane * E + e] = static_cast<T>(o[e] / total);
+""" + _edited(paged_attention._MERGE_SOURCE, ("const int bh = blockIdx.x;", "const int bh = kvh * G + g;"),
+              ("const int lane = threadIdx.x;", "const int lane = threadIdx.x % 32;"),
+              ("const int P = parts_shape[0] / (gridDim.x / H * HK);", "const int P = nparts;"), ("out[", "att[")) + """
             }
             if (threadIdx.x == 0) atomicExch(const_cast<unsigned*>(bar) + 3 + kvh, 0u);  // ready for the next launch
         }
@@ -364,22 +352,6 @@ _SOURCE = """
             const int len = min(lengths[0], slots_shape[1]);
             const int nparts = ATTN_SPLIT ? max(1, min((int)gridDim.x / HK, (len + ATTN_MIN - 1) / ATTN_MIN)) : 1;
 """ + _ATTENTION + """
-            if (PREFETCH && (int)blockIdx.x >= HK) {
-                // the blocks the attention leaves idle pull the next phases' first weights into
-                // L2 meanwhile: all of w_o, then the gate and up rows of phase 3's first round
-                const int helpers = gridDim.x - HK;
-                const int me = (blockIdx.x - HK) * blockDim.x + threadIdx.x;
-                constexpr int LINE = 128 / sizeof(T);  // elements per 128-byte line
-                const int o_lines = WIDTH * QN / LINE;
-                const int round_rows = min(INTER, (int)gridDim.x * (WARPS / SD));
-                const int gu_lines = round_rows * WIDTH / LINE;
-                for (int i = me; i < o_lines + 2 * gu_lines; i += helpers * blockDim.x) {
-                    const T* line = i < o_lines ? w_o + (size_t)i * LINE
-                                  : w_gu + (size_t)((i - o_lines) % gu_lines) * LINE
-                                         + ((i - o_lines) >= gu_lines ? (size_t)INTER * WIDTH : 0);
-                    unikern_prefetch_l2(line);
-                }
-            }
         } else if (phase == 2) {  // h = x + att @ w_o.T
             stage(att, QN, nullptr, 0.f);
             residual_gemv(w_o, QN, SC, x, h);
@@ -500,7 +472,7 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
                 # the attention phase (paged_attention's group kernel)
                 ("D", head_dim), ("E", head_dim // 32), ("H", heads), ("HK", kv_heads), ("G", heads // kv_heads),
                 ("NW", warps), ("U", paged_attention.POSITIONS_IN_FLIGHT), ("SCALE", float_bits(scale)),
-                ("FIRST", phases[0]), ("LAST", phases[1]), ("SPIN_LIMIT", SPIN_LIMIT), ("PREFETCH", PREFETCH),
+                ("FIRST", phases[0]), ("LAST", phases[1]), ("SPIN_LIMIT", SPIN_LIMIT),
                 ("ATTN_SPLIT", ATTN_SPLIT), ("ATTN_MIN", ATTN_MIN_POSITIONS), ("PRELOAD", int(PRELOAD and PRELOAD_REGISTERS[itemsize] * warps * 32 <= 65536))]
     inputs = [x, w_qkv, b_qkv if b_qkv is not None else placeholder(x.dtype), norm1[0], w_o, norm2[0], w_gu, w_down,
               pos, freq_pi, k_pool, v_pool, wslot, slots, lengths, bar]
