@@ -184,6 +184,14 @@ if named ab; then
     --model $M/llama-${AB_MODEL:-1b} --a ${AB_A:-} --b ${AB_B:-} --repeats ${AB_REPEATS:-6} ${AB_ARGS:-} \
     --label "llama ${AB_MODEL:-1b}${AB_LABEL:-}" --json "$RES/ab-${AB_MODEL:-1b}${AB_LABEL:-}.json"
 fi
+# a prompt's prefill step as the engine runs it: host build, MLX's encode and wait, GPU kernels
+# (tools/probe_prefill.py; PREFILL_ARGS more arguments, e.g. "--set compile_prefill=never",
+# PREFILL_LABEL names the file); runs only when GPU_STEPS names it
+if named probe-prefill; then
+  LOG=probe-prefill${PREFILL_LABEL:-} TAIL=40 step probe-prefill "$RES/probe-prefill${PREFILL_LABEL:-}.json" \
+    python3 "$REPO/tools/probe_prefill.py" --model $M/llama-1b --profile ${PREFILL_ARGS:-} \
+    --json "$RES/probe-prefill${PREFILL_LABEL:-}.json"
+fi
 # the engine's run split into time inside the model thread's steps and the gaps between them
 # (GAPS_ARGS, e.g. "--set execute.gil_switch_ms=0.2": the GIL handed over sooner to the model thread)
 TAIL=6 step gaps-1b "$RES/gaps-1b${GAPS_LABEL:-}.json" python3 "$REPO/tools/step_gaps.py" --model $M/llama-1b \
