@@ -60,14 +60,17 @@ SPIN_LIMIT = 1 << 24  # polls of the barrier's generation before a block gives u
 SHARED_BYTES = 48 << 10  # static shared memory a kernel may declare
 PHASES = 5
 # the attention phase split over several blocks per KV head, ATTN_MIN_POSITIONS each at least
-# (1), instead of one block per KV head while the others wait at the barrier (0): not
-# measured on a GPU yet (the 5-kernel path's attention took 7.8 us per 1B layer, one row)
-ATTN_SPLIT = 0
+# (1), instead of one block per KV head while the others wait at the barrier (0). A 1B
+# token on an H200, one row at 64-128 positions: GPU 1.025 ms against 1.046, 1.070 ms per
+# step against 1.097-1.103 (tools/results/gpu/session22/a-split); it also takes tables of
+# 512 positions and more, which one block per KV head does not
+ATTN_SPLIT = 1
 ATTN_MIN_POSITIONS = 16
 # each warp's first weight loads of a phase issued before the barrier (or the norm) the
-# phase waits on (1), so each phase's start does not wait a full memory latency: not
-# measured on a GPU yet. Only where the block's threads' registers fit an SM's 65,536:
-# with it a thread takes these many (NVRTC, sm_90), by itemsize (float32: 16 warps do not fit)
+# phase waits on (1), so each phase's start does not wait a full memory latency: measured
+# no faster (GPU 1.048 ms a 1B token against 1.046; with the split 1.039 against 1.025).
+# Only where the block's threads' registers fit an SM's 65,536: with it a thread takes
+# these many (NVRTC, sm_90), by itemsize (float32: 16 warps do not fit)
 PRELOAD = 0
 PRELOAD_REGISTERS = {2: 127, 4: 136}
 
