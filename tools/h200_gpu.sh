@@ -185,7 +185,7 @@ if named ab; then
     --label "llama ${AB_MODEL:-1b}${AB_LABEL:-}" --json "$RES/ab-${AB_MODEL:-1b}${AB_LABEL:-}.json"
 fi
 # a prompt's prefill step as the engine runs it: host build, MLX's encode and wait, GPU kernels
-# (tools/probe_prefill.py; PREFILL_ARGS more arguments, e.g. "--set compile_prefill=never",
+# (tools/probe_prefill.py; PREFILL_ARGS more arguments, e.g. "--set prefill_rows=0",
 # PREFILL_LABEL names the file); runs only when GPU_STEPS names it
 if named probe-prefill; then
   LOG=probe-prefill${PREFILL_LABEL:-} TAIL=40 step probe-prefill "$RES/probe-prefill${PREFILL_LABEL:-}.json" \

@@ -6,7 +6,7 @@ rest (sampling, tables), and with --profile the GPU's own kernel time (CUPTI, th
 PyTorch's profiler) with the kernels that take it.
 
     python tools/probe_prefill.py --model DIR [--lengths 16 64 256] [--repeats 20] [--profile] [--json out.json]
-    python tools/probe_prefill.py --model DIR --set execute.compile_prefill=never ...
+    python tools/probe_prefill.py --model DIR --set prefill_rows=0 ...
 
 The first token's latency (TTFT) of one request is this step plus the messages around
 it (tools/step_gaps.py splits those).
@@ -29,11 +29,12 @@ def main() -> None:
     parser.add_argument("--scattered", action="store_true",
                         help="block tables of every other block (gathers), not consecutive ids (slices)")
     parser.add_argument("--set", nargs="*", default=[], metavar="OPTION=VALUE",
-                        help="mlx_execute options, e.g. compile_prefill=never")
+                        help="mlx_execute options, e.g. prefill_rows=0")
     parser.add_argument("--json")
     args = parser.parse_args()
 
     import mlx.core as mx
+    import msgspec
 
     from unikern import messages as m
     from unikern.platform.pinning import WeightWiring
@@ -43,7 +44,7 @@ def main() -> None:
 
     options = dict(s.split("=", 1) for s in args.set)
     options = {k.removeprefix("execute."): v for k, v in options.items()}
-    params = MLXExecuteParams(model=args.model, **options)
+    params = msgspec.convert({"model": args.model, **options}, MLXExecuteParams, strict=False)
     t = time.perf_counter()
     prepared = prepare_model(params, None, WeightWiring())
     geo = prepared.loaded.geometry

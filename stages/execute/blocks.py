@@ -408,6 +408,12 @@ def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int
     return len(layers)
 
 
+def fused_rows(model: Any) -> int:
+    """Steps of up to this many rows take every block's fused steps (0: a block does not)."""
+    plans = [b.__dict__.get("_block_plan") for b in layers_of(model)]
+    return min((p.max_rows for p in plans), default=0) if plans and None not in plans else 0
+
+
 def fused_steps(model: Any, field: str = "steps") -> int:
     """How many block steps took the fused path (a traced step counts once); `ops_steps`:
     how many of them only fuse_blocks_ops_rows sent there (more rows than the kernels

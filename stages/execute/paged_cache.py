@@ -68,12 +68,15 @@ class BatchLayout:
         last = [n - 1 for _, _, n in rows]
         write_slots = mx.array(write.reshape(-1))
         offsets: mx.array | int = int(starts[0]) if B == 1 else mx.array(starts)
-        if B == 1:
-            return cls(1, T, offsets, write_slots, mx.array(read), "causal" if T > 1 else None, last)
         if T > 1 and not starts.any():
             # every row starts a prompt: attention needs only this forward's own keys
-            # (padded keys sit after each row's real ones, so plain causal masking holds)
+            # (padded keys sit after each row's real ones, so plain causal masking holds),
+            # not the pool read back: for one 64-token row of the 1B shape on an H200 that
+            # read was 32 gathers and their index kernels, 390 kernels a step against 262
+            # through slices, 6.5 ms against 5.1 (tools/results/gpu/session22/b-prefill)
             return cls(B, T, offsets, write_slots, None, "causal", last)
+        if B == 1:
+            return cls(1, T, offsets, write_slots, mx.array(read), "causal" if T > 1 else None, last)
         query_pos = starts[:, None] + np.arange(T, dtype=np.int32)[None]  # [B, T]
         mask = np.arange(L, dtype=np.int32)[None, None, :] <= query_pos[:, :, None]
         return cls(B, T, offsets, write_slots, mx.array(read), mx.array(mask[:, None]), last)

@@ -51,6 +51,7 @@ class Prepared:
     paged_attention: bool = False
     compile_one_row: bool = False
     startup: dict[str, float] | None = None  # seconds per start-up phase (stats.model.startup)
+    prefill_rows: int = 0  # prompts of up to this many tokens run as rows (execute.prefill_rows)
 
 
 def fuses_quantized(setting: str, own_kernels: bool) -> bool:
@@ -100,10 +101,15 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     compile_decode = switch(params.compile_decode, auto=not on_cpu) and not pipelined
     paged = switch(params.paged_attention, auto=backend == "cuda")
     one_row = switch(params.compile_one_row, auto=backend == "cuda")
+    prefill_rows = params.prefill_rows
+    if prefill_rows == "auto":
+        from unikern.stages.execute.blocks import fused_rows
+
+        prefill_rows = fused_rows(loaded.model) if paged and loaded.decode_blocks else 0
     warmup = None
     if switch(params.warmup, auto=not on_cpu):
-        warmup = warm_up(loaded.model, loaded.geometry, kernels, compile_decode, paged, one_row)
-    return Prepared(loaded, wired, kernels, compile_decode, warmup, quantized, paged, one_row, startup)
+        warmup = warm_up(loaded.model, loaded.geometry, kernels, compile_decode, paged, one_row, prefill_rows)
+    return Prepared(loaded, wired, kernels, compile_decode, warmup, quantized, paged, one_row, startup, prefill_rows)
 
 
 def pool_spec(pool: KVPool) -> MakeRunner:
@@ -122,7 +128,8 @@ def pool_like(spec: MakeRunner, loaded: LoadedModel) -> KVPool:
 def make_runner(prepared: Prepared, pool: KVPool, window_pool: KVPool | None = None,
                 states: Any = None) -> ModelRunner:
     return ModelRunner(prepared.loaded.model, pool, shared_bridge(), prepared.kernels, prepared.compile_decode,
-                       prepared.loaded.geometry, window_pool, states, prepared.paged_attention, prepared.compile_one_row)
+                       prepared.loaded.geometry, window_pool, states, prepared.paged_attention, prepared.compile_one_row,
+                       prepared.prefill_rows)
 
 
 def local_stats(world: World, pool: KVPool | None) -> dict[str, Any]:

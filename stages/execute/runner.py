@@ -71,9 +71,12 @@ class ModelRunner:
         states: StatePool | None = None,
         paged_attention: bool = False,
         compile_one_row: bool = False,
+        prefill_rows: int = 0,
     ) -> None:
         """`window_pool`: a mixed model's windowed layers when they keep their own pool and
-        tables (SeqWork.window_table); `pool` then holds the full layers alone."""
+        tables (SeqWork.window_table); `pool` then holds the full layers alone.
+        `prefill_rows`: prompts of up to this many tokens (a group's in all) run as one
+        decode step of a row per token (`_logits_by_rows`); 0: off."""
         self.model = model
         geometry = geometry or ModelGeometry(model)
         # per cache entry: which pool layer and window; None: every layer full attention
@@ -120,6 +123,10 @@ class ModelRunner:
         self.compiled = CompiledDecode(model, self.num_layers, self.paged) if compile_decode and traceable else None
         # one-row windows traced too: only with no mask to give MLX's SDPA (paged above)
         self.compile_one_row = compile_one_row and self.paged is not None and self.compiled is not None
+        # rows read the pool through the paged attention: only full-attention layers, no
+        # state slots (a row per token would run a recurrence on every row)
+        self.prefill_rows = prefill_rows if self.paged is not None and self.layers is None else 0
+        self.row_prefills = 0  # forwards that ran prompts by rows (stats)
         # the last window's rows and the tokens its last step sampled, on the device: a
         # window planned before they came back (SeqWork.continues) feeds them
         self._carried: tuple[tuple[str, ...], mx.array] | None = None
@@ -176,6 +183,27 @@ class ModelRunner:
             return self.head(hidden[rows_index, last])
         return self.model(inputs, cache=caches)[rows_index, last]
 
+    def _logits_by_rows(self, group: list[m.SeqWork]) -> mx.array:
+        """Short prompts' logits [B, vocab] at their last tokens, each prompt's tokens run
+        as rows of one decode step: row t at position start + t reads the row's table up
+        to itself through the paged attention (a causal prefill, row by row), and the
+        blocks take the step through their decode paths (fuse_blocks: its kernels up to
+        4 rows, MLX's ops up to 64) rather than the family's prefill code. On an H200 the
+        family's 64-token prefill of the 1B shape was 262 kernels and 5.1 ms, 1.4 of them
+        on the GPU: the host's encoding paced it (tools/results/gpu/session22/b-prefill)."""
+        self.row_prefills += 1
+        rows = [(w.block_table, w.start_pos + t, 1) for w in group for t in range(len(w.token_ids))]
+        caches = self._caches(BatchLayout.build(self.pool, rows))
+        inputs = mx.array([[t] for w in group for t in w.token_ids], dtype=mx.int32)
+        ends, last = 0, []
+        for w in group:
+            ends += len(w.token_ids)
+            last.append(ends - 1)
+        index = mx.array(last)
+        if self.head is not None:
+            return self.head(self.model.model(inputs, cache=caches)[index, -1])
+        return self.model(inputs, cache=caches)[index, -1]
+
     def run(self, step: m.Step, seeds: dict[str, int]) -> dict[str, list[int]]:
         """The step's sampled tokens alone (warm-up, tools, tests)."""
         return self.execute(step, seeds).sampled
@@ -224,7 +252,11 @@ class ModelRunner:
             window_rows = None
             if self.window_pool is not None:
                 window_rows = [(w.window_table, w.start_pos, len(w.token_ids)) for w in group]
-            logits = self._logits(rows, [list(w.token_ids) for w in group], [w.state_slot for w in group], window_rows)
+            if len(group[0].token_ids) > 1 and sum(len(w.token_ids) for w in group) <= self.prefill_rows:
+                logits = self._logits_by_rows(group)
+            else:
+                logits = self._logits(rows, [list(w.token_ids) for w in group], [w.state_slot for w in group],
+                                      window_rows)
             if group is not groups[-1]:
                 # the next group writes the pool: this one's reads must be done first, or MLX
                 # copies every layer's whole array to keep them for it (the budget, on cpu)
@@ -356,9 +388,9 @@ class ModelRunner:
 
 
 def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_decode: bool,
-            paged_attention: bool = False, compile_one_row: bool = False) -> dict[str, Any]:
-    """Run the step shapes a server meets first (a two-row prefill, a one-row decode
-    window, a two-row decode window) through a throwaway runner on a private pool of a
+            paged_attention: bool = False, compile_one_row: bool = False, prefill_rows: int = 0) -> dict[str, Any]:
+    """Run the step shapes a server meets first (a two-row prefill, by rows too with
+    `prefill_rows`, a one-row decode window, a two-row decode window) through a throwaway runner on a private pool of a
     few blocks, so that MLX builds its GPU kernels, and the compiled step its fused
     ones, before the engine says ready rather than inside the first requests. The
     engine's own pool is not touched: it stays unallocated until a request writes it."""
@@ -373,9 +405,15 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
     slots = {"a": 1, "b": 2}  # state slots (recurrent models), zeroed by the first step
     prompts = {"a": tuple(range(1, 25)), "b": tuple(range(1, 11))}  # ids every vocabulary has
     start = time.perf_counter()
-    first = runner.run(m.Step(0, tuple(
+    prefill = m.Step(0, tuple(
         m.SeqWork(r, p, 0, tables[r], True, params, state_slot=slots[r], state_from=0) for r, p in prompts.items()
-    ), 1), {})
+    ), 1)
+    first = runner.run(prefill, {})  # the family's prefill, which longer prompts take
+    runner.prefill_rows = prefill_rows if runner.paged is not None and runner.layers is None else 0
+    steps = 3
+    if runner.prefill_rows >= len(prompts["a"]) + len(prompts["b"]):
+        first = runner.run(prefill, {})  # the same keys again, by rows
+        steps += 1
 
     def window(rows: list[str], steps: int) -> m.Step:
         work = tuple(
@@ -387,4 +425,4 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
 
     runner.run(window(["a"], 4), {})
     runner.run(window(["a", "b"], 4), {})
-    return {"ran": True, "steps": 3, "seconds": round(time.perf_counter() - start, 3)}
+    return {"ran": True, "steps": steps, "seconds": round(time.perf_counter() - start, 3)}

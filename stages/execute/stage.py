@@ -145,6 +145,13 @@ class MLXExecuteParams(StageParams, frozen=True):
     # with paged_attention (no mask), one-row decode windows are traced steps too, as
     # windows of several rows are (compile_decode); "auto": on CUDA only
     compile_one_row: Literal["auto", "always", "never"] = "auto"
+    # with paged_attention, prompts of up to this many tokens (a prefill group's in all)
+    # run as one decode step of a row per token, each row reading the table up to itself,
+    # through fuse_blocks' decode paths instead of the family's prefill code; the
+    # family's 64-token 1B prefill on an H200 was 262 kernels, 5.1 ms, 1.4 on the GPU
+    # (tools/results/gpu/session22/b-prefill). "auto": the rows the fused blocks take
+    # (64 for unquantized ones) where paged attention and fuse_blocks run, else 0; 0: off
+    prefill_rows: int | Literal["auto"] = "auto"
     # Python's GIL switch interval in ms while the stage runs (sys.setswitchinterval; it
     # is the process's, the one before comes back at stop): the longest the model thread
     # waits for the GIL while the event loop detokenizes and delivers, each time it wants
@@ -371,7 +378,8 @@ class MLXExecuteStage(StageBase):
                       "dense_mma": {"layers": loaded.dense_mma_layers}},
             "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
             "kernels": runner.kernels if runner else {"enabled": False, "reason": "no step run yet"},
-            "paged_attention": {**runner.paged_report, "one_row_compiled": runner.compile_one_row}
+            "paged_attention": {**runner.paged_report, "one_row_compiled": runner.compile_one_row,
+                                "prefill_rows": runner.prefill_rows, "row_prefills": runner.row_prefills}
             if runner else {"enabled": False, "reason": "no step run yet"},
             "compiled_decode": {
                 "enabled": compiled is not None,

@@ -1,0 +1,142 @@
+"""A prompt's prefill step: which pool reads and writes its layout asks for. A fresh
+prompt attends to this forward's own keys, whatever its block table looks like; the
+pool is read back only for keys an earlier step wrote (a prefix-cache hit, a chunk)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+from unikern import messages as m
+from unikern.stages.execute.model import ModelGeometry
+from unikern.stages.execute.paged_cache import BatchLayout
+from unikern.stages.execute.runner import ModelRunner
+from unikern.stages.kv.pool import KVPool
+
+SCATTERED = (9, 3, 7, 5)  # no run of consecutive ids: no slice path
+
+
+def small_pool(num_layers: int = 1, kv_heads: int = 2, head_dim: int = 8, dtype=mx.float32) -> KVPool:
+    return KVPool(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, block_size=4,
+                  kernel_block_size=4, num_blocks=16, slab_blocks=16)
+
+
+def test_a_fresh_prompt_reads_no_pool_whatever_its_table():
+    pool = small_pool()
+    layout = BatchLayout.build(pool, [(SCATTERED, 0, 13)])
+    assert layout.span is None and layout.read_slots is None and layout.mask == "causal"
+    assert layout.write_slots.tolist() == [b * 4 + i for b in SCATTERED for i in range(4)][:13]
+    # a prompt after cached positions reads the earlier ones back
+    later = BatchLayout.build(pool, [(SCATTERED, 5, 8)])
+    assert later.read_slots is not None and later.read_slots.shape == (1, 13)
+
+
+def pool_reads(runner: ModelRunner, table: tuple[int, ...], prompt: tuple[int, ...]) -> int:
+    """Gathers in the prefill forward's graph (the pool read back per layer)."""
+    import re
+    import tempfile
+
+    layout = BatchLayout.build(runner.pool, [(table, 0, len(prompt))])
+    logits = runner.model(mx.array([prompt]), cache=runner._caches(layout))
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, logits)
+        labels = re.findall(r'label ="([^"]+)"', f.read())
+    mx.eval(logits, *runner._written())
+    return sum(label == "Gather" for label in labels)
+
+
+def test_a_fresh_prompt_on_a_scattered_table_decodes_as_on_consecutive_blocks(tiny_llama):
+    model, _ = load(tiny_llama)
+    geo = ModelGeometry(model)
+    pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, dtype=geo.dtype,
+                  block_size=4, kernel_block_size=4, num_blocks=24, slab_blocks=24)
+    runner = ModelRunner(model, pool)
+    pool.ensure_capacity(24)
+    prompt = tuple(range(5, 18))
+    # the embedding's lookup is the one gather left: no layer reads the pool back
+    assert pool_reads(runner, SCATTERED + (11,), prompt) == 1
+
+    params = m.SamplingParams(max_tokens=8)
+
+    def tokens(table: tuple[int, ...]) -> list[int]:
+        out = runner.run(m.Step(1, (m.SeqWork("r", prompt, 0, table, True, params),), 1), {})["r"]
+        for i in range(6):  # the decode steps read the keys the prefill wrote
+            step = m.SeqWork("r", (out[-1],), len(prompt) + i, table, True, params, num_generated=len(out))
+            out += runner.run(m.Step(2 + i, (step,), 1), {})["r"]
+        return out
+
+    assert tokens(SCATTERED + (11,)) == tokens((12, 13, 14, 15, 16))
+
+
+@pytest.mark.parametrize("start", [0, 6])
+def test_pool_holds_a_prompts_keys_after_its_prefill(start):
+    """Written where the table says, read back (or not) as the layout says."""
+    pool = small_pool()
+    pool.ensure_capacity(16)
+    from unikern.stages.execute.paged_cache import PagedLayerCache
+
+    T = 7
+    keys = mx.random.normal((1, 2, T, 8))
+    values = keys + 1
+    layout = BatchLayout.build(pool, [(SCATTERED, start, T)])
+    k, v = PagedLayerCache(pool, 0, layout).update_and_fetch(keys, values)
+    mx.eval(k, v, pool.keys, pool.values)
+    slots = [b * 4 + i for b in SCATTERED for i in range(4)][start : start + T]
+    assert mx.array_equal(pool.keys[0][:, mx.array(slots)], keys[0]).item()
+    assert mx.array_equal(pool.values[0][:, mx.array(slots)], values[0]).item()
+    assert k.shape[2] == (T if start == 0 else start + T)  # its own keys, or the table's
+    assert mx.array_equal(k[:, :, -T:], keys).item()
+
+
+def rows_runner(model_dir: str, prefill_rows: int, fuse_blocks: bool) -> ModelRunner:
+    from unikern.stages.execute.model import load_model
+
+    loaded = load_model(model_dir, fuse=fuse_blocks, fuse_blocks=fuse_blocks, blocks_ops_rows=None)
+    geo = loaded.geometry
+    pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, dtype=geo.dtype,
+                  block_size=4, kernel_block_size=4, num_blocks=40, slab_blocks=40)
+    return ModelRunner(loaded.model, pool, geometry=geo, paged_attention=True, prefill_rows=prefill_rows)
+
+
+def greedy(runner: ModelRunner, prompts: dict[str, tuple[int, ...]], tables: dict[str, tuple[int, ...]],
+           start: int = 0, steps: int = 6) -> dict[str, list[int]]:
+    """Prefill the prompts (after `start` cached positions) in one step, then decode."""
+    params = m.SamplingParams(max_tokens=32)
+    out = runner.run(m.Step(1, tuple(m.SeqWork(r, p[start:], start, tables[r], True, params)
+                                     for r, p in prompts.items()), 1), {})
+    for i in range(steps):
+        work = tuple(m.SeqWork(r, (out[r][-1],), len(p) + i, tables[r], True, params, num_generated=len(out[r]))
+                     for r, p in prompts.items())
+        for r, t in runner.run(m.Step(2 + i, work, 1), {}).items():
+            out[r] += t
+    return out
+
+
+@pytest.mark.parametrize("fuse_blocks", [False, True])
+def test_short_prompts_by_rows_give_the_familys_prefill(tiny_llama, fuse_blocks):
+    """Each prompt token a row of one decode step, reading the table up to itself: the
+    same greedy tokens as the family's prefill, for one prompt, two in one group, and a
+    prompt after cached positions (a prefix hit), through the fused blocks' ops path too."""
+    prompts = {"a": tuple(range(5, 18)), "b": tuple(range(40, 47))}
+    tables = {"a": (9, 3, 7, 5, 20, 21), "b": (11, 2, 30, 31)}
+    by_rows, family = rows_runner(tiny_llama, 64, fuse_blocks), rows_runner(tiny_llama, 0, fuse_blocks)
+    for runner in (by_rows, family):
+        runner.pool.ensure_capacity(40)
+    assert by_rows.prefill_rows == 64 and family.prefill_rows == 0
+    for rows in (["a"], ["a", "b"]):
+        want = greedy(family, {r: prompts[r] for r in rows}, tables)
+        assert greedy(by_rows, {r: prompts[r] for r in rows}, tables) == want
+    # (a's 13 tokens and b's 7 are two groups: padding b to 13 is too much)
+    assert by_rows.row_prefills == 3 and family.row_prefills == 0
+    # a prefix hit: both pools hold a's first 8 positions as the family wrote them, and
+    # the prompt's 5 others come by rows or through the family's prefill
+    greedy(family, {"a": prompts["a"]}, tables, steps=0)
+    by_rows.pool.keys, by_rows.pool.values = list(family.pool.keys), list(family.pool.values)
+    got = greedy(by_rows, {"a": prompts["a"]}, tables, start=8)
+    assert by_rows.row_prefills == 4
+    assert got == greedy(family, {"a": prompts["a"]}, tables, start=8)
+    # more tokens than prefill_rows: the family's prefill
+    by_rows.prefill_rows = 12
+    greedy(by_rows, {"a": prompts["a"]}, tables)
+    assert by_rows.row_prefills == 4
