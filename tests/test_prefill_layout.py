@@ -140,3 +140,14 @@ def test_short_prompts_by_rows_give_the_familys_prefill(tiny_llama, fuse_blocks)
     by_rows.prefill_rows = 12
     greedy(by_rows, {"a": prompts["a"]}, tables)
     assert by_rows.row_prefills == 4
+
+
+def test_a_prefill_rows_setting_that_is_no_count_is_refused(tiny_llama):
+    from unikern.errors import ConfigError
+    from unikern.platform.pinning import WeightWiring
+    from unikern.stages.execute.ranks import prepare_model
+    from unikern.stages.execute.stage import MLXExecuteParams
+
+    for bad in (-1, "64"):
+        with pytest.raises(ConfigError, match="execute.prefill_rows"):
+            prepare_model(MLXExecuteParams(model=tiny_llama, prefill_rows=bad, warmup="never"), None, WeightWiring())

@@ -102,6 +102,9 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     paged = switch(params.paged_attention, auto=backend == "cuda")
     one_row = switch(params.compile_one_row, auto=backend == "cuda")
     prefill_rows = params.prefill_rows
+    if prefill_rows != "auto" and (not isinstance(prefill_rows, int) or prefill_rows < 0):
+        raise ConfigError(f"execute.prefill_rows: {prefill_rows!r} is not a number of tokens; use a count "
+                          "(0: off) or 'auto'")
     if prefill_rows == "auto":
         from unikern.stages.execute.blocks import fused_rows
 

@@ -390,9 +390,9 @@ class ModelRunner:
 def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_decode: bool,
             paged_attention: bool = False, compile_one_row: bool = False, prefill_rows: int = 0) -> dict[str, Any]:
     """Run the step shapes a server meets first (a two-row prefill, by rows too with
-    `prefill_rows`, a one-row decode window, a two-row decode window) through a throwaway runner on a private pool of a
-    few blocks, so that MLX builds its GPU kernels, and the compiled step its fused
-    ones, before the engine says ready rather than inside the first requests. The
+    `prefill_rows`, a one-row decode window, a two-row decode window) through a
+    throwaway runner on a private pool of a few blocks, so that MLX builds its GPU
+    kernels, and the compiled step its fused ones, before the engine says ready rather than inside the first requests. The
     engine's own pool is not touched: it stays unallocated until a request writes it."""
     block_size = 16
     pool = KVPool(num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
