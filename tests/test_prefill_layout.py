@@ -142,7 +142,8 @@ def test_short_prompts_by_rows_give_the_familys_prefill(tiny_llama, fuse_blocks)
     assert by_rows.row_prefills == 4
 
 
-def test_a_prefill_rows_setting_that_is_no_count_is_refused(tiny_llama):
+def test_a_prefill_rows_setting_that_is_no_count_is_refused():
+    """Before the model loads (and its weights are wired into this process)."""
     from unikern.errors import ConfigError
     from unikern.platform.pinning import WeightWiring
     from unikern.stages.execute.ranks import prepare_model
@@ -150,4 +151,4 @@ def test_a_prefill_rows_setting_that_is_no_count_is_refused(tiny_llama):
 
     for bad in (-1, "64"):
         with pytest.raises(ConfigError, match="execute.prefill_rows"):
-            prepare_model(MLXExecuteParams(model=tiny_llama, prefill_rows=bad, warmup="never"), None, WeightWiring())
+            prepare_model(MLXExecuteParams(model="no/such/model", prefill_rows=bad), None, WeightWiring())

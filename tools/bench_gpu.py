@@ -286,9 +286,9 @@ def cmd_bench(args) -> dict:
         if split:
             from step_gaps import windows_line
 
+            line = windows_line(split)
             print(f"unikern c={row['concurrency']}: in execute {split['execute_ms']:.1f} ms, gaps {split['gaps_ms']:.1f}, "
-                  f"head {split['head_ms']:.1f}, tail {split['tail_ms']:.1f}"
-                  + (f"; {windows_line(split)}" if "window_step_ms" in split else ""))
+                  f"head {split['head_ms']:.1f}, tail {split['tail_ms']:.1f}" + (f"; {line}" if line else ""))
     import mlx.core as mx
     import mlx_lm
 

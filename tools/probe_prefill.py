@@ -1,15 +1,16 @@
 """Where a prompt's prefill step goes, as the engine runs it: the execute stage's model
 (loaded, fused and warmed up by its defaults) and ModelRunner, one fresh prompt per step.
-Per step: the host's time building the forward's graph (Python: `ModelRunner._logits`),
-in `mx.eval` (MLX encoding and launching the kernels, then waiting for the GPU), the
-rest (sampling, tables), and with --profile the GPU's own kernel time (CUPTI, through
-PyTorch's profiler) with the kernels that take it.
+Per step: the host's time building the forward's graph (Python: `ModelRunner._logits`
+or `_logits_by_rows`), in `mx.eval` (MLX encoding and launching the kernels, then
+waiting for the GPU), the rest (sampling, tables), and with --profile the GPU's own
+kernel time (CUPTI, through PyTorch's profiler) with the kernels that take it.
 
     python tools/probe_prefill.py --model DIR [--lengths 16 64 256] [--repeats 20] [--profile] [--json out.json]
     python tools/probe_prefill.py --model DIR --set prefill_rows=0 ...
 
 The first token's latency (TTFT) of one request is this step plus the messages around
-it (tools/step_gaps.py splits those).
+it (tools/step_gaps.py splits those). On MLX's CPU backend the CPU kernels evaluate inside
+the forward (execute.cpu_kernels), so there build and eval overlap.
 """
 
 from __future__ import annotations
@@ -59,25 +60,12 @@ def main() -> None:
     table = tuple(range(2, 2 + stride * blocks, stride))
     params_ = m.SamplingParams(max_tokens=1)
 
+    from probe_cuda import timed
+
     spent = {"build": 0.0, "eval": 0.0}
-    inner_logits, inner_eval = runner._logits, mx.eval
-
-    def logits(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return inner_logits(*a, **k)
-        finally:
-            spent["build"] += time.perf_counter() - t0
-
-    def evaluate(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return inner_eval(*a, **k)
-        finally:
-            spent["eval"] += time.perf_counter() - t0
-
-    runner._logits = logits
-    mx.eval = evaluate
+    timed(runner, "_logits", spent, "build")  # the family's prefill
+    timed(runner, "_logits_by_rows", spent, "build")  # a prompt by rows (execute.prefill_rows)
+    timed(mx, "eval", spent, "eval")
     results = {}
     for n in args.lengths:
         def step(i: int) -> float:

@@ -11,7 +11,9 @@ largest one, and the steps (prefill and decode windows, with their lengths; "+" 
 window planned while the one before ran, schedule.overlap_windows). The decode windows'
 time is split as tools/probe_cuda.py splits its runner's, per lookahead step: build (the
 traced step's replay), submit (`mx.async_eval`), wait (`mx.eval`) and other (the
-runner's own Python), so the engine's steps compare with the runner's alone.
+runner's own Python), so the engine's steps compare with the runner's alone; the prefill
+steps' (a prompt fed, no window) as tools/probe_prefill.py splits them: build (the
+forward's graph), wait (`mx.eval`: MLX's encoding, then the GPU) and other.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class StepClock:
         clock = self
 
         def execute_timed(runner, step, seeds):
-            clock._thread = threading.get_ident() if step.num_steps > 1 else None
+            clock._thread = threading.get_ident()
             before = dict(clock.spent)
             start = time.perf_counter()
             try:
@@ -67,6 +69,9 @@ class StepClock:
             return self._thread == threading.get_ident()
 
         timed(CompiledDecode, "__call__", self.spent, "build", when=on_model_thread)
+        # a prefill's forward: the family's (_logits) or by rows (_logits_by_rows)
+        timed(ModelRunner, "_logits", self.spent, "build", when=on_model_thread)
+        timed(ModelRunner, "_logits_by_rows", self.spent, "build", when=on_model_thread)
         timed(mx, "async_eval", self.spent, "submit", when=on_model_thread)
         timed(mx, "eval", self.spent, "wait", when=on_model_thread)
 
@@ -86,6 +91,13 @@ class StepClock:
             out.update({f"{k}_ms": sum(s[6][k] for s in windows) / decode_steps * 1e3 for k in self.PARTS})
             out["window_step_ms"] = sum(s[1] - s[0] for s in windows) / decode_steps * 1e3
             out["other_ms"] = out["window_step_ms"] - sum(out[f"{k}_ms"] for k in self.PARTS)
+        # steps that feed a prompt (more tokens than rows) and decode no window
+        prefills = [s for s in steps if s[2] == 1 and s[4] > s[3]]
+        if prefills:
+            out["prefill_step_ms"] = sum(s[1] - s[0] for s in prefills) / len(prefills) * 1e3
+            for k in ("build", "wait"):
+                out[f"prefill_{k}_ms"] = sum(s[6][k] for s in prefills) / len(prefills) * 1e3
+            out["prefill_other_ms"] = out["prefill_step_ms"] - out["prefill_build_ms"] - out["prefill_wait_ms"]
         if with_steps:
             out["steps"] = [{"num_steps": n, "rows": r, "tokens_fed": t, "follow_up": f, "ms": (e - s) * 1e3,
                              "gap_before_ms": (s - steps[i - 1][1]) * 1e3 if i else None}
@@ -100,8 +112,14 @@ def medians(runs: list[dict]) -> dict:
 
 
 def windows_line(row: dict) -> str:
-    return (f"decode windows: {row['window_step_ms']:.3f} ms per step  build {row['build_ms']:.3f}  "
-            f"submit {row['submit_ms']:.3f}  wait {row['wait_ms']:.3f}  other {row['other_ms']:.3f}")
+    line = ""
+    if "prefill_step_ms" in row:
+        line = (f"prefill steps: {row['prefill_step_ms']:.2f} ms  build {row['prefill_build_ms']:.2f}  "
+                f"wait {row['prefill_wait_ms']:.2f}  other {row['prefill_other_ms']:.2f}; ")
+    if "window_step_ms" in row:
+        line += (f"decode windows: {row['window_step_ms']:.3f} ms per step  build {row['build_ms']:.3f}  "
+                 f"submit {row['submit_ms']:.3f}  wait {row['wait_ms']:.3f}  other {row['other_ms']:.3f}")
+    return line
 
 
 def main() -> None:
@@ -164,8 +182,8 @@ def main() -> None:
                       f"{row['gaps_ms']:6.1f} (largest {row['largest_gap_ms']:.1f})  head {row['head_ms']:.1f} tail "
                       f"{row['tail_ms']:.1f}  steps (num_steps x rows): {shape}",
                       flush=True)
-                if "window_step_ms" in row:
-                    print("      " + windows_line(row), flush=True)
+                if line := windows_line(row):
+                    print("      " + line, flush=True)
 
     anyio.run(main_async)
     if args.json:

@@ -71,6 +71,9 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     # the pipeline's assembly and the tokenizer
     before_s = time.time() - psutil.Process().create_time()
     start = time.perf_counter()
+    if params.prefill_rows != "auto" and (not isinstance(params.prefill_rows, int) or params.prefill_rows < 0):
+        raise ConfigError(f"execute.prefill_rows: {params.prefill_rows!r} is not a number of tokens; use a "
+                          "count (0: off) or 'auto'")
     for name in ("quantized_gemv", "quantized_mma", "dense_mma"):
         if getattr(params, name) == "always" and not cuda_is_default():
             raise ConfigError(f"execute.{name}: 'always' needs MLX's CUDA backend (this one is {backend!r}); "
@@ -102,9 +105,6 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     paged = switch(params.paged_attention, auto=backend == "cuda")
     one_row = switch(params.compile_one_row, auto=backend == "cuda")
     prefill_rows = params.prefill_rows
-    if prefill_rows != "auto" and (not isinstance(prefill_rows, int) or prefill_rows < 0):
-        raise ConfigError(f"execute.prefill_rows: {prefill_rows!r} is not a number of tokens; use a count "
-                          "(0: off) or 'auto'")
     if prefill_rows == "auto":
         from unikern.stages.execute.blocks import fused_rows
 
