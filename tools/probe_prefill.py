@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
 
+    import unikern  # noqa: F401  first: the BLAS MLX's CPU backend should use
+    # isort: split
     import mlx.core as mx
     import msgspec
 
