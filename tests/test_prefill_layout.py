@@ -152,3 +152,12 @@ def test_a_prefill_rows_setting_that_is_no_count_is_refused():
     for bad in (-1, "64"):
         with pytest.raises(ConfigError, match="execute.prefill_rows"):
             prepare_model(MLXExecuteParams(model="no/such/model", prefill_rows=bad), None, WeightWiring())
+
+
+@pytest.mark.parametrize("prefill_rows, steps", [(0, 3), (64, 4)])
+def test_warm_up_runs_the_prefill_by_rows_too_where_it_is_on(tiny_llama, prefill_rows, steps):
+    from unikern.stages.execute.runner import warm_up
+
+    model, _ = load(tiny_llama)
+    report = warm_up(model, ModelGeometry(model), False, False, paged_attention=True, prefill_rows=prefill_rows)
+    assert report["ran"] and report["steps"] == steps

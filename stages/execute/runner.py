@@ -392,14 +392,15 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
     """Run the step shapes a server meets first (a two-row prefill, by rows too with
     `prefill_rows`, a one-row decode window, a two-row decode window) through a
     throwaway runner on a private pool of a few blocks, so that MLX builds its GPU
-    kernels, and the compiled step its fused ones, before the engine says ready rather than inside the first requests. The
-    engine's own pool is not touched: it stays unallocated until a request writes it."""
+    kernels, and the compiled step its fused ones, before the engine says ready rather
+    than inside the first requests. The engine's own pool is not touched: it stays
+    unallocated until a request writes it."""
     block_size = 16
     pool = KVPool(num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
                   dtype=geometry.dtype, block_size=block_size, kernel_block_size=block_size, num_blocks=10,
                   slab_blocks=10)
     runner = ModelRunner(model, pool, None, cpu_kernels, compile_decode, geometry,
-                         paged_attention=paged_attention, compile_one_row=compile_one_row)
+                         paged_attention=paged_attention, compile_one_row=compile_one_row, prefill_rows=prefill_rows)
     params = m.SamplingParams(max_tokens=16)
     tables = {"a": (2, 3, 4, 5), "b": (6, 7, 8, 9)}
     slots = {"a": 1, "b": 2}  # state slots (recurrent models), zeroed by the first step
@@ -408,10 +409,11 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
     prefill = m.Step(0, tuple(
         m.SeqWork(r, p, 0, tables[r], True, params, state_slot=slots[r], state_from=0) for r, p in prompts.items()
     ), 1)
+    by_rows, runner.prefill_rows = runner.prefill_rows, 0
     first = runner.run(prefill, {})  # the family's prefill, which longer prompts take
-    runner.prefill_rows = prefill_rows if runner.paged is not None and runner.layers is None else 0
+    runner.prefill_rows = by_rows
     steps = 3
-    if runner.prefill_rows >= len(prompts["a"]) + len(prompts["b"]):
+    if by_rows >= len(prompts["a"]) + len(prompts["b"]):
         first = runner.run(prefill, {})  # the same keys again, by rows
         steps += 1
 

@@ -150,10 +150,10 @@ class MLXExecuteParams(StageParams, frozen=True):
     # through fuse_blocks' decode paths instead of the family's prefill code ("auto": the
     # rows the fused blocks take, 64 for unquantized ones, where paged attention and
     # fuse_blocks run; 0: off). On an H200 (tools/results/gpu/session22) the family's
-    # 64-token 1B prefill was 262 kernels and 5.1 ms (1.4 on the GPU), by rows 217 and
-    # 4.7 ms (another process); the engine's first token at one request was no sooner
-    # (10 ms), and parity with it on gave 2 one-ulp mismatches (margins 0.031) where the
-    # defaults had 0. So 0 (off) by default
+    # 64-token 1B prefill was 262 kernels and 5.1 / 6.2 ms in two processes (1.4 on the
+    # GPU), by rows 217 and 4.7 ms in a third; the engine's first token at one request
+    # was no sooner (10 ms), and parity with it on gave 2 one-ulp mismatches (margins
+    # 0.031) where the defaults had 0. So 0 (off) by default
     prefill_rows: int | Literal["auto"] = 0
     # Python's GIL switch interval in ms while the stage runs (sys.setswitchinterval; it
     # is the process's, the one before comes back at stop): the longest the model thread
