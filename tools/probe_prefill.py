@@ -70,7 +70,7 @@ def main() -> None:
     timed(mx, "eval", spent, "eval")
     results = {}
     for n in args.lengths:
-        def step(i: int) -> float:
+        def step(i: int, n: int = n) -> float:
             prompt = tuple((7 * j + 13 * i) % 1000 + 5 for j in range(n))
             t0 = time.perf_counter()
             runner.run(m.Step(i, (m.SeqWork(f"r{i}", prompt, 0, table, True, params_),), 1), {})
