@@ -61,9 +61,11 @@ Variants:
                GEMV kernels (execute.fuse_blocks: stages/execute/blocks.py)
   engine-paged-blocks-one  the same, a one-row step's block as one kernel (execute.block_kernel:
                stages/execute/block_kernel.py); -u2: 2 chunks per lane and weight row in flight
-               (block_kernel.UNROLL, 4 by default); -g264: 264 blocks of 8 warps (two per SM) instead of 132 of 16; -split: the
-               attention phase over several blocks per KV head (ATTN_SPLIT = 1); -preload:
-               each phase's first weight loads before its barrier (PRELOAD = 1)
+               (block_kernel.UNROLL, 4 by default); -g264: 264 blocks of 8 warps (two per SM)
+               instead of 132 of 16; -split: the attention phase over several blocks per KV
+               head (ATTN_SPLIT = 1, the default since session 22, so the same as the plain
+               variant now); -nosplit: one block per KV head (ATTN_SPLIT = 0); -preload: each
+               phase's first weight loads before its barrier (PRELOAD = 1)
   engine-paged-blocks-u1, -u4, -u8  the same, each lane with 1, 4 or 8 of a weight row's
                16-byte chunks in flight per pass (block_gemv.UNROLL; 2 by default): 1 gives
                few registers and many warps per SM, as MLX's own GEMV
@@ -180,6 +182,8 @@ VARIANTS = {
                                           "block-grid=264", "block-warps=8"]),
     "engine-paged-blocks-one-split": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
                                            "block-attn-split=1"]),
+    "engine-paged-blocks-one-nosplit": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
+                                             "block-attn-split=0"]),
     "engine-paged-blocks-one-preload": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
                                              "block-preload=1"]),
     "engine-paged-blocks-one-split-preload": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
