@@ -17,9 +17,11 @@ from unikern.stages.kv.pool import KVPool
 SCATTERED = (9, 3, 7, 5)  # no run of consecutive ids: no slice path
 
 
-def small_pool(num_layers: int = 1, kv_heads: int = 2, head_dim: int = 8, dtype=mx.float32) -> KVPool:
-    return KVPool(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, block_size=4,
-                  kernel_block_size=4, num_blocks=16, slab_blocks=16)
+def small_pool(num_blocks: int = 16, geo: ModelGeometry | None = None) -> KVPool:
+    """A pool of 4-slot blocks: one layer of 2 KV heads of 8 (float32), or a model's."""
+    shape = dict(num_layers=1, num_kv_heads=2, head_dim=8, dtype=mx.float32) if geo is None else dict(
+        num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, dtype=geo.dtype)
+    return KVPool(**shape, block_size=4, kernel_block_size=4, num_blocks=num_blocks, slab_blocks=num_blocks)
 
 
 def test_a_fresh_prompt_reads_no_pool_whatever_its_table():
@@ -49,8 +51,7 @@ def pool_reads(runner: ModelRunner, table: tuple[int, ...], prompt: tuple[int, .
 def test_a_fresh_prompt_on_a_scattered_table_decodes_as_on_consecutive_blocks(tiny_llama):
     model, _ = load(tiny_llama)
     geo = ModelGeometry(model)
-    pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, dtype=geo.dtype,
-                  block_size=4, kernel_block_size=4, num_blocks=24, slab_blocks=24)
+    pool = small_pool(24, geo)
     runner = ModelRunner(model, pool)
     pool.ensure_capacity(24)
     prompt = tuple(range(5, 18))
@@ -94,8 +95,7 @@ def rows_runner(model_dir: str, prefill_rows: int, fuse_blocks: bool) -> ModelRu
 
     loaded = load_model(model_dir, fuse=fuse_blocks, fuse_blocks=fuse_blocks, blocks_ops_rows=None)
     geo = loaded.geometry
-    pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, dtype=geo.dtype,
-                  block_size=4, kernel_block_size=4, num_blocks=40, slab_blocks=40)
+    pool = small_pool(40, geo)
     return ModelRunner(loaded.model, pool, geometry=geo, paged_attention=True, prefill_rows=prefill_rows)
 
 
