@@ -49,6 +49,17 @@ from unikern.platform.kernel_cache import cuda_kernel, float_bits, off_small_poo
 from unikern.stages.execute import paged_attention
 from unikern.stages.execute.block_gemv import _HEADER, ITEMSIZE
 
+# `bytes` (a multiple of 16) from `p` (16-byte aligned) into L2, not waited for
+_PREFETCH_HEADER = _HEADER + """
+__device__ inline void unikern_prefetch_l2(const void* p, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+#else
+    for (unsigned o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" :: "l"((const char*)p + o));
+#endif
+}
+"""
+
 # blocks of the grid: one per SM of the device (platform.cuda_sm_count; 132 on an H100 or
 # H200), so all are resident at once (a block's registers and shared memory fit one SM of
 # sm_80 and later); None: ask the driver, and where it cannot say the kernel is not used
@@ -73,6 +84,16 @@ ATTN_MIN_POSITIONS = 16
 # these many (NVRTC, sm_90), by itemsize (float32: 16 warps do not fit)
 PRELOAD = 0
 PRELOAD_REGISTERS = {2: 127, 4: 136}
+# weight rows asked of L2 ahead of their phase, so HBM keeps streaming while the grid
+# meets at a barrier, stages a row or runs the attention (which reads almost no weights):
+# bit 1, before each barrier a block asks for the rows of its first PREFETCH_ROUNDS
+# rounds of the next phase that reads weights (the attention's idle blocks at once for
+# the gate/up phase); bit 2, each pair's warp asks for its next round's rows as it starts
+# one; bit 4, at the kernel's end a block asks for the rows of the next block's q/k/v
+# phase it will read first (`w_next`). A prefetch is a hint (sm_90's bulk L2 prefetch,
+# one instruction per row): the numbers are the same either way
+PREFETCH = 0
+PREFETCH_ROUNDS = 1
 
 # the attention phase: paged_attention's group kernel for one row, its blocks walked by the
 # grid ("vb"): one per KV head writing `att`, or (ATTN_SPLIT, `nparts` > 1) each KV head's
@@ -230,6 +251,34 @@ _SOURCE = """
         }
     };
 
+    // PREFETCH: the weight rows of pair p of `phase` (false where p is past the phase's
+    // pairs or the phase reads none), and the rows of this block's round r of a phase
+    auto phase_rows = [&](int phase, int p, const T*& w, int& K, int& f0, int& f1) {
+        if (phase == 0 || phase == PHASES) {  // PHASES: the next block's q/k/v
+            w = phase == 0 ? w_qkv : w_next; K = WIDTH; qkv_rows(p, f0, f1);
+            return p < NQKV / 2;
+        }
+        if (phase == 3) {
+            w = w_gu; K = WIDTH; f0 = p; f1 = p + INTER;
+            return p < INTER;
+        }
+        w = phase == 2 ? w_o : w_down; K = phase == 2 ? QN : INTER; f0 = 2 * p; f1 = 2 * p + 1;
+        return (phase == 2 || phase == 4) && p < WIDTH / 2;
+    };
+    auto prefetch_pair = [&](int phase, int p) {
+        const T* w; int K, f0, f1;
+        if (phase_rows(phase, p, w, K, f0, f1)) {
+            unikern_prefetch_l2(w + (size_t)f0 * K, K * sizeof(T));
+            unikern_prefetch_l2(w + (size_t)f1 * K, K * sizeof(T));
+        }
+    };
+    auto prefetch_rounds = [&](int phase, int r0, int r1) {  // a thread per pair of the block's rounds
+        const int split = phase == 0 || phase == PHASES ? SA : phase == 2 ? SC : phase == 3 ? SD : SE;
+        const int per = WARPS / split;
+        for (int i = threadIdx.x; i < (r1 - r0) * per; i += blockDim.x)
+            prefetch_pair(phase, blockIdx.x * per + (r0 + i / per) * gridDim.x * per + i % per);
+    };
+
     // rows f0 and f1 of w [., K] against xs, over `split` warps of the block: the sums, in
     // the pair's first warp (every thread of the block calls it: it may wait on the block)
     auto dot_pair = [&](const T* w, int K, int split, int f0, int f1, bool live, float& s0, float& s1) {
@@ -296,10 +345,11 @@ _SOURCE = """
              first_p += gridDim.x * (WARPS / SPLIT_))
     #define UNIKERN_PAIR(SPLIT_) const int p = first_p + warp / SPLIT_;                     \\
         const bool live = p < NPAIRS_NOW;                                                   \\
-        const bool writer = live && lane == 0 && warp % SPLIT_ == 0
+        const bool writer = live && lane == 0 && warp % SPLIT_ == 0;                        \\
+        if ((PREFETCH & 2) && writer) prefetch_pair(phase, p + gridDim.x * (WARPS / SPLIT_))
 
     // dst = res + xs @ w.T (w [WIDTH, K]): the o and down phases, pairs of neighbours
-    auto residual_gemv = [&](const T* w, int K, int split, const T* res, T* dst) {
+    auto residual_gemv = [&](int phase, const T* w, int K, int split, const T* res, T* dst) {
         constexpr int NPAIRS_NOW = WIDTH / 2;
         UNIKERN_PAIRS(NPAIRS_NOW, split) {
             UNIKERN_PAIR(split);
@@ -357,7 +407,7 @@ _SOURCE = """
 """ + _ATTENTION + """
         } else if (phase == 2) {  // h = x + att @ w_o.T
             stage(att, QN, nullptr, 0.f);
-            residual_gemv(w_o, QN, SC, x, h);
+            residual_gemv(2, w_o, QN, SC, x, h);
         } else if (phase == 3) {  // a = swiglu(gate, up) of norm(h) @ w_gu.T, rounded as mlx-lm's
             stage(h, WIDTH, n2, __int_as_float(EPS2));
             constexpr int NPAIRS_NOW = INTER;
@@ -375,18 +425,23 @@ _SOURCE = """
             }
         } else {  // out = h + a @ w_down.T
             stage(a, INTER, nullptr, 0.f);
-            residual_gemv(w_down, INTER, SE, h, out);
+            residual_gemv(4, w_down, INTER, SE, h, out);
         }
         if (phase < LAST) {
             if (PRELOAD) preload_phase(phase + 1);
+            if (PREFETCH & 1) {  // the next phase that reads weights (the attention reads none)
+                if (phase == 2) prefetch_rounds(3, PREFETCH_ROUNDS, 2 * PREFETCH_ROUNDS);  // (its first: phase 1's)
+                else prefetch_rounds(phase == 0 ? 2 : phase == 1 ? 3 : 4, 0, PREFETCH_ROUNDS);
+            }
             grid_sync();
         }
     }
+    if ((PREFETCH & 4) && NEXT && LAST == PHASES - 1) prefetch_rounds(PHASES, 0, PREFETCH_ROUNDS);
     #undef UNIKERN_PAIRS
     #undef UNIKERN_PAIR
 """
 INPUTS = ("x", "w_qkv", "b_qkv", "n1", "w_o", "n2", "w_gu", "w_down", "pos", "freq_pi", "k_pool", "v_pool",
-          "wslot", "slots", "lengths", "bar")
+          "wslot", "slots", "lengths", "bar", "w_next")
 OUTPUTS = ("out", "qs", "att", "h", "a", "parts")
 
 
@@ -443,7 +498,7 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
                norm2: tuple[mx.array, float], w_gu: mx.array, w_down: mx.array, pos: mx.array, freq_pi: mx.array,
                heads: int, kv_heads: int, head_dim: int, traditional: bool, scale: float,
                pool: tuple[mx.array, mx.array, mx.array], slots: mx.array, lengths: mx.array, bar: mx.array,
-               phases: tuple[int, int] = (0, PHASES - 1)) -> list[mx.array]:
+               phases: tuple[int, int] = (0, PHASES - 1), w_next: mx.array | None = None) -> list[mx.array]:
     """One row x [1, ..., width] through a decoder block (see the module's notes): its
     outputs [out (x's shape), q, the attention, h, a]. w_qkv [(heads + 2 kv_heads) *
     head_dim, width] with its bias or None, norm1 and norm2 (weight, eps) before the q/k/v
@@ -452,7 +507,8 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
     pi; pool: the layer's pool arrays [kv heads, slots, head_dim] and the row's slot (k and
     v go there in place); slots [1, L] and lengths [1]: the row's slot table and length
     for the attention; bar: `barrier(kv_heads)`, kept for the call site; `phases`: the first and
-    last phase to run. The grid: grid_blocks() blocks of WARPS warps."""
+    last phase to run; w_next: the next block's w_qkv (PREFETCH bit 4) or None. The grid:
+    grid_blocks() blocks of WARPS warps."""
     width = w_qkv.shape[1]
     inter = w_down.shape[1]
     if x.size != width or w_gu.shape != (2 * inter, width) or w_o.shape != (width, heads * head_dim):
@@ -476,10 +532,13 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
                 ("D", head_dim), ("E", head_dim // 32), ("H", heads), ("HK", kv_heads), ("G", heads // kv_heads),
                 ("NW", warps), ("U", paged_attention.POSITIONS_IN_FLIGHT), ("SCALE", float_bits(scale)),
                 ("FIRST", phases[0]), ("LAST", phases[1]), ("SPIN_LIMIT", SPIN_LIMIT),
-                ("ATTN_SPLIT", ATTN_SPLIT), ("ATTN_MIN", ATTN_MIN_POSITIONS), ("PRELOAD", int(PRELOAD and PRELOAD_REGISTERS[itemsize] * warps * 32 <= 65536))]
+                ("ATTN_SPLIT", ATTN_SPLIT), ("ATTN_MIN", ATTN_MIN_POSITIONS), ("PRELOAD", int(PRELOAD and PRELOAD_REGISTERS[itemsize] * warps * 32 <= 65536)),
+                ("PREFETCH", PREFETCH), ("PREFETCH_ROUNDS", PREFETCH_ROUNDS), ("PHASES", PHASES),
+                ("NEXT", int(w_next is not None and w_next.shape == w_qkv.shape and w_next.dtype == w_qkv.dtype))]
     inputs = [x, w_qkv, b_qkv if b_qkv is not None else placeholder(x.dtype), norm1[0], w_o, norm2[0], w_gu, w_down,
-              pos, freq_pi, k_pool, v_pool, wslot, slots, lengths, bar]
-    kernel = cuda_kernel("unikern_block_step", INPUTS, _SOURCE, _HEADER, OUTPUTS)
+              pos, freq_pi, k_pool, v_pool, wslot, slots, lengths, bar,
+              w_next if w_next is not None else placeholder(x.dtype)]
+    kernel = cuda_kernel("unikern_block_step", INPUTS, _SOURCE, _PREFETCH_HEADER, OUTPUTS)
     return kernel(inputs=inputs, template=template, grid=(grid * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
                   output_shapes=[x.shape, (1, heads, 1, head_dim), (1, heads, 1, head_dim), (1, width), (1, inter),
                                  (max(1, grid // kv_heads) * heads * (head_dim + 2) if ATTN_SPLIT else 1,)],
