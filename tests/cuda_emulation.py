@@ -71,6 +71,7 @@ static unsigned atomicExch(unsigned* p, unsigned v) { return std::atomic_ref<uns
 static float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 static void __nanosleep(unsigned) {}
 static void unikern_prefetch_l2(const void*, unsigned) {}  // a hint: no L2 here
+static unsigned unikern_clock() { return 0u; }
 """
 
 

@@ -192,6 +192,13 @@ if named probe-prefill; then
     python3 "$REPO/tools/probe_prefill.py" --model $M/llama-1b --profile ${PREFILL_ARGS:-} \
     --json "$RES/probe-prefill${PREFILL_LABEL:-}.json"
 fi
+# the block kernel's phases (block_kernel.TIMES) and variants of its constants, on random
+# 1B-shape blocks (tools/probe_block_phases.py; PHASES_ARGS, e.g. "--variants default
+# UNROLL=2"); runs only when GPU_STEPS names it
+if named probe-phases; then
+  TAIL=40 step probe-phases "$RES/probe-phases${PHASES_LABEL:-}.json" python3 "$REPO/tools/probe_block_phases.py" \
+    ${PHASES_ARGS:-} --json "$RES/probe-phases${PHASES_LABEL:-}.json"
+fi
 # the engine's run split into time inside the model thread's steps and the gaps between them
 # (GAPS_ARGS, e.g. "--set execute.gil_switch_ms=0.2": the GIL handed over sooner to the model thread)
 TAIL=6 step gaps-1b "$RES/gaps-1b${GAPS_LABEL:-}.json" python3 "$REPO/tools/step_gaps.py" --model $M/llama-1b \

@@ -49,8 +49,14 @@ from unikern.platform.kernel_cache import cuda_kernel, float_bits, off_small_poo
 from unikern.stages.execute import paged_attention
 from unikern.stages.execute.block_gemv import _HEADER, ITEMSIZE
 
-# `bytes` (a multiple of 16) from `p` (16-byte aligned) into L2, not waited for
+# `bytes` (a multiple of 16) from `p` (16-byte aligned) into L2, not waited for; the
+# GPU's nanosecond clock (its low 32 bits)
 _PREFETCH_HEADER = _HEADER + """
+__device__ inline unsigned unikern_clock() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return (unsigned)t;
+}
 __device__ inline void unikern_prefetch_l2(const void* p, unsigned bytes) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
@@ -68,6 +74,7 @@ WARPS = 16  # per block (the attention phase's warps too: FEW_BLOCKS_WARPS)
 UNROLL = 4  # 16-byte chunks per lane in flight per weight row (2: 981 against 948 us a 1B token)
 MIN_CHUNKS = 64  # of a weight row per warp at least (two per lane) when a pair is split
 SPIN_LIMIT = 1 << 24  # polls of the barrier's generation before a block gives up on it
+SPIN_SLEEP_NS = 32  # a waiting block's pause between polls (0: none)
 SHARED_BYTES = 48 << 10  # static shared memory a kernel may declare
 PHASES = 5
 # the attention phase split over several blocks per KV head, ATTN_MIN_POSITIONS each at least
@@ -94,6 +101,10 @@ PRELOAD_REGISTERS = {2: 127, 4: 136}
 # one instruction per row): the numbers are the same either way
 PREFETCH = 0
 PREFETCH_ROUNDS = 1
+# each block's clock (the GPU's globaltimer, ns, its low 32 bits) in the output `times`:
+# at its start, then per phase as its work ends and as it leaves the barrier after it
+# (tools/probe_block_phases.py reads them); off in the engine
+TIMES = 0
 
 # the attention phase: paged_attention's group kernel for one row, its blocks walked by the
 # grid ("vb"): one per KV head writing `att`, or (ATTN_SPLIT, `nparts` > 1) each KV head's
@@ -169,7 +180,7 @@ _SOURCE = """
             } else {
                 int spins = 0;
                 while (*gen == seen && spins < SPIN_LIMIT) {
-                    __nanosleep(32);
+                    if (SPIN_SLEEP) __nanosleep(SPIN_SLEEP);
                     ++spins;
                 }
                 if (spins == SPIN_LIMIT) atomicExch(count + 2, 1u);
@@ -362,6 +373,10 @@ _SOURCE = """
         }
     };
 
+    auto stamp = [&](int k) {  // TIMES: this block's clock, stamp k of 1 + 2 * PHASES
+        if (TIMES && threadIdx.x == 0) times[blockIdx.x * (1 + 2 * PHASES) + k] = unikern_clock();
+    };
+    stamp(0);
     if (PRELOAD) preload_phase(FIRST);  // (phase 1, the attention, reads no weights)
     for (int phase = FIRST; phase <= LAST; ++phase) {
         if (phase == 0) {  // q/k/v with the input norm and RoPE; k and v into the pool
@@ -427,6 +442,7 @@ _SOURCE = """
             stage(a, INTER, nullptr, 0.f);
             residual_gemv(4, w_down, INTER, SE, h, out);
         }
+        stamp(1 + 2 * phase);
         if (phase < LAST) {
             if (PRELOAD) preload_phase(phase + 1);
             if (PREFETCH & 1) {  // the next phase that reads weights (the attention reads none)
@@ -435,6 +451,7 @@ _SOURCE = """
             }
             grid_sync();
         }
+        stamp(2 + 2 * phase);
     }
     if ((PREFETCH & 4) && NEXT && LAST == PHASES - 1) prefetch_rounds(PHASES, 0, PREFETCH_ROUNDS);
     #undef UNIKERN_PAIRS
@@ -442,7 +459,7 @@ _SOURCE = """
 """
 INPUTS = ("x", "w_qkv", "b_qkv", "n1", "w_o", "n2", "w_gu", "w_down", "pos", "freq_pi", "k_pool", "v_pool",
           "wslot", "slots", "lengths", "bar", "w_next")
-OUTPUTS = ("out", "qs", "att", "h", "a", "parts")
+OUTPUTS = ("out", "qs", "att", "h", "a", "parts", "times")
 
 
 def split_for(K: int, pairs: int, itemsize: int, grid: int, warps: int) -> int:
@@ -531,9 +548,9 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
                 # the attention phase (paged_attention's group kernel)
                 ("D", head_dim), ("E", head_dim // 32), ("H", heads), ("HK", kv_heads), ("G", heads // kv_heads),
                 ("NW", warps), ("U", paged_attention.POSITIONS_IN_FLIGHT), ("SCALE", float_bits(scale)),
-                ("FIRST", phases[0]), ("LAST", phases[1]), ("SPIN_LIMIT", SPIN_LIMIT),
+                ("FIRST", phases[0]), ("LAST", phases[1]), ("SPIN_LIMIT", SPIN_LIMIT), ("SPIN_SLEEP", SPIN_SLEEP_NS),
                 ("ATTN_SPLIT", ATTN_SPLIT), ("ATTN_MIN", ATTN_MIN_POSITIONS), ("PRELOAD", int(PRELOAD and PRELOAD_REGISTERS[itemsize] * warps * 32 <= 65536)),
-                ("PREFETCH", PREFETCH), ("PREFETCH_ROUNDS", PREFETCH_ROUNDS), ("PHASES", PHASES),
+                ("PREFETCH", PREFETCH), ("PREFETCH_ROUNDS", PREFETCH_ROUNDS), ("PHASES", PHASES), ("TIMES", TIMES),
                 ("NEXT", int(w_next is not None and w_next.shape == w_qkv.shape and w_next.dtype == w_qkv.dtype))]
     inputs = [x, w_qkv, b_qkv if b_qkv is not None else placeholder(x.dtype), norm1[0], w_o, norm2[0], w_gu, w_down,
               pos, freq_pi, k_pool, v_pool, wslot, slots, lengths, bar,
@@ -541,5 +558,6 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
     kernel = cuda_kernel("unikern_block_step", INPUTS, _SOURCE, _PREFETCH_HEADER, OUTPUTS)
     return kernel(inputs=inputs, template=template, grid=(grid * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
                   output_shapes=[x.shape, (1, heads, 1, head_dim), (1, heads, 1, head_dim), (1, width), (1, inter),
-                                 (max(1, grid // kv_heads) * heads * (head_dim + 2) if ATTN_SPLIT else 1,)],
-                  output_dtypes=[x.dtype] * 5 + [mx.float32])
+                                 (max(1, grid // kv_heads) * heads * (head_dim + 2) if ATTN_SPLIT else 1,),
+                                 (grid * (1 + 2 * PHASES) if TIMES else 1,)],
+                  output_dtypes=[x.dtype] * 5 + [mx.float32, mx.uint32])
