@@ -68,7 +68,11 @@ def main() -> None:
     inv_freq, _ = blocks.inverse_frequencies(nn.RoPE(D, base=10000.0), D)
     freq_pi = inv_freq / np.pi
     table = mx.arange(L, dtype=mx.int32)[None]
-    pos, lengths, wslot = mx.array([L - 1], dtype=mx.int32), mx.array([L], dtype=mx.int32), mx.array([L - 1])
+    # the row's position, length and slot as the engine hands them (DecodeWindow): views of
+    # arrays of more than 8 bytes, which MLX keeps in device memory, not in its pool of
+    # managed memory for small arrays (every block's read of those crosses the bus; a
+    # first run of this tool, with one-element arrays, timed a block at 148 us)
+    pos, lengths, wslot = (mx.array([v] * 4, dtype=mx.int32)[:1] for v in (L - 1, L, L - 1))
     weight_bytes = sum(lay[k].nbytes for lay in layers for k in ("qkv", "o", "gu", "down")) / args.layers
 
     def chain(x):  # the blocks' output row and their TIMES stamps
