@@ -70,7 +70,6 @@ static unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsi
 static unsigned atomicExch(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).exchange(v); }
 static float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 static void __nanosleep(unsigned) {}
-static void unikern_prefetch_l2(const void*, unsigned) {}  // a hint: no L2 here
 static unsigned unikern_clock() { return 0u; }
 """
 

@@ -440,26 +440,23 @@ def block_reference(x, w_qkv, b_qkv, n1, w_o, n2, w_gu, w_down, pos, inv_freq, H
 
 
 @emulation
-@pytest.mark.parametrize("bias, trad, min_chunks, attn_split, preload, grid, prefetch", [
-    (False, False, 64, 0, 0, 3, 0), (True, True, 2, 0, 0, 3, 3), (False, False, 64, 1, 0, 6, 0),
-    (False, False, 64, 0, 1, 1, 3), (True, True, 2, 1, 1, 6, 0), (False, False, 2, 0, 0, 1, 7)])
-def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, min_chunks, attn_split, preload, grid, prefetch,
+@pytest.mark.parametrize("bias, trad, split, attn_split, preload, grid", [
+    (False, False, 1, 0, 0, 3), (True, True, 2, 0, 0, 3), (False, False, 1, 1, 0, 6), (False, False, 1, 0, 1, 1),
+    (True, True, 2, 1, 1, 6)])
+def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, split, attn_split, preload, grid,
                                                        monkeypatch):
     """block_kernel.py's one kernel per block against numpy: the block's output row, and k
     and v in the pool at the row's slot (float32). Its five phases run one launch each in
     the emulation, or in one launch, through its grid-wide barriers, where the grid is one
-    block. With min_chunks 2 three phases split their pairs over 2 warps; with attn_split
+    block. With split 2 the four GEMV phases split their pairs over 2 warps; with attn_split
     each KV head's 5 positions go over 3 blocks, merged by the last done; with preload
-    each warp's first weight loads of a phase come before the phase's barrier or norm;
-    with prefetch the L2 prefetches of the next rounds' rows are compiled in (a hint, a
-    no-op here: the same numbers)."""
+    each warp's first weight loads of a phase come before the phase's barrier or norm."""
     monkeypatch.setattr(block_kernel, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(
         None, cuda_emulation.UNPACK_HEADER))
-    monkeypatch.setattr(block_kernel, "MIN_CHUNKS", min_chunks)
+    monkeypatch.setattr(block_kernel, "SPLITS", None if split == 1 else (split,) * 4)
     monkeypatch.setattr(block_kernel, "WARPS", 2)
     monkeypatch.setattr(block_kernel, "GRID_BLOCKS", grid)
     monkeypatch.setattr(block_kernel, "PRELOAD", preload)
-    monkeypatch.setattr(block_kernel, "PREFETCH", prefetch)
     monkeypatch.setattr(block_kernel, "ATTN_SPLIT", attn_split)
     monkeypatch.setattr(block_kernel, "ATTN_MIN_POSITIONS", 2)
     rng = np.random.default_rng(5)
@@ -483,7 +480,7 @@ def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, min_chunks, a
         (mx.array(n1), 1e-5), mx.array(w_o), (mx.array(n2), 1e-5), mx.array(w_gu), mx.array(w_down),
         mx.array([pos], dtype=mx.int32), inv_freq / np.pi, H, Hk, D, trad, D**-0.5,
         (k_pool, v_pool, mx.array(table[-1:])), mx.array(table[None]), mx.array([pos + 1]),
-        block_kernel.barrier(Hk), w_next=mx.array(w_qkv) if prefetch & 4 else None)
+        block_kernel.barrier(Hk))
     assert outs[0].shape == (1, 1, width)
     np.testing.assert_allclose(np.array(outs[0]).reshape(-1), want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.array(k_pool), want_k, rtol=1e-4, atol=1e-4)
@@ -491,6 +488,16 @@ def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, min_chunks, a
     if attn_split:  # 3 partials per KV head (positions 0-1, 2-3, 4), merged into `att`
         assert outs[5].shape == (grid // Hk * H * (D + 2),)
         assert not np.all(np.array(outs[5]) == 0)
+
+
+def test_the_block_kernels_phases_wait_on_memory_the_fewest_times():
+    """block_kernel.splits at the 1B shape (bfloat16, 132 blocks of 16 warps): q/k/v one
+    warp a pair (one round of two passes, not three rounds of one over 4 warps), o two
+    (one pass), gate/up one (4 rounds of 2 passes, fewer blocks idle than 8 of 1), down
+    two (4 passes in one round, 4 blocks idle)."""
+    assert block_kernel.splits(2048, 8192, 2048, 512, 2, 132, 16) == (1, 2, 1, 2)
+    assert block_kernel.split_for(2048, 1536, 2, 132, 16) == 1
+    assert block_kernel.split_for(64, 48, 4, 3, 2) == 1  # 16 chunks: one pass whatever the split
 
 
 def test_the_block_kernel_takes_the_shapes_it_was_written_for(monkeypatch):
@@ -671,19 +678,17 @@ def test_the_kernels_on_cuda_give_mlxs_ops(dtype, rows):
 
 
 @cuda
-@pytest.mark.parametrize("dtype, attn_split, preload, prefetch", [
-    (mx.float32, 0, 0, 0), (mx.bfloat16, 0, 0, 0), (mx.bfloat16, 1, 0, 0), (mx.bfloat16, 0, 1, 0),
-    (mx.bfloat16, 1, 0, 3), (mx.float32, 1, 0, 3), (mx.bfloat16, 1, 0, 7)])
-def test_the_block_kernel_on_cuda_is_the_block(dtype, attn_split, preload, prefetch, monkeypatch):
+@pytest.mark.parametrize("dtype, attn_split, preload", [(mx.float32, 0, 0), (mx.bfloat16, 0, 0), (mx.bfloat16, 1, 0),
+                                                        (mx.bfloat16, 0, 1)])
+def test_the_block_kernel_on_cuda_is_the_block(dtype, attn_split, preload, monkeypatch):
     """block_kernel.py's one launch, its phases meeting at grid-wide barriers, at the 1B
     shape (float32: a narrower MLP, for shared memory) against numpy from the same
     inputs (run with MLX_ENABLE_TF32=0): the output row and k and v in the pool, and no
     block gave up waiting at a barrier; attn_split: the attention over 7 blocks per KV
     head (16 positions each), merged by the last done; preload: each phase's first weight
-    loads before its barrier; prefetch: the next rounds' weight rows asked of L2 ahead."""
+    loads before its barrier."""
     monkeypatch.setattr(block_kernel, "ATTN_SPLIT", attn_split)
     monkeypatch.setattr(block_kernel, "PRELOAD", preload)
-    monkeypatch.setattr(block_kernel, "PREFETCH", prefetch)
     rng = np.random.default_rng(9)
     width, H, Hk, D, S = 2048, 32, 8, 64, 256
     inter = 8192 if dtype == mx.bfloat16 else 4096
@@ -708,8 +713,7 @@ def test_the_block_kernel_on_cuda_is_the_block(dtype, attn_split, preload, prefe
     out = block_kernel.block_step(
         args[0], args[1], args[2], (args[3], 1e-5), args[4], (args[5], 1e-5), args[6], args[7],
         mx.array([pos], dtype=mx.int32), inv_freq / np.pi, H, Hk, D, False, D**-0.5,
-        (k_pool, v_pool, mx.array(table[-1:])), mx.array(table[None]), mx.array([pos + 1]), bar,
-        w_next=args[1] if prefetch & 4 else None)[0]
+        (k_pool, v_pool, mx.array(table[-1:])), mx.array(table[None]), mx.array([pos + 1]), bar)[0]
     mx.eval(out, k_pool, v_pool)
     tol = 1e-4 if dtype == mx.float32 else 3e-2
     assert relative_error(out.reshape(-1), mx.array(want)) < tol
@@ -718,16 +722,14 @@ def test_the_block_kernel_on_cuda_is_the_block(dtype, attn_split, preload, prefe
 
 
 @cuda
-@pytest.mark.parametrize("attn_split, preload, prefetch", [(0, 0, 0), (1, 1, 0), (1, 0, 7)])
-def test_one_row_steps_through_the_block_kernel_on_cuda(attn_split, preload, prefetch, monkeypatch):
+@pytest.mark.parametrize("attn_split, preload", [(0, 0), (1, 1)])
+def test_one_row_steps_through_the_block_kernel_on_cuda(attn_split, preload, monkeypatch):
     """The runner's one-row steps with execute.block_kernel on a CUDA GPU (run with
     MLX_ENABLE_TF32=0): the family's greedy tokens (attn_split: the attention phase split
     over blocks, 2 positions each at least; preload: each phase's first loads before its
-    barrier, where the registers allow it: not in this float32 model; prefetch: weight
-    rows asked of L2 ahead)."""
+    barrier, where the registers allow it: not in this float32 model)."""
     monkeypatch.setattr(block_kernel, "ATTN_SPLIT", attn_split)
     monkeypatch.setattr(block_kernel, "PRELOAD", preload)
-    monkeypatch.setattr(block_kernel, "PREFETCH", prefetch)
     monkeypatch.setattr(block_kernel, "ATTN_MIN_POSITIONS", 2)
     pool_writes_case(monkeypatch, emulate=False, one_kernel=True)
 

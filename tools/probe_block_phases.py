@@ -2,7 +2,7 @@
 kernel, phase by phase, and what its variants cost. Needs MLX's CUDA backend.
 
     python tools/probe_block_phases.py [--hidden 2048 --heads 32 --kv-heads 8 --mlp 8192]
-        [--layers 16] [--positions 128] [--repeats 30] [--variants default UNROLL=2 WARPS=8,MIN_CHUNKS=32]
+        [--layers 16] [--positions 128] [--repeats 30] [--variants default UNROLL=2 WARPS=8,SPLITS=4/2/1/2]
         [--json out.json]
 
 Random weights of `--layers` blocks (as many as the model has, so every launch reads its
@@ -80,7 +80,7 @@ def main() -> None:
         for lay in layers:
             outs = bk.block_step(x, lay["qkv"], None, (lay["n1"], 1e-5), lay["o"], (lay["n2"], 1e-5), lay["gu"],
                                  lay["down"], pos, freq_pi, H, Hk, D, False, D**-0.5, (lay["k"], lay["v"], wslot),
-                                 table, lengths, lay["bar"], w_next=None)
+                                 table, lengths, lay["bar"])
             x = outs[0]
             stamps.append(outs[6])
         return x, stamps
@@ -93,7 +93,7 @@ def main() -> None:
         for k, v in settings.items():
             if not hasattr(bk, k):
                 sys.exit(f"probe_block_phases: block_kernel has no constant {k!r}")
-            setattr(bk, k, int(v))
+            setattr(bk, k, tuple(map(int, v.split("/"))) if "/" in v else int(v))  # SPLITS=4/2/1/2
         try:
             bk.TIMES = 0
             x, _ = chain(x0)

@@ -65,10 +65,7 @@ Variants:
                instead of 132 of 16; -split: the attention phase over several blocks per KV
                head (ATTN_SPLIT = 1, the default since session 22, so the same as the plain
                variant now); -nosplit: one block per KV head (ATTN_SPLIT = 0); -preload: each
-               phase's first weight loads before its barrier (PRELOAD = 1); -pf1, -pf2, -pf3:
-               weight rows asked of L2 ahead (PREFETCH: 1 a phase's first round before the
-               barrier, 2 each pair's next round, 3 both; -pf5, -pf7: 1 or 3 and 4, the next
-               block's q/k/v rows at the kernel's end), -pf3r2: two rounds before the barrier
+               phase's first weight loads before its barrier (PRELOAD = 1)
   engine-paged-blocks-u1, -u4, -u8  the same, each lane with 1, 4 or 8 of a weight row's
                16-byte chunks in flight per pass (block_gemv.UNROLL; 2 by default): 1 gives
                few registers and many warps per SM, as MLX's own GEMV
@@ -191,10 +188,6 @@ VARIANTS = {
                                              "block-preload=1"]),
     "engine-paged-blocks-one-split-preload": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
                                                    "block-attn-split=1", "block-preload=1"]),
-    **{f"engine-paged-blocks-one-pf{pf}": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
-                                               f"block-prefetch={pf}"]) for pf in (1, 2, 3, 5, 7)},
-    "engine-paged-blocks-one-pf3r2": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-one",
-                                           "block-prefetch=3", "block-prefetch-rounds=2"]),
     "engine-paged-blocks-u4": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=4"]),
     "engine-paged-blocks-u1": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=1"]),
     "engine-paged-blocks-u8": ({}, ["fused", "engine", "paged", "traced", "blocks", "blocks-unroll=8"]),
@@ -248,8 +241,7 @@ SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("p
             "q-warps": ("quantized", "GEMV_WARPS"), "q-unroll": ("quantized", "GEMV_UNROLL"),
             "block-unroll": ("block_kernel", "UNROLL"),
             "block-grid": ("block_kernel", "GRID_BLOCKS"), "block-warps": ("block_kernel", "WARPS"),
-            "block-attn-split": ("block_kernel", "ATTN_SPLIT"), "block-preload": ("block_kernel", "PRELOAD"),
-            "block-prefetch": ("block_kernel", "PREFETCH"), "block-prefetch-rounds": ("block_kernel", "PREFETCH_ROUNDS")}
+            "block-attn-split": ("block_kernel", "ATTN_SPLIT"), "block-preload": ("block_kernel", "PRELOAD")}
 
 
 def compile_mlp_halves(model) -> int:

@@ -49,20 +49,12 @@ from unikern.platform.kernel_cache import cuda_kernel, float_bits, off_small_poo
 from unikern.stages.execute import paged_attention
 from unikern.stages.execute.block_gemv import _HEADER, ITEMSIZE
 
-# `bytes` (a multiple of 16) from `p` (16-byte aligned) into L2, not waited for; the
-# GPU's nanosecond clock (its low 32 bits)
-_PREFETCH_HEADER = _HEADER + """
+# the GPU's nanosecond clock (its low 32 bits), for TIMES
+_CLOCK_HEADER = _HEADER + """
 __device__ inline unsigned unikern_clock() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return (unsigned)t;
-}
-__device__ inline void unikern_prefetch_l2(const void* p, unsigned bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-#else
-    for (unsigned o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" :: "l"((const char*)p + o));
-#endif
 }
 """
 
@@ -72,7 +64,10 @@ __device__ inline void unikern_prefetch_l2(const void* p, unsigned bytes) {
 GRID_BLOCKS: int | None = None
 WARPS = 16  # per block (the attention phase's warps too: FEW_BLOCKS_WARPS)
 UNROLL = 4  # 16-byte chunks per lane in flight per weight row (2: 981 against 948 us a 1B token)
-MIN_CHUNKS = 64  # of a weight row per warp at least (two per lane) when a pair is split
+MIN_CHUNKS = 32  # of a weight row per warp at least (one per lane) when a pair is split
+# warps per output pair of the four GEMV phases (q/k/v, o, gate/up, down) forced (tests,
+# probes); None: split_for's choice
+SPLITS: tuple[int, int, int, int] | None = None
 SPIN_LIMIT = 1 << 24  # polls of the barrier's generation before a block gives up on it
 SPIN_SLEEP_NS = 32  # a waiting block's pause between polls (0: none)
 SHARED_BYTES = 48 << 10  # static shared memory a kernel may declare
@@ -91,16 +86,6 @@ ATTN_MIN_POSITIONS = 16
 # these many (NVRTC, sm_90), by itemsize (float32: 16 warps do not fit)
 PRELOAD = 0
 PRELOAD_REGISTERS = {2: 127, 4: 136}
-# weight rows asked of L2 ahead of their phase, so HBM keeps streaming while the grid
-# meets at a barrier, stages a row or runs the attention (which reads almost no weights):
-# bit 1, before each barrier a block asks for the rows of its first PREFETCH_ROUNDS
-# rounds of the next phase that reads weights (the attention's idle blocks at once for
-# the gate/up phase); bit 2, each pair's warp asks for its next round's rows as it starts
-# one; bit 4, at the kernel's end a block asks for the rows of the next block's q/k/v
-# phase it will read first (`w_next`). A prefetch is a hint (sm_90's bulk L2 prefetch,
-# one instruction per row): the numbers are the same either way
-PREFETCH = 0
-PREFETCH_ROUNDS = 1
 # each block's clock (the GPU's globaltimer, ns, its low 32 bits) in the output `times`:
 # at its start, then per phase as its work ends and as it leaves the barrier after it
 # (tools/probe_block_phases.py reads them); off in the engine
@@ -262,34 +247,6 @@ _SOURCE = """
         }
     };
 
-    // PREFETCH: the weight rows of pair p of `phase` (false where p is past the phase's
-    // pairs or the phase reads none), and the rows of this block's round r of a phase
-    auto phase_rows = [&](int phase, int p, const T*& w, int& K, int& f0, int& f1) {
-        if (phase == 0 || phase == PHASES) {  // PHASES: the next block's q/k/v
-            w = phase == 0 ? w_qkv : w_next; K = WIDTH; qkv_rows(p, f0, f1);
-            return p < NQKV / 2;
-        }
-        if (phase == 3) {
-            w = w_gu; K = WIDTH; f0 = p; f1 = p + INTER;
-            return p < INTER;
-        }
-        w = phase == 2 ? w_o : w_down; K = phase == 2 ? QN : INTER; f0 = 2 * p; f1 = 2 * p + 1;
-        return (phase == 2 || phase == 4) && p < WIDTH / 2;
-    };
-    auto prefetch_pair = [&](int phase, int p) {
-        const T* w; int K, f0, f1;
-        if (phase_rows(phase, p, w, K, f0, f1)) {
-            unikern_prefetch_l2(w + (size_t)f0 * K, K * sizeof(T));
-            unikern_prefetch_l2(w + (size_t)f1 * K, K * sizeof(T));
-        }
-    };
-    auto prefetch_rounds = [&](int phase, int r0, int r1) {  // a thread per pair of the block's rounds
-        const int split = phase == 0 || phase == PHASES ? SA : phase == 2 ? SC : phase == 3 ? SD : SE;
-        const int per = WARPS / split;
-        for (int i = threadIdx.x; i < (r1 - r0) * per; i += blockDim.x)
-            prefetch_pair(phase, blockIdx.x * per + (r0 + i / per) * gridDim.x * per + i % per);
-    };
-
     // rows f0 and f1 of w [., K] against xs, over `split` warps of the block: the sums, in
     // the pair's first warp (every thread of the block calls it: it may wait on the block)
     auto dot_pair = [&](const T* w, int K, int split, int f0, int f1, bool live, float& s0, float& s1) {
@@ -356,11 +313,10 @@ _SOURCE = """
              first_p += gridDim.x * (WARPS / SPLIT_))
     #define UNIKERN_PAIR(SPLIT_) const int p = first_p + warp / SPLIT_;                     \\
         const bool live = p < NPAIRS_NOW;                                                   \\
-        const bool writer = live && lane == 0 && warp % SPLIT_ == 0;                        \\
-        if ((PREFETCH & 2) && writer) prefetch_pair(phase, p + gridDim.x * (WARPS / SPLIT_))
+        const bool writer = live && lane == 0 && warp % SPLIT_ == 0
 
     // dst = res + xs @ w.T (w [WIDTH, K]): the o and down phases, pairs of neighbours
-    auto residual_gemv = [&](int phase, const T* w, int K, int split, const T* res, T* dst) {
+    auto residual_gemv = [&](const T* w, int K, int split, const T* res, T* dst) {
         constexpr int NPAIRS_NOW = WIDTH / 2;
         UNIKERN_PAIRS(NPAIRS_NOW, split) {
             UNIKERN_PAIR(split);
@@ -422,7 +378,7 @@ _SOURCE = """
 """ + _ATTENTION + """
         } else if (phase == 2) {  // h = x + att @ w_o.T
             stage(att, QN, nullptr, 0.f);
-            residual_gemv(2, w_o, QN, SC, x, h);
+            residual_gemv(w_o, QN, SC, x, h);
         } else if (phase == 3) {  // a = swiglu(gate, up) of norm(h) @ w_gu.T, rounded as mlx-lm's
             stage(h, WIDTH, n2, __int_as_float(EPS2));
             constexpr int NPAIRS_NOW = INTER;
@@ -440,42 +396,53 @@ _SOURCE = """
             }
         } else {  // out = h + a @ w_down.T
             stage(a, INTER, nullptr, 0.f);
-            residual_gemv(4, w_down, INTER, SE, h, out);
+            residual_gemv(w_down, INTER, SE, h, out);
         }
         stamp(1 + 2 * phase);
         if (phase < LAST) {
             if (PRELOAD) preload_phase(phase + 1);
-            if (PREFETCH & 1) {  // the next phase that reads weights (the attention reads none)
-                if (phase == 2) prefetch_rounds(3, PREFETCH_ROUNDS, 2 * PREFETCH_ROUNDS);  // (its first: phase 1's)
-                else prefetch_rounds(phase == 0 ? 2 : phase == 1 ? 3 : 4, 0, PREFETCH_ROUNDS);
-            }
             grid_sync();
         }
         stamp(2 + 2 * phase);
     }
-    if ((PREFETCH & 4) && NEXT && LAST == PHASES - 1) prefetch_rounds(PHASES, 0, PREFETCH_ROUNDS);
     #undef UNIKERN_PAIRS
     #undef UNIKERN_PAIR
 """
 INPUTS = ("x", "w_qkv", "b_qkv", "n1", "w_o", "n2", "w_gu", "w_down", "pos", "freq_pi", "k_pool", "v_pool",
-          "wslot", "slots", "lengths", "bar", "w_next")
+          "wslot", "slots", "lengths", "bar")
 OUTPUTS = ("out", "qs", "att", "h", "a", "parts", "times")
 
 
 def split_for(K: int, pairs: int, itemsize: int, grid: int, warps: int) -> int:
     """Warps per output pair for a phase of `pairs` pairs over rows of K: the split whose
-    rounds of the grid leave the fewest blocks idle (ties: the smaller), each warp keeping
-    at least MIN_CHUNKS of its row's 16-byte chunks."""
-    chunks, best, best_idle = K * itemsize // 16, 1, None
+    warps wait on memory the fewest times in a row (the phase's rounds of the grid times
+    the passes of UNROLL loads per lane a warp's share of a row takes), then the one that
+    leaves the fewest blocks idle (ties: the smaller), each warp keeping at least
+    MIN_CHUNKS of its row's 16-byte chunks. A 1B block on an H200 (session 23,
+    c-phases): q/k/v over 4 warps a pair took 3 rounds of one pass, its work done 6.8-9.0
+    us into the kernel; over 1 warp (1 round of 2 passes) 3.1-7.6 us, the kernel 56.1 us
+    against 57.7."""
+    chunks, best, best_key = K * itemsize // 16, 1, None
     split = 1
     while split <= warps:
         if split == 1 or chunks // split >= MIN_CHUNKS:
             turns = -(-pairs // (warps // split))  # block turns
-            idle = -(-turns // grid) * grid - turns
-            if best_idle is None or idle < best_idle:
-                best, best_idle = split, idle
+            rounds = -(-turns // grid)
+            per_warp = -(-chunks // split)  # of a row's chunks
+            passes = rounds * -(-per_warp // (32 * UNROLL))
+            key = (passes, rounds * grid - turns)
+            if best_key is None or key < best_key:
+                best, best_key = split, key
         split *= 2
     return best
+
+
+def splits(width: int, inter: int, qn: int, kn: int, itemsize: int, grid: int, warps: int) -> tuple[int, ...]:
+    """Warps per pair of the q/k/v, o, gate/up and down phases (SPLITS where forced)."""
+    if SPLITS is not None:
+        return SPLITS
+    return (split_for(width, (qn + 2 * kn) // 2, itemsize, grid, warps), split_for(qn, width // 2, itemsize, grid, warps),
+            split_for(width, inter, itemsize, grid, warps), split_for(inter, width // 2, itemsize, grid, warps))
 
 
 def shared_bytes(width: int, inter: int, heads: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -515,7 +482,7 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
                norm2: tuple[mx.array, float], w_gu: mx.array, w_down: mx.array, pos: mx.array, freq_pi: mx.array,
                heads: int, kv_heads: int, head_dim: int, traditional: bool, scale: float,
                pool: tuple[mx.array, mx.array, mx.array], slots: mx.array, lengths: mx.array, bar: mx.array,
-               phases: tuple[int, int] = (0, PHASES - 1), w_next: mx.array | None = None) -> list[mx.array]:
+               phases: tuple[int, int] = (0, PHASES - 1)) -> list[mx.array]:
     """One row x [1, ..., width] through a decoder block (see the module's notes): its
     outputs [out (x's shape), q, the attention, h, a]. w_qkv [(heads + 2 kv_heads) *
     head_dim, width] with its bias or None, norm1 and norm2 (weight, eps) before the q/k/v
@@ -524,8 +491,7 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
     pi; pool: the layer's pool arrays [kv heads, slots, head_dim] and the row's slot (k and
     v go there in place); slots [1, L] and lengths [1]: the row's slot table and length
     for the attention; bar: `barrier(kv_heads)`, kept for the call site; `phases`: the first and
-    last phase to run; w_next: the next block's w_qkv (PREFETCH bit 4) or None. The grid:
-    grid_blocks() blocks of WARPS warps."""
+    last phase to run. The grid: grid_blocks() blocks of WARPS warps."""
     width = w_qkv.shape[1]
     inter = w_down.shape[1]
     if x.size != width or w_gu.shape != (2 * inter, width) or w_o.shape != (width, heads * head_dim):
@@ -539,10 +505,7 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
     qn, kn = heads * head_dim, kv_heads * head_dim
     template = [("T", x.dtype), ("WIDTH", width), ("INTER", inter), ("QN", qn), ("KN", kn), ("NQKV", qn + 2 * kn),
                 ("XMAX", max(width, inter, qn)), ("WARPS", warps), ("UW", UNROLL),
-                ("SA", split_for(width, (qn + 2 * kn) // 2, itemsize, grid, warps)),
-                ("SC", split_for(qn, width // 2, itemsize, grid, warps)),
-                ("SD", split_for(width, inter, itemsize, grid, warps)),
-                ("SE", split_for(inter, width // 2, itemsize, grid, warps)),
+                *zip(("SA", "SC", "SD", "SE"), splits(width, inter, qn, kn, itemsize, grid, warps), strict=True),
                 ("BIAS", int(b_qkv is not None)), ("TRAD", int(traditional)),
                 ("EPS1", float_bits(norm1[1])), ("EPS2", float_bits(norm2[1])),
                 # the attention phase (paged_attention's group kernel)
@@ -550,12 +513,10 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
                 ("NW", warps), ("U", paged_attention.POSITIONS_IN_FLIGHT), ("SCALE", float_bits(scale)),
                 ("FIRST", phases[0]), ("LAST", phases[1]), ("SPIN_LIMIT", SPIN_LIMIT), ("SPIN_SLEEP", SPIN_SLEEP_NS),
                 ("ATTN_SPLIT", ATTN_SPLIT), ("ATTN_MIN", ATTN_MIN_POSITIONS), ("PRELOAD", int(PRELOAD and PRELOAD_REGISTERS[itemsize] * warps * 32 <= 65536)),
-                ("PREFETCH", PREFETCH), ("PREFETCH_ROUNDS", PREFETCH_ROUNDS), ("PHASES", PHASES), ("TIMES", TIMES),
-                ("NEXT", int(w_next is not None and w_next.shape == w_qkv.shape and w_next.dtype == w_qkv.dtype))]
+                ("PHASES", PHASES), ("TIMES", TIMES)]
     inputs = [x, w_qkv, b_qkv if b_qkv is not None else placeholder(x.dtype), norm1[0], w_o, norm2[0], w_gu, w_down,
-              pos, freq_pi, k_pool, v_pool, wslot, slots, lengths, bar,
-              w_next if w_next is not None else placeholder(x.dtype)]
-    kernel = cuda_kernel("unikern_block_step", INPUTS, _SOURCE, _PREFETCH_HEADER, OUTPUTS)
+              pos, freq_pi, k_pool, v_pool, wslot, slots, lengths, bar]
+    kernel = cuda_kernel("unikern_block_step", INPUTS, _SOURCE, _CLOCK_HEADER, OUTPUTS)
     return kernel(inputs=inputs, template=template, grid=(grid * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
                   output_shapes=[x.shape, (1, heads, 1, head_dim), (1, heads, 1, head_dim), (1, width), (1, inter),
                                  (max(1, grid // kv_heads) * heads * (head_dim + 2) if ATTN_SPLIT else 1,),

@@ -167,7 +167,6 @@ class BlockPlan:
     # one-row steps as one kernel (block_kernel.py; execute.block_kernel), its barrier
     one_kernel: bool = False
     bar: mx.array | None = None
-    next_qkv: mx.array | None = None  # the next block's fused q/k/v weight (its L2 prefetch)
     kernel_steps: int = 0  # of the steps, those that ran as one kernel
 
     @property
@@ -276,7 +275,7 @@ class FusedDecodeBlock:
             x, fused["weight"], fused.get("bias"), (self.input_layernorm["weight"], plan.eps[0]), attn.o_proj["weight"],
             (self.post_attention_layernorm["weight"], plan.eps[1]), mlp.fused_gate_proj["weight"], down,
             _positions(offset, 1), plan.freq_pi, H, Hk, D, plan.traditional, plan.scale, target, slots, lengths,
-            plan.bar, w_next=plan.next_qkv)[0]
+            plan.bar)[0]
 
     def _qkv(self, plan: BlockPlan, rows: mx.array, offset: Any, kernel: bool,
              pool: tuple[mx.array, mx.array, mx.array] | None = None, ss: mx.array | None = None,
@@ -398,8 +397,6 @@ def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int
         plan.one_kernel = one_kernel and plan.use_kernel and not any(
             "bias" in layer for layer in (block.self_attn.o_proj, block.mlp.fused_gate_proj, block.mlp.down_proj))
         plan.bar = block_kernel.barrier(plan.kv_heads) if plan.one_kernel else None
-    for plan, after in zip(plans, layers[1:], strict=False):
-        plan.next_qkv = after.self_attn.fused_q_proj["weight"] if plan.one_kernel else None
     mx.eval([c for p in plans for c in (*p.counters, *([p.bar] if p.bar is not None else []))])
     for block, plan in zip(layers, plans, strict=True):
         cls = type(block)
