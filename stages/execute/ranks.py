@@ -52,6 +52,7 @@ class Prepared:
     compile_one_row: bool = False
     startup: dict[str, float] | None = None  # seconds per start-up phase (stats.model.startup)
     prefill_rows: int = 0  # prompts of up to this many tokens run as rows (execute.prefill_rows)
+    compile_prefill: bool = False  # fresh prompts through traced forwards (execute.compile_prefill)
 
 
 def fuses_quantized(setting: str, own_kernels: bool) -> bool:
@@ -109,10 +110,14 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
         from unikern.stages.execute.blocks import fused_rows
 
         prefill_rows = fused_rows(loaded.model) if paged and loaded.decode_blocks else 0
+    # (the CPU kernels evaluate mid-forward, which a trace cannot: the runner checks too)
+    compile_prefill = switch(params.compile_prefill, auto=compile_decode) and not pipelined and not kernels
     warmup = None
     if switch(params.warmup, auto=not on_cpu):
-        warmup = warm_up(loaded.model, loaded.geometry, kernels, compile_decode, paged, one_row, prefill_rows)
-    return Prepared(loaded, wired, kernels, compile_decode, warmup, quantized, paged, one_row, startup, prefill_rows)
+        warmup = warm_up(loaded.model, loaded.geometry, kernels, compile_decode, paged, one_row, prefill_rows,
+                         compile_prefill)
+    return Prepared(loaded, wired, kernels, compile_decode, warmup, quantized, paged, one_row, startup, prefill_rows,
+                    compile_prefill)
 
 
 def pool_spec(pool: KVPool) -> MakeRunner:
@@ -132,7 +137,7 @@ def make_runner(prepared: Prepared, pool: KVPool, window_pool: KVPool | None = N
                 states: Any = None) -> ModelRunner:
     return ModelRunner(prepared.loaded.model, pool, shared_bridge(), prepared.kernels, prepared.compile_decode,
                        prepared.loaded.geometry, window_pool, states, prepared.paged_attention, prepared.compile_one_row,
-                       prepared.prefill_rows)
+                       prepared.prefill_rows, prepared.compile_prefill)
 
 
 def local_stats(world: World, pool: KVPool | None) -> dict[str, Any]:

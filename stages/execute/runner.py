@@ -13,7 +13,7 @@ import mlx.core as mx
 from unikern import messages as m
 from unikern.platform import blas, cuda_is_default, shared_bridge
 from unikern.platform.bridge import Bridge, apply_torch_logits_processors
-from unikern.stages.execute.compiled import CompiledDecode
+from unikern.stages.execute.compiled import CompiledDecode, CompiledPrefill
 from unikern.stages.execute.model import ModelGeometry
 from unikern.stages.execute.paged_cache import BatchLayout, DecodeWindow, PagedLayerCache
 from unikern.stages.execute.recurrent import StateLayerCache, prepare_states
@@ -72,11 +72,14 @@ class ModelRunner:
         paged_attention: bool = False,
         compile_one_row: bool = False,
         prefill_rows: int = 0,
+        compile_prefill: bool = False,
     ) -> None:
         """`window_pool`: a mixed model's windowed layers when they keep their own pool and
         tables (SeqWork.window_table); `pool` then holds the full layers alone.
         `prefill_rows`: prompts of up to this many tokens (a group's in all) run as one
-        decode step of a row per token (`_logits_by_rows`); 0: off."""
+        decode step of a row per token (`_logits_by_rows`); 0: off. `compile_prefill`:
+        forwards of fresh prompts through one traced function per length bucket
+        (compiled.CompiledPrefill)."""
         self.model = model
         geometry = geometry or ModelGeometry(model)
         # per cache entry: which pool layer and window; None: every layer full attention
@@ -121,6 +124,8 @@ class ModelRunner:
         # the CPU kernels evaluate arrays mid-forward, which a traced function cannot
         traceable = not self.kernels["enabled"] and self.layers is None
         self.compiled = CompiledDecode(model, self.num_layers, self.paged) if compile_decode and traceable else None
+        self.compiled_prefill = (CompiledPrefill(model, self.num_layers, self.head, self.paged)
+                                 if compile_prefill and traceable and self.states is None else None)
         # one-row windows traced too: only with no mask to give MLX's SDPA (paged above)
         self.compile_one_row = compile_one_row and self.paged is not None and self.compiled is not None
         # rows read the pool through the paged attention: only full-attention layers, no
@@ -169,6 +174,10 @@ class ModelRunner:
     ) -> mx.array:
         """One forward over right-padded rows; logits [B, vocab] at each row's last token.
         `window_rows`: the same rows with the windowed layers' tables (split groups)."""
+        if self.compiled_prefill is not None and not window_rows:
+            bucket = self.compiled_prefill.bucket(rows)
+            if bucket is not None:
+                return self.compiled_prefill(self.pool, rows, tokens, bucket)
         layout = BatchLayout.build(self.pool, rows)
         window_layout = BatchLayout.build(self.window_pool, window_rows) if window_rows else None
         caches = self._caches(layout, slots, window_layout)
@@ -388,9 +397,10 @@ class ModelRunner:
 
 
 def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_decode: bool,
-            paged_attention: bool = False, compile_one_row: bool = False, prefill_rows: int = 0) -> dict[str, Any]:
+            paged_attention: bool = False, compile_one_row: bool = False, prefill_rows: int = 0,
+            compile_prefill: bool = False) -> dict[str, Any]:
     """Run the step shapes a server meets first (a two-row prefill, by rows too with
-    `prefill_rows`, a one-row decode window, a two-row decode window) through a
+    `prefill_rows`, traced too with `compile_prefill`, a one-row decode window, a two-row decode window) through a
     throwaway runner on a private pool of a few blocks, so that MLX builds its GPU
     kernels, and the compiled step its fused ones, before the engine says ready rather
     than inside the first requests. The engine's own pool is not touched: it stays
@@ -400,7 +410,8 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
                   dtype=geometry.dtype, block_size=block_size, kernel_block_size=block_size, num_blocks=10,
                   slab_blocks=10)
     runner = ModelRunner(model, pool, None, cpu_kernels, compile_decode, geometry,
-                         paged_attention=paged_attention, compile_one_row=compile_one_row, prefill_rows=prefill_rows)
+                         paged_attention=paged_attention, compile_one_row=compile_one_row, prefill_rows=prefill_rows,
+                         compile_prefill=compile_prefill)
     params = m.SamplingParams(max_tokens=16)
     tables = {"a": (2, 3, 4, 5), "b": (6, 7, 8, 9)}
     slots = {"a": 1, "b": 2}  # state slots (recurrent models), zeroed by the first step
@@ -410,9 +421,13 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
         m.SeqWork(r, p, 0, tables[r], True, params, state_slot=slots[r], state_from=0) for r, p in prompts.items()
     ), 1)
     by_rows, runner.prefill_rows = runner.prefill_rows, 0
+    traced, runner.compiled_prefill = runner.compiled_prefill, None
     first = runner.run(prefill, {})  # the family's prefill, which longer prompts take
-    runner.prefill_rows = by_rows
+    runner.prefill_rows, runner.compiled_prefill = by_rows, traced
     steps = 3
+    if traced is not None:
+        first = runner.run(prefill, {})  # the same keys again, traced (fused kernels built)
+        steps += 1
     if by_rows >= len(prompts["a"]) + len(prompts["b"]):
         first = runner.run(prefill, {})  # the same keys again, by rows
         steps += 1

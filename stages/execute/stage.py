@@ -155,6 +155,13 @@ class MLXExecuteParams(StageParams, frozen=True):
     # was no sooner (10 ms), and parity with it on gave 2 one-ulp mismatches (margins
     # 0.031) where the defaults had 0. So 0 (off) by default
     prefill_rows: int | Literal["auto"] = 0
+    # forwards of fresh prompts (every row at position 0, up to 512 tokens in all, padded
+    # to a length bucket) through one mx.compile'd function per (rows, bucket), replayed
+    # instead of built op by op in Python (compiled.CompiledPrefill): on an H200 the
+    # 64-token 1B prefill's Python build was 1.5-2.4 ms of a 5-8 ms step in the engine
+    # (tools/results/gpu/session23). Not measured on the GPU yet, so "never" by default
+    # ("auto": where compile_decode is on and the CPU kernels are off)
+    compile_prefill: Literal["auto", "always", "never"] = "never"
     # Python's GIL switch interval in ms while the stage runs (sys.setswitchinterval; it
     # is the process's, the one before comes back at stop): the longest the model thread
     # waits for the GIL while the event loop detokenizes and delivers, each time it wants
@@ -365,6 +372,7 @@ class MLXExecuteStage(StageBase):
             return {}
         runner = getattr(self, "runner", None)
         compiled = runner.compiled if runner else None
+        traced = runner.compiled_prefill if runner else None
         return {
             "model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes,
                       "quantized": self.quantized,  # set with self.loaded
@@ -388,6 +396,11 @@ class MLXExecuteStage(StageBase):
                 "enabled": compiled is not None,
                 "traces": compiled.traces if compiled else 0,
                 "cache_resets": compiled.resets if compiled else 0,
+            },
+            "compiled_prefill": {
+                "enabled": traced is not None,
+                "traces": traced.traces if traced else 0,
+                "forwards": traced.forwards if traced else 0,
             },
             "warmup": getattr(self, "warmup", {"ran": False}),
             **self._world_stats(),

@@ -1,0 +1,106 @@
+"""The traced prefill (execute.compile_prefill): fresh prompts' forwards through one
+`mx.compile`d function per length bucket give the tokens and pool contents the forward
+built op by op gives, and mlx-lm's greedy tokens through the engine. On the CPU backend
+it runs only when asked, with the CPU kernels off, which is how these tests reach it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import unikern
+from tests.conftest import SMALL_KV, compare_greedy, complete_all, reference_greedy
+from unikern import messages as m
+from unikern.stages.execute.model import ModelGeometry
+from unikern.stages.execute.paged_cache import ZERO_BLOCK
+from unikern.stages.execute.runner import ModelRunner
+from unikern.stages.kv.pool import KVPool
+
+
+def runner_for(path: str, compile_prefill: bool = True) -> ModelRunner:
+    from mlx_lm import load
+
+    model, _ = load(path)
+    geo = ModelGeometry(model)
+    pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
+                  dtype=geo.dtype, block_size=16, kernel_block_size=16, num_blocks=64, slab_blocks=64)
+    return ModelRunner(model, pool, compile_decode=True, compile_prefill=compile_prefill)
+
+
+def prefill(runner: ModelRunner, prompts: dict[str, tuple[int, ...]], tables: dict[str, tuple[int, ...]],
+            start: int = 0) -> dict[str, list[int]]:
+    params = m.SamplingParams(max_tokens=8)
+    work = tuple(m.SeqWork(r, p, start, tables[r], True, params) for r, p in prompts.items())
+    return runner.run(m.Step(1, work, 1), {})
+
+
+def written(runner: ModelRunner, slots: np.ndarray) -> list[np.ndarray]:
+    """Every layer's keys and values at `slots` (float32)."""
+    mx.eval(runner.pool.keys, runner.pool.values)
+    return [np.array(a[:, mx.array(slots)].astype(mx.float32)) for a in runner.pool.keys + runner.pool.values]
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2"])  # float32 untied; bfloat16 tied
+def test_traced_prefill_writes_and_samples_what_the_ops_do(family, model_dir):
+    """One prompt, then two of different lengths in one padded forward (rows 37 and 30
+    tokens: bucket 48): the same first tokens and the same keys and values at every
+    prompt position as the forward built op by op, the padding in the scratch block; one
+    trace per (rows, bucket), the second prompt of the same bucket replayed."""
+    path = model_dir(family)
+    tables = {"a": tuple(range(2, 6)), "b": tuple(range(9, 5, -1))}  # b's blocks not in order
+    prompts = {"a": tuple((7 * j) % 900 + 5 for j in range(37)), "b": tuple((11 * j) % 900 + 3 for j in range(30))}
+    slots = np.concatenate([np.arange(2 * 16, 2 * 16 + 37),
+                            (np.array(tables["b"])[:, None] * 16 + np.arange(16)).reshape(-1)[:30]])
+    traced, plain = runner_for(path), runner_for(path, compile_prefill=False)
+    assert traced.compiled_prefill is not None and plain.compiled_prefill is None
+    results = []
+    for runner in (traced, plain):
+        one = prefill(runner, {"a": prompts["a"]}, tables)
+        assert prefill(runner, {"a": prompts["a"][:33]}, tables)  # bucket 48 again
+        assert prefill(runner, {"a": prompts["a"]}, tables) == one
+        results.append((one, prefill(runner, prompts, tables), written(runner, slots)))
+    assert traced.compiled_prefill.traces == 2 and traced.compiled_prefill.forwards == 4
+    (one, both, pool), (want_one, want_both, want_pool) = results
+    assert one == want_one and both == want_both
+    tol = 1e-5 if traced.pool.dtype == mx.float32 else 1e-2
+    for got, want in zip(pool, want_pool, strict=True):
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    # the padded positions went to the scratch block: the zero block, which masked reads
+    # take, is still zeros
+    assert not any(a.any() for a in written(traced, np.arange(ZERO_BLOCK * 16, ZERO_BLOCK * 16 + 16)))
+
+
+def test_prompts_past_the_start_or_the_bound_run_op_by_op(tiny_llama, monkeypatch):
+    """A prompt's second chunk (start > 0: it reads the pool), a one-token forward and
+    forwards of more than max_tokens take the op-by-op forward: no trace."""
+    from unikern.stages.execute.compiled import CompiledPrefill
+
+    monkeypatch.setattr(CompiledPrefill, "max_tokens", 64)
+    runner = runner_for(tiny_llama)
+    tables = {"a": tuple(range(2, 10)), "b": tuple(range(10, 18))}
+    long = tuple(range(5, 105))  # 100 tokens: bucket 112 > 64
+    prefill(runner, {"a": long}, tables)
+    prefill(runner, {"a": (9,)}, tables)
+    prefill(runner, {"a": long[:20]}, tables, start=100)
+    assert runner.compiled_prefill.traces == 0 and runner.compiled_prefill.forwards == 0
+    prefill(runner, {"a": long[:40], "b": long[:40]}, tables)  # 2 x 48 > 64
+    assert runner.compiled_prefill.forwards == 0
+    prefill(runner, {"a": long[:40]}, tables)
+    assert runner.compiled_prefill.forwards == 1
+
+
+@pytest.mark.anyio
+async def test_engine_with_traced_prefill_matches_mlx_lm(tiny_llama):
+    """The engine with compile_prefill: mlx-lm's greedy tokens for prompts of several
+    lengths arriving together, and the stats count the traced forwards."""
+    batch = [[(11 * i + 3 * j) % 1000 + 5 for j in range(5 + 17 * i)] for i in range(6)]
+    overrides = {"kv": {**SMALL_KV["kv"], "unwritten_fill": "nan"},
+                 "execute": {"compile_decode": "always", "compile_prefill": "always", "cpu_kernels": False}}
+    async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as engine:
+        results = await complete_all(engine, batch, max_tokens=12)
+        stats = engine.stats()
+    assert stats["compiled_prefill"]["enabled"] and stats["compiled_prefill"]["forwards"] > 0
+    for prompt, result in zip(batch, results, strict=True):
+        ok, note = compare_greedy(result.token_ids, reference_greedy(tiny_llama, prompt, 12))
+        assert ok, f"prompt of {len(prompt)} tokens: {note}"
