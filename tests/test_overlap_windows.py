@@ -50,12 +50,15 @@ class Device:
         return sampled
 
 
-def drive(overlap: bool, num_blocks: int = 256, late: int | None = None, penalized: tuple[int, ...] = ()):
+def drive(overlap: bool, num_blocks: int = 256, late: int | None = None, penalized: tuple[int, ...] = (),
+          prefills: bool = False):
     """The schedule stage's loop over the policy: up to two steps in flight with overlap.
-    `late`: a request added after that many steps, while windows are in flight."""
+    `late`: a request added after that many steps, while windows are in flight;
+    `prefills`: first windows planned while the prompts' step runs (follow_prefills)."""
     blocks = BlockManager(num_blocks, 16)
     sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64, eos_token_ids=[EOS],
                       context_length=512, decode_lookahead=2, decode_lookahead_max=16)
+    sched.follow_prefills = prefills
     device = Device(blocks)
 
     def add(i: int) -> None:
@@ -103,6 +106,21 @@ def test_follow_ups_give_the_same_tokens_and_stops():
         assert count == len(out[rid])
 
 
+def test_first_windows_follow_the_prompts_step_with_the_same_tokens_and_stops():
+    """follow_prefills: the rows' first window goes out while their prompts' step runs
+    (continuing from the tokens it samples): the same tokens and stops as without
+    overlap, and more follow-ups than overlapped windows alone, some right after a
+    step that fed prompts."""
+    base, base_reasons, _, _ = drive(False)
+    _, _, _, windows_only = drive(True)
+    out, reasons, shapes, follow_ups = drive(True, prefills=True)
+    assert out == base and reasons == base_reasons
+    assert follow_ups > windows_only
+    assert any(steps == 1 and nxt[2] for (steps, _, _), nxt in zip(shapes, shapes[1:], strict=False))
+    late, late_reasons, _, _ = drive(True, late=6, prefills=True)
+    assert (late, late_reasons) == drive(False, late=6)[:2]
+
+
 def test_a_late_request_waits_for_the_windows_in_flight_then_joins():
     base, base_reasons, _, _ = drive(False, late=6)
     out, reasons, shapes, follow_ups = drive(True, late=6)
@@ -128,6 +146,11 @@ def test_follow_up_plans_from_the_window_in_flight():
     window = sched.schedule()
     assert window.num_steps == 4 and window.work[0].start_pos == 10
     assert sched.follow_up(prefill) is None  # not a window
+    sched.follow_prefills = True  # (the prompt's step is back already; planned as if it were not)
+    first = sched.follow_up(prefill)
+    (w,) = first.work
+    assert (first.num_steps, w.start_pos, w.num_generated, w.continues) == (4, 10, 1, True)
+    sched.follow_prefills = False
     follow = sched.follow_up(window)
     (w,) = follow.work
     assert (follow.num_steps, w.start_pos, w.num_generated, w.continues) == (8, 14, 5, True)
@@ -140,16 +163,18 @@ def test_follow_up_plans_from_the_window_in_flight():
 
 @pytest.mark.anyio
 async def test_the_engine_gives_the_same_tokens_with_overlapped_windows(tiny_llama):
-    """Seeded sampling and greedy rows of several lengths, with and without overlap: the
-    same tokens, and the overlapped run planned windows while others ran."""
+    """Seeded sampling and greedy rows of several lengths, with and without overlap (and
+    with the first windows planned while the prompts ran): the same tokens, and the
+    overlapped runs planned windows while others ran."""
     requests = [{**seeded_request(i), "max_tokens": 14 + 3 * (i % 4)} for i in range(8)]
     for i, r in enumerate(requests):
         r["repetition_penalty"] = 1.0  # penalized rows never follow up (test above)
         if i % 3 == 0:
             r.update(logprobs=True, top_logprobs=3)
     results = {}
-    for overlap in (False, True):
-        async with engine(tiny_llama, decode_lookahead=2, decode_lookahead_max=8, overlap_windows=overlap) as eng:
+    for overlap in (False, True, "prefill"):
+        async with engine(tiny_llama, decode_lookahead=2, decode_lookahead_max=8, overlap_windows=bool(overlap),
+                          overlap_prefill=overlap == "prefill") as eng:
             got = [None] * len(requests)
 
             async def one(i, eng=eng, got=got):
@@ -160,9 +185,17 @@ async def test_the_engine_gives_the_same_tokens_with_overlapped_windows(tiny_lla
                 for i in range(len(requests)):
                     tg.start_soon(one, i)
             results[overlap] = (got, eng.stats()["schedule"]["follow_ups"])
-    (plain, none), (overlapped, follow_ups) = results[False], results[True]
-    assert none == 0 and follow_ups > 0
+    (plain, none), (overlapped, follow_ups), (first, more) = results[False], results[True], results["prefill"]
+    assert none == 0 and follow_ups > 0 and more > 0
     assert overlapped == plain
+    # the first windows going out with the prompts' steps change which rows share a
+    # batch (a request arriving alone decodes a window before the next one joins): the
+    # same tokens, the log-probabilities to float rounding of other batch shapes
+    assert [[t for t, _, _ in row] for row in first] == [[t for t, _, _ in row] for row in plain]
+    for row, want in zip(first, plain, strict=True):
+        for (_, lp, top), (_, want_lp, want_top) in zip(row, want, strict=True):
+            assert (lp is None) == (want_lp is None) and (lp is None or abs(lp - want_lp) < 1e-4)
+            assert [t.token_id for t in top or ()] == [t.token_id for t in want_top or ()]
     assert [len(t) for t in plain] == [r["max_tokens"] for r in requests]
     assert all(lp is not None for t, r in zip(plain, requests, strict=True) if r.get("logprobs") for _, lp, _ in t)
 

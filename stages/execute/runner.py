@@ -132,9 +132,11 @@ class ModelRunner:
         # state slots (a row per token would run a recurrence on every row)
         self.prefill_rows = prefill_rows if self.paged is not None and self.layers is None else 0
         self.row_prefills = 0  # forwards that ran prompts by rows (stats)
-        # the last window's rows and the tokens its last step sampled, on the device: a
-        # window planned before they came back (SeqWork.continues) feeds them
+        # the last step's rows and the tokens it sampled last (a window's last step, or a
+        # one-step step whose every row sampled), on the device: a window planned before
+        # they came back (SeqWork.continues) feeds them
         self._carried: tuple[tuple[str, ...], mx.array] | None = None
+        self._sampled: mx.array | None = None  # _sample's tokens, in its own row order
 
     def _caches(self, layout: BatchLayout, slots: list[int] | None = None, window_layout: BatchLayout | None = None) -> list:
         """The per-layer caches of one forward; `slots`: the rows' state slots;
@@ -278,11 +280,20 @@ class ModelRunner:
                     if w.sample:
                         logits_rows.append(logits[i : i + 1])
                         order.append(w)
+        self._carried = None
         if not order:  # the state slots are this forward's only output: they read the pool
             mx.eval(*self._written())
             return m.StepDone(step.step_id, {})
         stacked = logits_rows[0] if len(logits_rows) == 1 else mx.concatenate(logits_rows)
-        return self._sample(step.step_id, order, stacked, seeds)
+        done = self._sample(step.step_id, order, stacked, seeds)
+        if len(order) == len(step.work):
+            # every row sampled: a window planned while this step ran (schedule.overlap_prefill)
+            # feeds these tokens, on the device, in the step's row order
+            at = {w.request_id: i for i, w in enumerate(order)}
+            index = [at[w.request_id] for w in step.work]
+            tokens = self._sampled if index == list(range(len(index))) else self._sampled[mx.array(index)]
+            self._carried = (tuple(w.request_id for w in step.work), tokens)
+        return done
 
     def _sample(self, step_id: int, order: list[m.SeqWork], logits: mx.array, seeds: dict[str, int]) -> m.StepDone:
         """Every row in one pass: its PyTorch processors, bias and penalties, grammar mask,
@@ -306,6 +317,7 @@ class ModelRunner:
         if grammar is not None:
             logits = grammar.apply(logits)
         tokens = batch.sample(logits)
+        self._sampled = tokens  # (uint32, as a window's sampled tokens are)
         reported = batch.logprobs(logits, tokens) or ()
         guarded = [i for i, w in enumerate(order) if w.processors or w.grammar is not None]
         usable = row_is_usable(logits, guarded) if guarded else mx.array([])

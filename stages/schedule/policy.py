@@ -92,6 +92,9 @@ class Scheduler:
         self.by_id: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.num_follow_ups = 0  # windows planned while the one before ran (follow_up)
+        # follow_up after a one-step step too (a prompt's last chunk, a single decode step):
+        # the first window of rows whose prompts are in flight (schedule.overlap_prefill)
+        self.follow_prefills = False
         self._step_ids = 0
 
     # ---- requests in and out -----------------------------------------------------------
@@ -246,37 +249,44 @@ class Scheduler:
         prev's tokens are back (`schedule.overlap_windows`): each row as if prev's
         num_steps tokens were all generated and none ended it. Its rows feed the token
         prev sampled last, which stays on the device (`SeqWork.continues`). None when
-        the batch may change: someone waits, prev was not a window of plain decodes, a
-        row ends by length within prev, or blocks are short. Rows that end early (EOS,
-        abort) are dropped when prev's results arrive: the follow-up's tokens for them
-        are ignored (on_step_done), and what it writes lands past their last token."""
-        if prev.num_steps < 2 or self.waiting or self.states is not None or self.window is not None \
-                or self.window_group is not None:
+        the batch may change: someone waits, prev was not a window of plain decodes (with
+        `follow_prefills`: nor a one-step step whose every row samples, a prompt's last
+        chunk or a decode step, each row running), a row ends by length within prev, or
+        blocks are short. Rows that end early (EOS, abort) are dropped when prev's results
+        arrive: the follow-up's tokens for them are ignored (on_step_done), and what it
+        writes lands past their last token."""
+        first = prev.num_steps == 1  # the rows' first window (follow_prefills)
+        if (first and not self.follow_prefills) or self.waiting or self.states is not None \
+                or self.window is not None or self.window_group is not None:
             return None
         seqs = []
         for w in prev.work:
             seq = self.by_id.get(w.request_id)
-            if seq is None or seq not in self.running or len(w.token_ids) != 1 or not w.sample \
+            if seq is None or seq not in self.running or (len(w.token_ids) != 1 and not first) or not w.sample \
                     or w.processors or w.grammar is not None or needs_history(seq):
                 return None
             seqs.append(seq)
         rows = tuple(w.request_id for w in prev.work)
-        if rows != self._window_rows:
+        if first:
+            if len(seqs) != len(self.running):
+                return None  # a running row outside prev (a prompt's earlier chunk) is not in it
+        elif rows != self._window_rows:
             return None
         # after prev: each row's tokens to go, and room in the context (prev's last token
-        # goes to position start_pos + num_steps)
+        # goes to position start_pos + its fed tokens + num_steps - 1)
         remaining = [seq.params.max_tokens - (w.num_generated + prev.num_steps) for w, seq in zip(prev.work, seqs, strict=True)]
-        room = [self.context_length - (w.start_pos + prev.num_steps) - 1 for w in prev.work]
+        starts = [w.start_pos + len(w.token_ids) + prev.num_steps - 1 for w in prev.work]
+        room = [self.context_length - start - 1 for start in starts]
         if min(remaining) < 1:
             return None  # a row ends by length within prev: the batch changes
-        window = min(2 * self._window, self.decode_lookahead_max)
+        window = self.decode_lookahead if first else min(2 * self._window, self.decode_lookahead_max)
         steps = window_steps(window, remaining, room)
         if steps < 2:
             return None
-        starts = [w.start_pos + prev.num_steps for w in prev.work]
         if not self._reserve_window([(seq, start + steps) for seq, start in zip(seqs, starts, strict=True)]):
             return None
         self._window = window
+        self._window_rows = rows
         work = [
             m.SeqWork(request_id=seq.request_id, token_ids=(0,), start_pos=start, block_table=tuple(seq.blocks),
                       sample=True, params=seq.params, num_generated=w.num_generated + prev.num_steps, continues=True)

@@ -40,6 +40,15 @@ class ScheduleParams(StageParams, frozen=True):
     # 1 / 16 / 64 requests, faster in 4 / 6 / 3 of 6 (tools/results/gpu/session14/a-engines);
     # on the CPU machine it was even (0.99x at 64 requests in 8 repeats)
     overlap_windows: bool | Literal["auto"] = "auto"
+    # with overlap_windows, the first decode window of rows whose prompts (or one-step
+    # decode) are in flight goes out too (Scheduler.follow_prefills), so the model thread
+    # starts it as soon as the prompt's step ends instead of after StepDone's trip: on an
+    # H200 the 1B engine at one request spent 1.4-1.7 ms a request between its steps
+    # (tools/results/gpu/session23); on the CPU machine (llama-5m, one request) the gaps
+    # went 1.4 -> 0.3 ms. The cost: requests arriving just after the first one's plan
+    # wait for that window (16 at once on the CPU machine: 1x1 +8x1 1x16 ... instead of
+    # 1x1 1x16 8x16 ...). Not measured on the GPU yet, so off by default
+    overlap_prefill: bool = False
 
     def waiting_limit(self) -> int:
         return self.max_waiting if self.max_waiting is not None else max(MIN_WAITING, 4 * self.max_num_seqs)
@@ -90,6 +99,7 @@ class ScheduleStage(StageBase):
         )
         self.in_flight: deque[m.Step] = deque()  # sent, in order; two with overlap_windows
         self.overlap = self.overlap_on(self.params.overlap_windows)
+        self.scheduler.follow_prefills = self.overlap and self.params.overlap_prefill
         self.setup(ctx)
         task_status.started()
 
@@ -163,6 +173,7 @@ class ScheduleStage(StageBase):
                 "running": len(sched.running),
                 "preemptions": sched.num_preemptions,
                 "overlap_windows": self.overlap,
+                "overlap_prefill": sched.follow_prefills,
                 "follow_ups": sched.num_follow_ups,
                 "max_waiting": sched.max_waiting,
                 "refused_overloaded": sched.num_refused_overloaded,
