@@ -15,7 +15,7 @@ from unikern.stage import Stage
 
 # the sections `stats` may carry (DESIGN section 3, plus each member's own)
 KNOWN_SECTIONS = {
-    "platform", "memory", "kv", "tiers", "bridge", "model", "kernels", "compiled_decode",
+    "platform", "memory", "kv", "tiers", "bridge", "model", "kernels", "compiled_decode", "compiled_prefill",
     "warmup", "schedule", "offload", "structured", "paged_attention",
 }
 
