@@ -29,19 +29,22 @@ def test_length_buckets_are_few_and_tight(unit):
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2"])  # float32 untied; bfloat16 tied
-async def test_engine_with_compiled_decode_matches_mlx_lm(family, model_dir):
+@pytest.mark.parametrize("prefill", ["never", "always"])  # execute.compile_prefill (test_compiled_prefill.py)
+async def test_engine_with_compiled_decode_matches_mlx_lm(family, prefill, model_dir):
     path = model_dir(family)
     # 10 rows in flight decode in lookahead windows; unwritten slots hold NaN, so a
     # window reading a slot it should not would show in the tokens
     batch = [[(11 * i + 3 * j) % 1000 + 5 for j in range(5 + 23 * i)] for i in range(10)]
     overrides = {
         "kv": {**SMALL_KV["kv"], "block_size": 32, "unwritten_fill": "nan"},
-        "execute": {"compile_decode": "always", "cpu_kernels": False},
+        "execute": {"compile_decode": "always", "compile_prefill": prefill, "cpu_kernels": False},
     }
     async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
         results = await complete_all(engine, batch, max_tokens=20)
         stats = engine.stats()
     assert stats["compiled_decode"]["enabled"] and stats["compiled_decode"]["traces"] > 0
+    # with it, the prompts' forwards ran traced (those of up to 512 tokens in all)
+    assert (stats["compiled_prefill"]["forwards"] > 0) == (prefill == "always")
     for prompt, result in zip(batch, results, strict=True):
         ok, note = compare_greedy(result.token_ids, reference_greedy(path, prompt, 20))
         assert ok, f"{family}, prompt of {len(prompt)} tokens: {note}"

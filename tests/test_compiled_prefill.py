@@ -1,7 +1,8 @@
 """The traced prefill (execute.compile_prefill): fresh prompts' forwards through one
 `mx.compile`d function per length bucket give the tokens and pool contents the forward
-built op by op gives, and mlx-lm's greedy tokens through the engine. On the CPU backend
-it runs only when asked, with the CPU kernels off, which is how these tests reach it."""
+built op by op gives (mlx-lm's greedy tokens through the engine: test_compiled_decode.py).
+On the CPU backend it runs only when asked, with the CPU kernels off, which is how these
+tests reach it."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import unikern
-from tests.conftest import SMALL_KV, compare_greedy, complete_all, reference_greedy
 from unikern import messages as m
 from unikern.stages.execute.model import ModelGeometry
 from unikern.stages.execute.paged_cache import ZERO_BLOCK
@@ -88,19 +87,3 @@ def test_prompts_past_the_start_or_the_bound_run_op_by_op(tiny_llama, monkeypatc
     assert runner.compiled_prefill.forwards == 0
     prefill(runner, {"a": long[:40]}, tables)
     assert runner.compiled_prefill.forwards == 1
-
-
-@pytest.mark.anyio
-async def test_engine_with_traced_prefill_matches_mlx_lm(tiny_llama):
-    """The engine with compile_prefill: mlx-lm's greedy tokens for prompts of several
-    lengths arriving together, and the stats count the traced forwards."""
-    batch = [[(11 * i + 3 * j) % 1000 + 5 for j in range(5 + 17 * i)] for i in range(6)]
-    overrides = {"kv": {**SMALL_KV["kv"], "unwritten_fill": "nan"},
-                 "execute": {"compile_decode": "always", "compile_prefill": "always", "cpu_kernels": False}}
-    async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as engine:
-        results = await complete_all(engine, batch, max_tokens=12)
-        stats = engine.stats()
-    assert stats["compiled_prefill"]["enabled"] and stats["compiled_prefill"]["forwards"] > 0
-    for prompt, result in zip(batch, results, strict=True):
-        ok, note = compare_greedy(result.token_ids, reference_greedy(tiny_llama, prompt, 12))
-        assert ok, f"prompt of {len(prompt)} tokens: {note}"

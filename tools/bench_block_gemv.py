@@ -22,13 +22,18 @@ import sys
 from pathlib import Path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The decoder block's shape (the 1B Llama's by default) and how many distinct blocks."""
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--mlp", type=int, default=8192)
     parser.add_argument("--layers", type=int, default=16)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    shape_arguments(parser)
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

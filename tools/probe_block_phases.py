@@ -27,12 +27,10 @@ PHASE_NAMES = ("q/k/v + RoPE", "attention", "o + residual", "gate/up + SwiGLU", 
 
 
 def main() -> None:
+    from bench_block_gemv import shape_arguments  # tools/ is on sys.path
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--mlp", type=int, default=8192)
-    parser.add_argument("--layers", type=int, default=16)
+    shape_arguments(parser)
     parser.add_argument("--positions", type=int, default=128, help="the row's context (its slot table)")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--variants", nargs="+", default=["default"],
