@@ -412,8 +412,8 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
             paged_attention: bool = False, compile_one_row: bool = False, prefill_rows: int = 0,
             compile_prefill: bool = False) -> dict[str, Any]:
     """Run the step shapes a server meets first (a two-row prefill, by rows too with
-    `prefill_rows`, traced too with `compile_prefill`, a one-row decode window, a two-row decode window) through a
-    throwaway runner on a private pool of a few blocks, so that MLX builds its GPU
+    `prefill_rows`, traced too with `compile_prefill`, a one-row decode window, a two-row
+    decode window) through a throwaway runner on a private pool of a few blocks, so that MLX builds its GPU
     kernels, and the compiled step its fused ones, before the engine says ready rather
     than inside the first requests. The engine's own pool is not touched: it stays
     unallocated until a request writes it."""

@@ -47,9 +47,9 @@ class ScheduleParams(StageParams, frozen=True):
     # (tools/results/gpu/session23); on the CPU machine (llama-5m, one request) the gaps
     # went 1.4 -> 0.4 ms, the wall time within that machine's noise
     # (tools/results/step-gaps-llama-5m-cpu-overlap-prefill-*.json). The cost: requests
-    # arriving just after the first one's plan
-    # wait for that window (16 at once on the CPU machine: 1x1 +8x1 1x16 ... instead of
-    # 1x1 1x16 8x16 ...). Not measured on the GPU yet, so off by default
+    # arriving just after the first one's plan wait for that window (16 at once on the
+    # CPU machine: 1x1 +8x1 1x16 ... instead of 1x1 1x16 8x16 ...). Not measured on the
+    # GPU yet, so off by default
     overlap_prefill: bool = False
 
     def waiting_limit(self) -> int:
