@@ -70,7 +70,8 @@ static unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsi
 static unsigned atomicExch(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).exchange(v); }
 static float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 static void __nanosleep(unsigned) {}
-static unsigned unikern_clock() { return 0u; }
+static std::atomic<unsigned> clock_ticks{1};
+static unsigned unikern_clock() { return clock_ticks++; }  // a clock that only moves on
 """
 
 
