@@ -495,7 +495,7 @@ def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, split, attn_s
             (mx.array(n1), 1e-5), mx.array(w_o), (mx.array(n2), 1e-5), mx.array(w_gu), mx.array(w_down),
             mx.array([pos], dtype=mx.int32), inv_freq / np.pi, H, Hk, D, trad, D**-0.5,
             (mx.array(pool_k), mx.array(pool_v), mx.array(table[-1:])), mx.array(table[None]), mx.array([pos + 1]),
-            block_kernel.barrier(Hk))[6])
+            block_kernel.barrier(Hk))[6]).astype(np.int64)
         assert stamps.shape == (1 + 2 * block_kernel.PHASES,) and np.all(np.diff(stamps) > 0)
 
 
