@@ -488,7 +488,7 @@ def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, split, attn_s
     if attn_split:  # 3 partials per KV head (positions 0-1, 2-3, 4), merged into `att`
         assert outs[5].shape == (grid // Hk * H * (D + 2),)
         assert not np.all(np.array(outs[5]) == 0)
-    if grid == 1:  # one launch through the barriers: TIMES stamps each phase's end and exit, in order
+    if grid == 1:  # one launch through the barriers: TIMES stamps each phase's staging, end and exit, in order
         monkeypatch.setattr(block_kernel, "TIMES", 1)
         stamps = np.array(block_kernel.block_step(
             mx.array(x).reshape(1, 1, width), mx.array(w_qkv), None if b_qkv is None else mx.array(b_qkv),
@@ -496,7 +496,7 @@ def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, split, attn_s
             mx.array([pos], dtype=mx.int32), inv_freq / np.pi, H, Hk, D, trad, D**-0.5,
             (mx.array(pool_k), mx.array(pool_v), mx.array(table[-1:])), mx.array(table[None]), mx.array([pos + 1]),
             block_kernel.barrier(Hk))[6]).astype(np.int64)
-        assert stamps.shape == (1 + 2 * block_kernel.PHASES,) and np.all(np.diff(stamps) > 0)
+        assert stamps.shape == (1 + 3 * block_kernel.PHASES,) and np.all(np.diff(stamps) > 0)
 
 
 def test_the_block_kernels_phases_wait_on_memory_the_fewest_times():

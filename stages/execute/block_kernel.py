@@ -90,8 +90,8 @@ ATTN_MIN_POSITIONS = 16
 PRELOAD = 0
 PRELOAD_REGISTERS = {2: 127, 4: 136}
 # each block's clock (the GPU's globaltimer, ns, its low 32 bits) in the output `times`:
-# at its start, then per phase as its work ends and as it leaves the barrier after it
-# (tools/probe_block_phases.py reads them); off in the engine
+# at its start, then per phase once its input row is staged, as its work ends and as it
+# leaves the barrier after it (tools/probe_block_phases.py reads them); off in the engine
 TIMES = 0
 
 # the attention phase: paged_attention's group kernel for one row, its blocks walked by the
@@ -332,14 +332,15 @@ _SOURCE = """
         }
     };
 
-    auto stamp = [&](int k) {  // TIMES: this block's clock, stamp k of 1 + 2 * PHASES
-        if (TIMES && threadIdx.x == 0) times[blockIdx.x * (1 + 2 * PHASES) + k] = unikern_clock();
+    auto stamp = [&](int k) {  // TIMES: this block's clock, stamp k of 1 + 3 * PHASES
+        if (TIMES && threadIdx.x == 0) times[blockIdx.x * (1 + 3 * PHASES) + k] = unikern_clock();
     };
     stamp(0);
     if (PRELOAD) preload_phase(FIRST);  // (phase 1, the attention, reads no weights)
     for (int phase = FIRST; phase <= LAST; ++phase) {
         if (phase == 0) {  // q/k/v with the input norm and RoPE; k and v into the pool
             stage(x, WIDTH, n1, __int_as_float(EPS1));
+            stamp(1 + 3 * phase);
             constexpr int NPAIRS_NOW = NQKV / 2;
             UNIKERN_PAIRS(NPAIRS_NOW, SA) {
                 UNIKERN_PAIR(SA);
@@ -376,14 +377,17 @@ _SOURCE = """
                 }
             }
         } else if (phase == 1) {  // the attention over the row's table, k and v of phase 0 in it
+            stamp(1 + 3 * phase);  // (nothing to stage)
             const int len = min(lengths[0], slots_shape[1]);
             const int nparts = ATTN_SPLIT ? max(1, min((int)gridDim.x / HK, (len + ATTN_MIN - 1) / ATTN_MIN)) : 1;
 """ + _ATTENTION + """
         } else if (phase == 2) {  // h = x + att @ w_o.T
             stage(att, QN, nullptr, 0.f);
+            stamp(1 + 3 * phase);
             residual_gemv(w_o, QN, SC, x, h);
         } else if (phase == 3) {  // a = swiglu(gate, up) of norm(h) @ w_gu.T, rounded as mlx-lm's
             stage(h, WIDTH, n2, __int_as_float(EPS2));
+            stamp(1 + 3 * phase);
             constexpr int NPAIRS_NOW = INTER;
             UNIKERN_PAIRS(NPAIRS_NOW, SD) {
                 UNIKERN_PAIR(SD);
@@ -399,14 +403,15 @@ _SOURCE = """
             }
         } else {  // out = h + a @ w_down.T
             stage(a, INTER, nullptr, 0.f);
+            stamp(1 + 3 * phase);
             residual_gemv(w_down, INTER, SE, h, out);
         }
-        stamp(1 + 2 * phase);
+        stamp(2 + 3 * phase);
         if (phase < LAST) {
             if (PRELOAD) preload_phase(phase + 1);
             grid_sync();
         }
-        stamp(2 + 2 * phase);
+        stamp(3 + 3 * phase);
     }
     #undef UNIKERN_PAIRS
     #undef UNIKERN_PAIR
@@ -523,5 +528,5 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
     return kernel(inputs=inputs, template=template, grid=(grid * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
                   output_shapes=[x.shape, (1, heads, 1, head_dim), (1, heads, 1, head_dim), (1, width), (1, inter),
                                  (max(1, grid // kv_heads) * heads * (head_dim + 2) if ATTN_SPLIT else 1,),
-                                 (grid * (1 + 2 * PHASES) if TIMES else 1,)],
+                                 (grid * (1 + 3 * PHASES) if TIMES else 1,)],
                   output_dtypes=[x.dtype] * 5 + [mx.float32, mx.uint32])
