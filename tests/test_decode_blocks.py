@@ -820,3 +820,21 @@ def test_mlx_lms_code_is_still_what_the_fused_steps_repeat(module, name):
     body = source.split(":\n", 1)[1] if name == "MLP" else source.split(") -> mx.array:", 1)[1]
     lines = [line.strip() for line in body.splitlines() if line.strip() and not line.strip().startswith("#")]
     assert lines == FAMILY_CODE[name]
+
+
+def test_the_phase_timeline_reads_the_blocks_clocks_across_a_wrap():
+    """tools/probe_block_phases.timeline: per phase the first and last block to stage its
+    input and to end its work, and the last to leave its barrier, in us from the first
+    block's start, medians over layers; the clocks' low 32 bits may wrap mid-kernel."""
+    from tools.probe_block_phases import timeline
+
+    base = (1 << 32) - 5_000  # 5 us before the low 32 bits wrap
+    # two blocks, two phases: start, then (staged, work done, left) per phase, in ns
+    block0 = [0, 1_000, 4_000, 6_000, 6_500, 9_000, 12_000]
+    block1 = [500, 2_000, 5_000, 6_000, 6_200, 10_000, 11_000]
+    layer = (np.array([block0, block1], dtype=np.int64) + base) % (1 << 32)
+    later = layer.copy()
+    later[1, 5] += 2_000  # a second layer whose last block ends phase 1's work later
+    (p0, p1) = timeline([layer, later, layer])
+    assert (p0["staged_first"], p0["staged_last"], p0["work_first"], p0["work_last"], p0["left"]) == (1, 2, 4, 5, 6)
+    assert (p1["staged_first"], p1["staged_last"], p1["work_first"], p1["work_last"], p1["left"]) == (6.2, 6.5, 9, 10, 12)
