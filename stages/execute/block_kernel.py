@@ -40,8 +40,8 @@ tokens; the 16 block kernels take 948 us of GPU time with UNROLL 4 (59 us a bloc
 its 122 MB of weights, 2.1 TB/s), 981 with 2, against 0.96-0.99 ms for the whole token
 before. The engine at one request: 769 against 455 tok/s (one-process A/B, 6 of 6).
 The phases timed from the GPU's clock (TIMES; tools/probe_block_phases.py, session 23):
-of a 57.7 us block, gate/up 20.4 us (3.3 TB/s), down 13.3 (its blocks ending 9.6 us
-apart), q/k/v 10.8, the attention 7.5, o 5.7, each barrier 1.7-2.0."""
+of a 57.7 us block, gate/up 20.4 us (3.3 TB/s), down 13.3, q/k/v 10.8, the attention
+7.5, o 5.7, each barrier 1.7-2.0."""
 
 from __future__ import annotations
 
@@ -95,8 +95,10 @@ PRELOAD_REGISTERS = {2: 127, 4: 136}
 TIMES = 0
 # the gate/up phase's pairs (with one warp a pair) handed out as warps finish: each warp
 # its own first pair, then the next one nobody has taken (a counter in `bar`), instead of
-# every warp's pairs fixed in advance; a 1B block's gate/up work ended 36.1-40.8 us into
-# the kernel across its blocks (tools/results/gpu/session23/d-bench). Not measured, off
+# every warp's pairs fixed in advance. At 1B the fixed rounds give 16 of the 132 blocks 3
+# rounds of pairs and the others 4, and the blocks' gate/up work ended 36.1-40.8 us into
+# the kernel (tools/results/gpu/session23/d-bench); even shares would end it about a
+# round's eighth sooner if the SMs stream alike, more if they do not. Not measured, off
 DYNAMIC_GU = 0
 
 # the attention phase: paged_attention's group kernel for one row, its blocks walked by the
