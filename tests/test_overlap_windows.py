@@ -10,6 +10,8 @@ import pytest
 from test_lookahead import EOS, next_token
 from test_sampling import engine, seeded_request
 
+import unikern
+from tests.conftest import SMALL_KV, compare_greedy, reference_greedy
 from unikern import messages as m
 from unikern.stages.kv.blocks import BlockManager
 from unikern.stages.schedule.policy import Scheduler
@@ -340,3 +342,24 @@ async def test_auto_overlaps_where_mlx_runs_on_cuda(tiny_llama, monkeypatch):
 
     assert ScheduleStage.overlap_on("auto") is True
     assert ScheduleStage.overlap_on(False) is False and ScheduleStage.overlap_on(True) is True
+
+
+@pytest.mark.anyio
+async def test_first_windows_after_prefix_hits_and_chunked_prompts_give_mlx_lms_tokens(tiny_llama):
+    """overlap_prefill where a prompt's step starts past its cached prefix, and where a
+    long prompt goes in chunks (only the last samples): mlx-lm's greedy tokens, and
+    first windows did follow the prompts' steps."""
+    shared = [(7 * j) % 900 + 5 for j in range(48)]
+    prompts = [shared + [11, 12], shared + [13], [(5 * j) % 700 + 9 for j in range(150)]]
+    async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides={
+            "kv": {**SMALL_KV["kv"], "block_size": 16},
+            "schedule": {"overlap_windows": True, "overlap_prefill": True, "decode_lookahead": 4,
+                         "max_prefill_chunk": 64}}) as eng:
+        results = [await eng.complete(prompt_tokens=p, max_tokens=10) for p in prompts]  # one at a time
+        stats = eng.stats()
+    # per request its first window (after the prompt's last step) and the one after it;
+    # the prefix hit's one uncached token is itself a window's first step: one fewer
+    assert results[1].usage.cached_tokens == 48 and stats["schedule"]["follow_ups"] == 2 * len(prompts) - 1
+    for prompt, result in zip(prompts, results, strict=True):
+        ok, note = compare_greedy(result.token_ids, reference_greedy(tiny_llama, prompt, 10))
+        assert ok, f"prompt of {len(prompt)} tokens: {note}"
