@@ -363,3 +363,31 @@ async def test_first_windows_after_prefix_hits_and_chunked_prompts_give_mlx_lms_
     for prompt, result in zip(prompts, results, strict=True):
         ok, note = compare_greedy(result.token_ids, reference_greedy(tiny_llama, prompt, 10))
         assert ok, f"prompt of {len(prompt)} tokens: {note}"
+
+
+def test_a_window_continues_from_a_prompts_step_whatever_order_it_sampled_in(tiny_llama):
+    """ModelRunner: a prompts' step samples its rows longest prompt first; a window
+    continuing from it (`continues`) takes each row's own token, giving the tokens the same
+    window fed those tokens from the host gives."""
+    from mlx_lm import load
+
+    from unikern.stages.execute.model import ModelGeometry
+    from unikern.stages.execute.runner import ModelRunner
+    from unikern.stages.kv.pool import KVPool
+
+    model, _ = load(tiny_llama)
+    geo = ModelGeometry(model)
+    params = m.SamplingParams(max_tokens=16)
+    tables = {"a": (2, 3), "b": (4, 5, 6)}
+    prompts = {"a": tuple(range(5, 15)), "b": tuple(range(40, 70))}  # b longer: sampled first
+    results = []
+    for continues in (False, True):
+        pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
+                      dtype=geo.dtype, block_size=16, kernel_block_size=16, num_blocks=8, slab_blocks=8)
+        runner = ModelRunner(model, pool)
+        first = runner.run(m.Step(1, tuple(m.SeqWork(r, p, 0, tables[r], True, params) for r, p in prompts.items()),
+                                  1), {})
+        window = tuple(m.SeqWork(r, (0,) if continues else (first[r][0],), len(p), tables[r], True, params,
+                                 num_generated=1, continues=continues) for r, p in prompts.items())
+        results.append((first, runner.run(m.Step(2, window, 4), {})))
+    assert results[0] == results[1]

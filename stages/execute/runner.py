@@ -132,11 +132,10 @@ class ModelRunner:
         # state slots (a row per token would run a recurrence on every row)
         self.prefill_rows = prefill_rows if self.paged is not None and self.layers is None else 0
         self.row_prefills = 0  # forwards that ran prompts by rows (stats)
-        # the last step's rows and the tokens it sampled last (a window's last step, or a
-        # one-step step whose every row sampled), on the device: a window planned before
-        # they came back (SeqWork.continues) feeds them
+        # the rows the last step sampled and the tokens it sampled last (a window's last
+        # step, or a one-step step), on the device, in that step's row order: a window
+        # planned before they came back (SeqWork.continues) feeds them
         self._carried: tuple[tuple[str, ...], mx.array] | None = None
-        self._sampled: mx.array | None = None  # _sample's tokens, in its own row order
 
     def _caches(self, layout: BatchLayout, slots: list[int] | None = None, window_layout: BatchLayout | None = None) -> list:
         """The per-layer caches of one forward; `slots`: the rows' state slots;
@@ -285,15 +284,7 @@ class ModelRunner:
             mx.eval(*self._written())
             return m.StepDone(step.step_id, {})
         stacked = logits_rows[0] if len(logits_rows) == 1 else mx.concatenate(logits_rows)
-        done = self._sample(step.step_id, order, stacked, seeds)
-        if len(order) == len(step.work):
-            # every row sampled: a window planned while this step ran (schedule.overlap_prefill)
-            # feeds these tokens, on the device, in the step's row order
-            at = {w.request_id: i for i, w in enumerate(order)}
-            index = [at[w.request_id] for w in step.work]
-            tokens = self._sampled if index == list(range(len(index))) else self._sampled[mx.array(index)]
-            self._carried = (tuple(w.request_id for w in step.work), tokens)
-        return done
+        return self._sample(step.step_id, order, stacked, seeds)
 
     def _sample(self, step_id: int, order: list[m.SeqWork], logits: mx.array, seeds: dict[str, int]) -> m.StepDone:
         """Every row in one pass: its PyTorch processors, bias and penalties, grammar mask,
@@ -317,7 +308,8 @@ class ModelRunner:
         if grammar is not None:
             logits = grammar.apply(logits)
         tokens = batch.sample(logits)
-        self._sampled = tokens  # (uint32, as a window's sampled tokens are)
+        # a window planned while this step ran (schedule.overlap_prefill) feeds them
+        self._carried = (tuple(w.request_id for w in order), tokens)
         reported = batch.logprobs(logits, tokens) or ()
         guarded = [i for i, w in enumerate(order) if w.processors or w.grammar is not None]
         usable = row_is_usable(logits, guarded) if guarded else mx.array([])
@@ -343,17 +335,22 @@ class ModelRunner:
 
     def _window_inputs(self, work: tuple[m.SeqWork, ...]) -> mx.array:
         """A window's first tokens (uint32, as the sampled tokens fed to later steps are:
-        one dtype, one trace): the rows' own, or, for a window planned while the one
-        before ran (`continues`), that window's last sampled tokens, still on the device."""
+        one dtype, one trace): the rows' own, or, for a window planned while the step
+        before ran (`continues`), the tokens that step sampled last, still on the device
+        (in the window's row order: a prompts' step samples its rows in its own order)."""
         if not any(w.continues for w in work):
             return mx.array([w.token_ids[0] for w in work], dtype=mx.uint32)
         rows = tuple(w.request_id for w in work)
-        if not all(w.continues for w in work) or self._carried is None or self._carried[0] != rows:
+        carried = self._carried[0] if self._carried is not None else ()
+        if not all(w.continues for w in work) or sorted(carried) != sorted(rows):
             raise RuntimeError(
-                f"a continuing window must follow a window of the same rows: got rows {rows}, the last window ran "
-                f"{self._carried[0] if self._carried else 'none'} (schedule.overlap_windows plans them in order)"
+                f"a continuing window must follow a step of the same rows: got rows {rows}, the last step sampled "
+                f"{carried or 'none'} (schedule.overlap_windows plans them in order)"
             )
-        return self._carried[1]
+        if carried == rows:
+            return self._carried[1]
+        at = {rid: i for i, rid in enumerate(carried)}
+        return self._carried[1][mx.array([at[rid] for rid in rows])]
 
     def _run_lookahead(self, step: m.Step, seeds: dict[str, int]) -> m.StepDone:
         """num_steps decode steps for the same rows, pipelined: the graph of step i+1 is
