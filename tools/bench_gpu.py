@@ -284,9 +284,9 @@ def cmd_bench(args) -> dict:
     for row in rows:
         split = row["unikern"].get("split")
         if split:
-            from step_gaps import windows_line
+            from step_gaps import steps_line
 
-            line = windows_line(split)
+            line = steps_line(split)
             print(f"unikern c={row['concurrency']}: in execute {split['execute_ms']:.1f} ms, gaps {split['gaps_ms']:.1f}, "
                   f"head {split['head_ms']:.1f}, tail {split['tail_ms']:.1f}" + (f"; {line}" if line else ""))
     import mlx.core as mx

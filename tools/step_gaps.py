@@ -13,7 +13,9 @@ time is split as tools/probe_cuda.py splits its runner's, per lookahead step: bu
 traced step's replay), submit (`mx.async_eval`), wait (`mx.eval`) and other (the
 runner's own Python), so the engine's steps compare with the runner's alone; the prefill
 steps' (a prompt fed, no window) as tools/probe_prefill.py splits them: build (the
-forward's graph), wait (`mx.eval`: MLX's encoding, then the GPU) and other.
+forward's graph), wait (`mx.eval`: MLX's encoding, then the GPU) and other. On MLX's CPU
+backend the CPU kernels evaluate inside the forward, so there a prefill's build and wait
+overlap and its "other" comes out negative.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def medians(runs: list[dict]) -> dict:
             if isinstance(v, int | float) and all(isinstance(r.get(k), int | float) for r in runs)}
 
 
-def windows_line(row: dict) -> str:
+def steps_line(row: dict) -> str:
     line = ""
     if "prefill_step_ms" in row:
         line = (f"prefill steps: {row['prefill_step_ms']:.2f} ms  build {row['prefill_build_ms']:.2f}  "
@@ -182,7 +184,7 @@ def main() -> None:
                       f"{row['gaps_ms']:6.1f} (largest {row['largest_gap_ms']:.1f})  head {row['head_ms']:.1f} tail "
                       f"{row['tail_ms']:.1f}  steps (num_steps x rows): {shape}",
                       flush=True)
-                if line := windows_line(row):
+                if line := steps_line(row):
                     print("      " + line, flush=True)
 
     anyio.run(main_async)
