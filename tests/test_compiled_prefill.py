@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from unikern import messages as m
+from tests.test_prefill_layout import greedy
 from unikern.stages.execute.model import ModelGeometry
 from unikern.stages.execute.paged_cache import ZERO_BLOCK
 from unikern.stages.execute.runner import ModelRunner
@@ -25,13 +25,6 @@ def runner_for(path: str, compile_prefill: bool = True) -> ModelRunner:
     pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
                   dtype=geo.dtype, block_size=16, kernel_block_size=16, num_blocks=64, slab_blocks=64)
     return ModelRunner(model, pool, compile_decode=True, compile_prefill=compile_prefill)
-
-
-def prefill(runner: ModelRunner, prompts: dict[str, tuple[int, ...]], tables: dict[str, tuple[int, ...]],
-            start: int = 0) -> dict[str, list[int]]:
-    params = m.SamplingParams(max_tokens=8)
-    work = tuple(m.SeqWork(r, p, start, tables[r], True, params) for r, p in prompts.items())
-    return runner.run(m.Step(1, work, 1), {})
 
 
 def written(runner: ModelRunner, slots: np.ndarray) -> list[np.ndarray]:
@@ -55,10 +48,10 @@ def test_traced_prefill_writes_and_samples_what_the_ops_do(family, model_dir):
     assert traced.compiled_prefill is not None and plain.compiled_prefill is None
     results = []
     for runner in (traced, plain):
-        one = prefill(runner, {"a": prompts["a"]}, tables)
-        assert prefill(runner, {"a": prompts["a"][:33]}, tables)  # bucket 48 again
-        assert prefill(runner, {"a": prompts["a"]}, tables) == one
-        results.append((one, prefill(runner, prompts, tables), written(runner, slots)))
+        one = greedy(runner, {"a": prompts["a"]}, tables, steps=0)
+        assert greedy(runner, {"a": prompts["a"][:33]}, tables, steps=0)  # bucket 48 again
+        assert greedy(runner, {"a": prompts["a"]}, tables, steps=0) == one
+        results.append((one, greedy(runner, prompts, tables, steps=0), written(runner, slots)))
     assert traced.compiled_prefill.traces == 2 and traced.compiled_prefill.forwards == 4
     (one, both, pool), (want_one, want_both, want_pool) = results
     assert one == want_one and both == want_both
@@ -79,11 +72,11 @@ def test_prompts_past_the_start_or_the_bound_run_op_by_op(tiny_llama, monkeypatc
     runner = runner_for(tiny_llama)
     tables = {"a": tuple(range(2, 10)), "b": tuple(range(10, 18))}
     long = tuple(range(5, 105))  # 100 tokens: bucket 112 > 64
-    prefill(runner, {"a": long}, tables)
-    prefill(runner, {"a": (9,)}, tables)
-    prefill(runner, {"a": long[:20]}, tables, start=100)
+    greedy(runner, {"a": long}, tables, steps=0)
+    greedy(runner, {"a": (9,)}, tables, steps=0)
+    greedy(runner, {"a": long + long[:20]}, tables, start=100, steps=0)
     assert runner.compiled_prefill.traces == 0 and runner.compiled_prefill.forwards == 0
-    prefill(runner, {"a": long[:40], "b": long[:40]}, tables)  # 2 x 48 > 64
+    greedy(runner, {"a": long[:40], "b": long[:40]}, tables, steps=0)  # 2 x 48 > 64
     assert runner.compiled_prefill.forwards == 0
-    prefill(runner, {"a": long[:40]}, tables)
+    greedy(runner, {"a": long[:40]}, tables, steps=0)
     assert runner.compiled_prefill.forwards == 1

@@ -154,10 +154,12 @@ def test_a_prefill_rows_setting_that_is_no_count_is_refused():
             prepare_model(MLXExecuteParams(model="no/such/model", prefill_rows=bad), None, WeightWiring())
 
 
-@pytest.mark.parametrize("prefill_rows, steps", [(0, 3), (64, 4)])
-def test_warm_up_runs_the_prefill_by_rows_too_where_it_is_on(tiny_llama, prefill_rows, steps):
+@pytest.mark.parametrize("prefill_rows, compile_prefill, steps", [(0, False, 3), (64, False, 4), (0, True, 4)])
+def test_warm_up_runs_the_prefill_by_rows_or_traced_too_where_it_is_on(tiny_llama, prefill_rows, compile_prefill,
+                                                                        steps):
     from unikern.stages.execute.runner import warm_up
 
     model, _ = load(tiny_llama)
-    report = warm_up(model, ModelGeometry(model), False, False, paged_attention=True, prefill_rows=prefill_rows)
+    report = warm_up(model, ModelGeometry(model), False, False, paged_attention=True, prefill_rows=prefill_rows,
+                     compile_prefill=compile_prefill)
     assert report["ran"] and report["steps"] == steps
