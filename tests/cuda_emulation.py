@@ -140,8 +140,8 @@ def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, 
     or uint32 arrays, each with its `<name>_shape`), `constants` as the kernel's
     template parameters (T is float), one float32 output `out` of `output_shape` (or,
     with `outputs`, one per name and shape, returned by name), and `header` (C++
-    helpers, e.g. TENSOR_CORE_HEADER) before the kernel. Float32 inputs the source
-    writes in place (`written_inputs`) are written back into the given numpy arrays.
+    helpers, e.g. TENSOR_CORE_HEADER) before the kernel. Inputs the source writes in
+    place (`written_inputs`) are written back into the given numpy arrays, bit for bit.
     `initial`: outputs' contents before the kernel runs (zeros otherwise)."""
     assert threads % 32 == 0 and threads // 32 <= 64
     params, shapes, reads = [], [], []
@@ -162,7 +162,7 @@ def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, 
     initial = initial or {}
     out_vectors = " ".join(f"std::vector<float> {name}({int(np.prod(shape))});" for name, shape in shapes_out.items())
     out_vectors += " ".join(f"fread({name}.data(), 4, {name}.size(), stdin);" for name in shapes_out if name in initial)
-    written = [n for n in dict.fromkeys(written_inputs(source)) if n in inputs and inputs[n].dtype == np.float32]
+    written = [n for n in dict.fromkeys(written_inputs(source)) if n in inputs]
     out_writes = " ".join(f"fwrite({name}.data(), 4, {name}.size(), stdout);" for name in shapes_out)
     out_writes += " ".join(f"fwrite({name}_data.data(), 4, {name}_data.size(), stdout);" for name in written)
     code = f"""{_PRELUDE}
@@ -205,7 +205,7 @@ int main() {{
         results[name], flat = flat[:size].reshape(shape), flat[size:]
     for name in written:
         size = inputs[name].size
-        inputs[name][...], flat = flat[:size].reshape(inputs[name].shape), flat[size:]
+        inputs[name][...], flat = flat[:size].view(inputs[name].dtype).reshape(inputs[name].shape), flat[size:]
     return results if outputs else results["out"]
 
 

@@ -440,10 +440,11 @@ def block_reference(x, w_qkv, b_qkv, n1, w_o, n2, w_gu, w_down, pos, inv_freq, H
 
 
 @emulation
-@pytest.mark.parametrize("bias, trad, split, attn_split, preload, grid, dynamic", [
-    (False, False, 1, 0, 0, 3, 0), (True, True, 2, 0, 0, 3, 0), (False, False, 1, 1, 0, 6, 1),
-    (False, False, 1, 0, 1, 1, 1), (True, True, 2, 1, 1, 6, 1), (True, False, 1, 0, 0, 3, 1)])
-def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, split, attn_split, preload, grid, dynamic,
+@pytest.mark.parametrize("bias, trad, split, attn_split, preload, grid, dynamic, flip", [
+    (False, False, 1, 0, 0, 3, 0, 0), (True, True, 2, 0, 0, 3, 0, 0), (False, False, 1, 1, 0, 6, 1, 0),
+    (False, False, 1, 0, 1, 1, 1, 0), (True, True, 2, 1, 1, 6, 1, 0), (True, False, 1, 0, 0, 3, 1, 0),
+    (True, True, 2, 0, 0, 1, 0, 1)])
+def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, split, attn_split, preload, grid, dynamic, flip,
                                                        monkeypatch):
     """block_kernel.py's one kernel per block against numpy: the block's output row, and k
     and v in the pool at the row's slot (float32). Its five phases run one launch each in
@@ -451,8 +452,11 @@ def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, split, attn_s
     block. With split 2 the four GEMV phases split their pairs over 2 warps; with attn_split
     each KV head's 5 positions go over 3 blocks, merged by the last done; with preload
     each warp's first weight loads of a phase come before the phase's barrier or norm;
-    with dynamic the gate/up pairs go to the warps as they finish (with one warp a pair)."""
+    with dynamic the gate/up pairs go to the warps as they finish (with one warp a pair);
+    with flip the barrier is one atomic a block. No block gave up at a barrier."""
     monkeypatch.setattr(block_kernel, "DYNAMIC_GU", dynamic)
+    monkeypatch.setattr(block_kernel, "FLIP_BARRIER", flip)
+    monkeypatch.setattr(block_kernel, "SPIN_LIMIT", 1 << 12)  # (a block that would wait forever gives up soon)
     monkeypatch.setattr(block_kernel, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(
         None, cuda_emulation.UNPACK_HEADER))
     monkeypatch.setattr(block_kernel, "SPLITS", None if split == 1 else (split,) * 4)
@@ -462,7 +466,7 @@ def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, split, attn_s
     monkeypatch.setattr(block_kernel, "ATTN_SPLIT", attn_split)
     monkeypatch.setattr(block_kernel, "ATTN_MIN_POSITIONS", 2)
     rng = np.random.default_rng(5)
-    width, inter, H, Hk, D, S = 64, 96, 4, 2, 32, 16
+    width, inter, H, Hk, D, S = 64, 288, 4, 2, 32, 16  # (inter: two chunks of the staged row for some threads)
 
     def rand(*shape, scale=1.0):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -476,13 +480,12 @@ def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, split, attn_s
     want_k, want_v = pool_k.copy(), pool_v.copy()
     want = block_reference(x, w_qkv, b_qkv, n1, w_o, n2, w_gu, w_down, pos, np.array(inv_freq), H, Hk, D, trad,
                            D**-0.5, want_k, want_v, int(table[-1]), table)
-    k_pool, v_pool = mx.array(pool_k), mx.array(pool_v)
+    k_pool, v_pool, bar = mx.array(pool_k), mx.array(pool_v), block_kernel.barrier(Hk)
     outs = block_kernel.block_step(
         mx.array(x).reshape(1, 1, width), mx.array(w_qkv), None if b_qkv is None else mx.array(b_qkv),
         (mx.array(n1), 1e-5), mx.array(w_o), (mx.array(n2), 1e-5), mx.array(w_gu), mx.array(w_down),
         mx.array([pos], dtype=mx.int32), inv_freq / np.pi, H, Hk, D, trad, D**-0.5,
-        (k_pool, v_pool, mx.array(table[-1:])), mx.array(table[None]), mx.array([pos + 1]),
-        block_kernel.barrier(Hk))
+        (k_pool, v_pool, mx.array(table[-1:])), mx.array(table[None]), mx.array([pos + 1]), bar)
     assert outs[0].shape == (1, 1, width)
     np.testing.assert_allclose(np.array(outs[0]).reshape(-1), want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.array(k_pool), want_k, rtol=1e-4, atol=1e-4)
@@ -497,8 +500,9 @@ def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, split, attn_s
             (mx.array(n1), 1e-5), mx.array(w_o), (mx.array(n2), 1e-5), mx.array(w_gu), mx.array(w_down),
             mx.array([pos], dtype=mx.int32), inv_freq / np.pi, H, Hk, D, trad, D**-0.5,
             (mx.array(pool_k), mx.array(pool_v), mx.array(table[-1:])), mx.array(table[None]), mx.array([pos + 1]),
-            block_kernel.barrier(Hk))[6]).astype(np.int64)
+            bar)[6]).astype(np.int64)
         assert stamps.shape == (1 + 3 * block_kernel.PHASES,) and np.all(np.diff(stamps) > 0)
+    assert int(bar[2].item()) == 0
 
 
 def test_the_block_kernels_phases_wait_on_memory_the_fewest_times():
@@ -689,17 +693,20 @@ def test_the_kernels_on_cuda_give_mlxs_ops(dtype, rows):
 
 
 @cuda
-@pytest.mark.parametrize("dtype, attn_split, preload, dynamic", [
-    (mx.float32, 0, 0, 0), (mx.bfloat16, 0, 0, 0), (mx.bfloat16, 1, 0, 0), (mx.bfloat16, 0, 1, 0),
-    (mx.bfloat16, 1, 0, 1), (mx.float32, 1, 1, 1)])
-def test_the_block_kernel_on_cuda_is_the_block(dtype, attn_split, preload, dynamic, monkeypatch):
+@pytest.mark.parametrize("dtype, attn_split, preload, dynamic, flip", [
+    (mx.float32, 0, 0, 0, 0), (mx.bfloat16, 0, 0, 0, 0), (mx.bfloat16, 1, 0, 0, 0), (mx.bfloat16, 0, 1, 0, 0),
+    (mx.bfloat16, 1, 0, 1, 0), (mx.float32, 1, 1, 1, 0), (mx.bfloat16, 1, 0, 0, 1), (mx.float32, 0, 0, 0, 1)])
+def test_the_block_kernel_on_cuda_is_the_block(dtype, attn_split, preload, dynamic, flip, monkeypatch):
     """block_kernel.py's one launch, its phases meeting at grid-wide barriers, at the 1B
     shape (float32: a narrower MLP, for shared memory) against numpy from the same
     inputs (run with MLX_ENABLE_TF32=0): the output row and k and v in the pool, and no
     block gave up waiting at a barrier; attn_split: the attention over 7 blocks per KV
     head (16 positions each), merged by the last done; preload: each phase's first weight
-    loads before its barrier; dynamic: the gate/up pairs handed to the warps as they finish."""
+    loads before its barrier; dynamic: the gate/up pairs handed to the warps as they finish;
+    flip: the barrier as one atomic a block. Two launches: the second starts from the
+    barrier's count as the first left it."""
     monkeypatch.setattr(block_kernel, "ATTN_SPLIT", attn_split)
+    monkeypatch.setattr(block_kernel, "FLIP_BARRIER", flip)
     monkeypatch.setattr(block_kernel, "PRELOAD", preload)
     monkeypatch.setattr(block_kernel, "DYNAMIC_GU", dynamic)
     rng = np.random.default_rng(9)
@@ -723,11 +730,12 @@ def test_the_block_kernel_on_cuda_is_the_block(dtype, attn_split, preload, dynam
     k_pool, v_pool, bar = mx.array(pool_k).astype(dtype), mx.array(pool_v).astype(dtype), block_kernel.barrier(Hk)
     args = [mx.array(a).astype(dtype) for a in (x.reshape(1, 1, width), w_qkv, b_qkv, n1, w_o, n2, w_gu, w_down)]
     assert block_kernel.fits(width, inter, H, Hk, D, dtype, len(table))
-    out = block_kernel.block_step(
-        args[0], args[1], args[2], (args[3], 1e-5), args[4], (args[5], 1e-5), args[6], args[7],
-        mx.array([pos], dtype=mx.int32), inv_freq / np.pi, H, Hk, D, False, D**-0.5,
-        (k_pool, v_pool, mx.array(table[-1:])), mx.array(table[None]), mx.array([pos + 1]), bar)[0]
-    mx.eval(out, k_pool, v_pool)
+    for _ in range(2):  # (the second launch starts from the barrier's count as the first left it)
+        out = block_kernel.block_step(
+            args[0], args[1], args[2], (args[3], 1e-5), args[4], (args[5], 1e-5), args[6], args[7],
+            mx.array([pos], dtype=mx.int32), inv_freq / np.pi, H, Hk, D, False, D**-0.5,
+            (k_pool, v_pool, mx.array(table[-1:])), mx.array(table[None]), mx.array([pos + 1]), bar)[0]
+        mx.eval(out, k_pool, v_pool)
     tol = 1e-4 if dtype == mx.float32 else 3e-2
     assert relative_error(out.reshape(-1), mx.array(want)) < tol
     assert relative_error(k_pool, mx.array(want_k)) < tol and relative_error(v_pool, mx.array(want_v)) < tol

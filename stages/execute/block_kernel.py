@@ -73,6 +73,12 @@ MIN_CHUNKS = 32  # of a weight row per warp at least (one per lane) when a pair 
 SPLITS: tuple[int, int, int, int] | None = None
 SPIN_LIMIT = 1 << 24  # polls of the barrier's generation before a block gives up on it
 SPIN_SLEEP_NS = 32  # a waiting block's pause between polls (0: none)
+# the barrier as one atomic a block (1): block 0 adds 2^31 - (blocks - 1), the others 1, so
+# a round's sum flips the count's top bit and leaves its low bits as they were; each block
+# waits for the flip (cooperative groups' grid sync does the same). 0: the count and a
+# generation, the last to arrive resetting the one and advancing the other (two more
+# atomics on the barrier's path). Not measured yet, off
+FLIP_BARRIER = 0
 SHARED_BYTES = 48 << 10  # static shared memory a kernel may declare
 PHASES = 5
 # the attention phase split over several blocks per KV head, ATTN_MIN_POSITIONS each at least
@@ -163,7 +169,19 @@ _SOURCE = """
     // every block at the barrier before any goes on (see the module's notes)
     auto grid_sync = [&]() {
         __syncthreads();
-        if (threadIdx.x == 0) {
+        if (FLIP && threadIdx.x == 0) {  // one atomic a block: the sum of a round flips the top bit
+            unsigned* count = const_cast<unsigned*>(bar);
+            volatile unsigned* arrived = count;
+            __threadfence();
+            const unsigned before = atomicAdd(count, blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u);
+            int spins = 0;
+            while (((before ^ *arrived) & 0x80000000u) == 0 && spins < SPIN_LIMIT) {
+                if (SPIN_SLEEP) __nanosleep(SPIN_SLEEP);
+                ++spins;
+            }
+            if (spins == SPIN_LIMIT) atomicExch(count + 2, 1u);
+            __threadfence();
+        } else if (threadIdx.x == 0) {
             unsigned* count = const_cast<unsigned*>(bar);
             volatile unsigned* gen = count + 1;
             const unsigned seen = *gen;
@@ -186,26 +204,57 @@ _SOURCE = """
     };
 
     // K elements of `row` into xs: with `nw`, RMS-normalized as MLX's rms_norm rounds
-    // (the normalized value rounded, times the weight, rounded)
+    // (the normalized value rounded, times the weight, rounded). Each thread issues all its
+    // 16-byte chunks of the row (and of the weight) before it uses any, so staging waits on
+    // memory once, not once per element (rows and weights are 16-byte aligned, as MLX
+    // allocates them)
+    constexpr int THREADS = WARPS * 32;
+    constexpr int STAGE_CHUNKS = (XMAX / PACK + THREADS - 1) / THREADS;  // a thread's, at most
     auto stage = [&](const T* row, int K, const T* nw, float eps) {
-        float inv = 1.f;
-        if (nw != nullptr) {
-            float s = 0.f;
-            for (int i = threadIdx.x; i < K; i += blockDim.x) {
-                const float v = static_cast<float>(row[i]);
-                s += v * v;
+        const int C = K / PACK;
+        const uint4* rv = reinterpret_cast<const uint4*>(row);
+        const uint4* wv = reinterpret_cast<const uint4*>(nw);
+        uint4 r[STAGE_CHUNKS], g[STAGE_CHUNKS];
+        #pragma unroll
+        for (int j = 0; j < STAGE_CHUNKS; ++j) {
+            const int c = threadIdx.x + j * THREADS;
+            if (c < C) {
+                r[j] = rv[c];
+                if (nw != nullptr) g[j] = wv[c];
             }
+        }
+        uint4* xv = reinterpret_cast<uint4*>(xs);
+        if (nw == nullptr) {
+            #pragma unroll
+            for (int j = 0; j < STAGE_CHUNKS; ++j)
+                if (threadIdx.x + j * THREADS < C) xv[threadIdx.x + j * THREADS] = r[j];
+        } else {
+            float s = 0.f;
+            #pragma unroll
+            for (int j = 0; j < STAGE_CHUNKS; ++j)
+                if (threadIdx.x + j * THREADS < C) {
+                    float v[PACK];
+                    unikern_unpack<T>(r[j], v);
+                    #pragma unroll
+                    for (int e = 0; e < PACK; ++e) s += v[e] * v[e];
+                }
             for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
             if (lane == 0) red[warp] = s;
             __syncthreads();
             float t = 0.f;
             for (int w = 0; w < WARPS; ++w) t += red[w];
-            inv = rsqrtf(t / K + eps);
-        }
-        for (int i = threadIdx.x; i < K; i += blockDim.x) {
-            const float v = static_cast<float>(row[i]);
-            xs[i] = nw != nullptr ? static_cast<T>(static_cast<float>(nw[i]) * static_cast<float>(static_cast<T>(v * inv)))
-                                  : row[i];
+            const float inv = rsqrtf(t / K + eps);
+            #pragma unroll
+            for (int j = 0; j < STAGE_CHUNKS; ++j)
+                if (threadIdx.x + j * THREADS < C) {
+                    float v[PACK], gw[PACK];
+                    unikern_unpack<T>(r[j], v);
+                    unikern_unpack<T>(g[j], gw);
+                    T* dst = xs + (threadIdx.x + j * THREADS) * PACK;
+                    #pragma unroll
+                    for (int e = 0; e < PACK; ++e)
+                        dst[e] = static_cast<T>(gw[e] * static_cast<float>(static_cast<T>(v[e] * inv)));
+                }
         }
         __syncthreads();
     };
@@ -544,7 +593,7 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
                 # the attention phase (paged_attention's group kernel)
                 ("D", head_dim), ("E", head_dim // 32), ("H", heads), ("HK", kv_heads), ("G", heads // kv_heads),
                 ("NW", warps), ("U", paged_attention.POSITIONS_IN_FLIGHT), ("SCALE", float_bits(scale)),
-                ("FIRST", phases[0]), ("LAST", phases[1]), ("SPIN_LIMIT", SPIN_LIMIT), ("SPIN_SLEEP", SPIN_SLEEP_NS),
+                ("FIRST", phases[0]), ("LAST", phases[1]), ("SPIN_LIMIT", SPIN_LIMIT), ("SPIN_SLEEP", SPIN_SLEEP_NS), ("FLIP", FLIP_BARRIER),
                 ("ATTN_SPLIT", ATTN_SPLIT), ("ATTN_MIN", ATTN_MIN_POSITIONS), ("PRELOAD", int(PRELOAD and PRELOAD_REGISTERS[itemsize] * warps * 32 <= 65536)),
                 ("PHASES", PHASES), ("TIMES", TIMES), ("DYNAMIC_GU", DYNAMIC_GU)]
     inputs = [x, w_qkv, b_qkv if b_qkv is not None else placeholder(x.dtype), norm1[0], w_o, norm2[0], w_gu, w_down,
