@@ -77,8 +77,9 @@ SPIN_SLEEP_NS = 32  # a waiting block's pause between polls (0: none)
 # a round's sum flips the count's top bit and leaves its low bits as they were; each block
 # waits for the flip (cooperative groups' grid sync does the same). 0: the count and a
 # generation, the last to arrive resetting the one and advancing the other (two more
-# atomics on the barrier's path). Not measured yet, off
-FLIP_BARRIER = 0
+# atomics on the barrier's path). On an H200, 1B block, 16 chained: the kernel 46.0 us
+# against 47.9 (tools/results/gpu/session24/b-stage/probe-phases.log)
+FLIP_BARRIER = 1
 SHARED_BYTES = 48 << 10  # static shared memory a kernel may declare
 PHASES = 5
 # the attention phase split over several blocks per KV head, ATTN_MIN_POSITIONS each at least
@@ -204,57 +205,43 @@ _SOURCE = """
     };
 
     // K elements of `row` into xs: with `nw`, RMS-normalized as MLX's rms_norm rounds
-    // (the normalized value rounded, times the weight, rounded). Each thread issues all its
-    // 16-byte chunks of the row (and of the weight) before it uses any, so staging waits on
-    // memory once, not once per element (rows and weights are 16-byte aligned, as MLX
-    // allocates them)
-    constexpr int THREADS = WARPS * 32;
-    constexpr int STAGE_CHUNKS = (XMAX / PACK + THREADS - 1) / THREADS;  // a thread's, at most
+    // (the normalized value rounded, times the weight, rounded). In 16-byte chunks (rows
+    // and weights are 16-byte aligned, as MLX allocates them): at the 1B shape one or two
+    // per thread, so staging waits on memory about once, where element by element it
+    // waited 4-16 times (H200, session 24, each thread's chunks loaded at once in unrolled
+    // loops: the 1B kernel 47.9 us against 55.7). The loops stay rolled: unrolled, the
+    // kernel took 128-136 registers a thread instead of 96-108, and float32's 16 warps no
+    // longer fit an SM
     auto stage = [&](const T* row, int K, const T* nw, float eps) {
         const int C = K / PACK;
         const uint4* rv = reinterpret_cast<const uint4*>(row);
-        const uint4* wv = reinterpret_cast<const uint4*>(nw);
-        uint4 r[STAGE_CHUNKS], g[STAGE_CHUNKS];
-        #pragma unroll
-        for (int j = 0; j < STAGE_CHUNKS; ++j) {
-            const int c = threadIdx.x + j * THREADS;
-            if (c < C) {
-                r[j] = rv[c];
-                if (nw != nullptr) g[j] = wv[c];
-            }
-        }
         uint4* xv = reinterpret_cast<uint4*>(xs);
         if (nw == nullptr) {
-            #pragma unroll
-            for (int j = 0; j < STAGE_CHUNKS; ++j)
-                if (threadIdx.x + j * THREADS < C) xv[threadIdx.x + j * THREADS] = r[j];
+            for (int c = threadIdx.x; c < C; c += blockDim.x) xv[c] = rv[c];
         } else {
+            const uint4* wv = reinterpret_cast<const uint4*>(nw);
             float s = 0.f;
-            #pragma unroll
-            for (int j = 0; j < STAGE_CHUNKS; ++j)
-                if (threadIdx.x + j * THREADS < C) {
-                    float v[PACK];
-                    unikern_unpack<T>(r[j], v);
-                    #pragma unroll
-                    for (int e = 0; e < PACK; ++e) s += v[e] * v[e];
-                }
+            for (int c = threadIdx.x; c < C; c += blockDim.x) {
+                float v[PACK];
+                unikern_unpack<T>(rv[c], v);
+                #pragma unroll
+                for (int e = 0; e < PACK; ++e) s += v[e] * v[e];
+            }
             for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
             if (lane == 0) red[warp] = s;
             __syncthreads();
             float t = 0.f;
             for (int w = 0; w < WARPS; ++w) t += red[w];
             const float inv = rsqrtf(t / K + eps);
-            #pragma unroll
-            for (int j = 0; j < STAGE_CHUNKS; ++j)
-                if (threadIdx.x + j * THREADS < C) {
-                    float v[PACK], gw[PACK];
-                    unikern_unpack<T>(r[j], v);
-                    unikern_unpack<T>(g[j], gw);
-                    T* dst = xs + (threadIdx.x + j * THREADS) * PACK;
-                    #pragma unroll
-                    for (int e = 0; e < PACK; ++e)
-                        dst[e] = static_cast<T>(gw[e] * static_cast<float>(static_cast<T>(v[e] * inv)));
-                }
+            for (int c = threadIdx.x; c < C; c += blockDim.x) {
+                float v[PACK], g[PACK];
+                unikern_unpack<T>(rv[c], v);
+                unikern_unpack<T>(wv[c], g);
+                T* dst = xs + c * PACK;
+                #pragma unroll
+                for (int e = 0; e < PACK; ++e)
+                    dst[e] = static_cast<T>(g[e] * static_cast<float>(static_cast<T>(v[e] * inv)));
+            }
         }
         __syncthreads();
     };

@@ -159,9 +159,11 @@ class MLXExecuteParams(StageParams, frozen=True):
     # to a length bucket) through one mx.compile'd function per (rows, bucket), replayed
     # instead of built op by op in Python (compiled.CompiledPrefill): on an H200 the
     # 64-token 1B prefill's Python build was 1.5-2.4 ms of a 5-8 ms step in the engine
-    # (tools/results/gpu/session23). Not measured on the GPU yet, so "never" by default
-    # ("auto": where compile_decode is on and the CPU kernels are off)
-    compile_prefill: Literal["auto", "always", "never"] = "never"
+    # (tools/results/gpu/session23). In the engine on an H200, 1B, one-process A/B against
+    # op by op: faster at 1 / 16 / 64 requests in 6 / 4 / 5 of 6 repeats, medians 956 /
+    # 7,718 / 24,163 against 932 / 6,440 / 21,769 tok/s (session24/b-stage/ab-1b-cp.json).
+    # "auto" (default): where compile_decode is on (a GPU) and the CPU kernels are off
+    compile_prefill: Literal["auto", "always", "never"] = "auto"
     # Python's GIL switch interval in ms while the stage runs (sys.setswitchinterval; it
     # is the process's, the one before comes back at stop): the longest the model thread
     # waits for the GIL while the event loop detokenizes and delivers, each time it wants
