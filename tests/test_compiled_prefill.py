@@ -80,3 +80,17 @@ def test_prompts_past_the_start_or_the_bound_run_op_by_op(tiny_llama, monkeypatc
     assert runner.compiled_prefill.forwards == 0
     greedy(runner, {"a": long[:40]}, tables, steps=0)
     assert runner.compiled_prefill.forwards == 1
+
+
+def test_auto_traces_the_prefill_of_unquantized_models_where_the_decode_is_traced():
+    """ranks.traces_prefill: "auto" with the traced decode on an unquantized model only
+    (4-bit models were not measured with it), "always" and "never" whatever the model."""
+    import mlx.nn as nn
+
+    from unikern.stages.execute.ranks import traces_prefill
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.RMSNorm(64))
+    assert traces_prefill("auto", True, model) and not traces_prefill("auto", False, model)
+    nn.quantize(model, group_size=32, bits=4)
+    assert not traces_prefill("auto", True, model)
+    assert traces_prefill("always", False, model) and not traces_prefill("never", True, model)

@@ -162,7 +162,8 @@ class MLXExecuteParams(StageParams, frozen=True):
     # (tools/results/gpu/session23). In the engine on an H200, 1B, one-process A/B against
     # op by op: faster at 1 / 16 / 64 requests in 6 / 4 / 5 of 6 repeats, medians 956 /
     # 7,718 / 24,163 against 932 / 6,440 / 21,769 tok/s (session24/b-stage/ab-1b-cp.json).
-    # "auto" (default): where compile_decode is on (a GPU) and the CPU kernels are off
+    # "auto" (default): where compile_decode is on (a GPU), the CPU kernels are off and the
+    # model has no quantized layers (not measured with them: ranks.traces_prefill)
     compile_prefill: Literal["auto", "always", "never"] = "auto"
     # Python's GIL switch interval in ms while the stage runs (sys.setswitchinterval; it
     # is the process's, the one before comes back at stop): the longest the model thread
