@@ -440,11 +440,10 @@ def block_reference(x, w_qkv, b_qkv, n1, w_o, n2, w_gu, w_down, pos, inv_freq, H
 
 
 @emulation
-@pytest.mark.parametrize("bias, trad, split, attn_split, preload, grid, dynamic, flip", [
-    (False, False, 1, 0, 0, 3, 0, 0), (True, True, 2, 0, 0, 3, 0, 0), (False, False, 1, 1, 0, 6, 1, 0),
-    (False, False, 1, 0, 1, 1, 1, 0), (True, True, 2, 1, 1, 6, 1, 0), (True, False, 1, 0, 0, 3, 1, 0),
-    (True, True, 2, 0, 0, 1, 0, 1)])
-def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, split, attn_split, preload, grid, dynamic, flip,
+@pytest.mark.parametrize("bias, trad, split, attn_split, preload, grid, flip", [
+    (False, False, 1, 0, 0, 3, 0), (True, True, 2, 0, 0, 3, 0), (False, False, 1, 1, 0, 6, 0),
+    (False, False, 1, 0, 1, 1, 0), (True, True, 2, 1, 1, 6, 0), (True, True, 2, 0, 0, 1, 1)])
+def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, split, attn_split, preload, grid, flip,
                                                        monkeypatch):
     """block_kernel.py's one kernel per block against numpy: the block's output row, and k
     and v in the pool at the row's slot (float32). Its five phases run one launch each in
@@ -452,9 +451,7 @@ def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, split, attn_s
     block. With split 2 the four GEMV phases split their pairs over 2 warps; with attn_split
     each KV head's 5 positions go over 3 blocks, merged by the last done; with preload
     each warp's first weight loads of a phase come before the phase's barrier or norm;
-    with dynamic the gate/up pairs go to the warps as they finish (with one warp a pair);
     with flip the barrier is one atomic a block. No block gave up at a barrier."""
-    monkeypatch.setattr(block_kernel, "DYNAMIC_GU", dynamic)
     monkeypatch.setattr(block_kernel, "FLIP_BARRIER", flip)
     monkeypatch.setattr(block_kernel, "SPIN_LIMIT", 1 << 12)  # (a block that would wait forever gives up soon)
     monkeypatch.setattr(block_kernel, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(
@@ -693,22 +690,20 @@ def test_the_kernels_on_cuda_give_mlxs_ops(dtype, rows):
 
 
 @cuda
-@pytest.mark.parametrize("dtype, attn_split, preload, dynamic, flip", [
-    (mx.float32, 0, 0, 0, 0), (mx.bfloat16, 0, 0, 0, 0), (mx.bfloat16, 1, 0, 0, 0), (mx.bfloat16, 0, 1, 0, 0),
-    (mx.bfloat16, 1, 0, 1, 0), (mx.float32, 1, 1, 1, 0), (mx.bfloat16, 1, 0, 0, 1), (mx.float32, 0, 0, 0, 1)])
-def test_the_block_kernel_on_cuda_is_the_block(dtype, attn_split, preload, dynamic, flip, monkeypatch):
+@pytest.mark.parametrize("dtype, attn_split, preload, flip", [
+    (mx.float32, 0, 0, 0), (mx.bfloat16, 0, 0, 0), (mx.bfloat16, 1, 0, 0), (mx.bfloat16, 0, 1, 0),
+    (mx.float32, 1, 1, 0), (mx.bfloat16, 1, 0, 1), (mx.float32, 0, 0, 1)])
+def test_the_block_kernel_on_cuda_is_the_block(dtype, attn_split, preload, flip, monkeypatch):
     """block_kernel.py's one launch, its phases meeting at grid-wide barriers, at the 1B
     shape (float32: a narrower MLP, for shared memory) against numpy from the same
     inputs (run with MLX_ENABLE_TF32=0): the output row and k and v in the pool, and no
     block gave up waiting at a barrier; attn_split: the attention over 7 blocks per KV
     head (16 positions each), merged by the last done; preload: each phase's first weight
-    loads before its barrier; dynamic: the gate/up pairs handed to the warps as they finish;
-    flip: the barrier as one atomic a block. Two launches: the second starts from the
-    barrier's count as the first left it."""
+    loads before its barrier; flip: the barrier as one atomic a block. Two launches: the
+    second starts from the barrier's count as the first left it."""
     monkeypatch.setattr(block_kernel, "ATTN_SPLIT", attn_split)
     monkeypatch.setattr(block_kernel, "FLIP_BARRIER", flip)
     monkeypatch.setattr(block_kernel, "PRELOAD", preload)
-    monkeypatch.setattr(block_kernel, "DYNAMIC_GU", dynamic)
     rng = np.random.default_rng(9)
     width, H, Hk, D, S = 2048, 32, 8, 64, 256
     inter = 8192 if dtype == mx.bfloat16 else 4096

@@ -100,13 +100,6 @@ PRELOAD_REGISTERS = {2: 127, 4: 136}
 # at its start, then per phase once its input row is staged, as its work ends and as it
 # leaves the barrier after it (tools/probe_block_phases.py reads them); off in the engine
 TIMES = 0
-# the gate/up phase's pairs (with one warp a pair) handed out as warps finish: each warp
-# its own first pair, then the next one nobody has taken (a counter in `bar`), instead of
-# every warp's pairs fixed in advance. At 1B the fixed rounds give 16 of the 132 blocks 3
-# rounds of pairs and the others 4, and the blocks' gate/up work ended 36.1-40.8 us into
-# the kernel (tools/results/gpu/session23/d-bench); even shares would end it about a
-# round's eighth sooner if the SMs stream alike, more if they do not. Not measured, off
-DYNAMIC_GU = 0
 
 # the attention phase: paged_attention's group kernel for one row, its blocks walked by the
 # grid ("vb"): one per KV head writing `att`, or (ATTN_SPLIT, `nparts` > 1) each KV head's
@@ -382,9 +375,6 @@ _SOURCE = """
     if (PRELOAD) preload_phase(FIRST);  // (phase 1, the attention, reads no weights)
     for (int phase = FIRST; phase <= LAST; ++phase) {
         if (phase == 0) {  // q/k/v with the input norm and RoPE; k and v into the pool
-            // DYNAMIC_GU's count of pairs taken, from zero: the last launch is done with it,
-            // and this one's gate/up phase is two barriers away
-            if (DYNAMIC_GU && blockIdx.x == 0 && threadIdx.x == 0) atomicExch(const_cast<unsigned*>(bar) + 3 + HK, 0u);
             stage(x, WIDTH, n1, __int_as_float(EPS1));
             stamp(1 + 3 * phase);
             constexpr int NPAIRS_NOW = NQKV / 2;
@@ -441,26 +431,12 @@ _SOURCE = """
                 const float act = static_cast<float>(static_cast<T>(g * sig));
                 a[p] = static_cast<T>(act * u);
             };
-            if (DYNAMIC_GU && SD == 1) {  // each warp its first pair, then the next nobody took
-                unsigned* taken = const_cast<unsigned*>(bar) + 3 + HK;
-                int p = blockIdx.x * WARPS + warp;
-                while (p < INTER) {
-                    int next = 0;  // asked for before this pair's loads, so its latency hides
-                    if (lane == 0) next = gridDim.x * WARPS + (int)atomicAdd(taken, 1u);
-                    next = __shfl_sync(0xffffffff, next, 0);
-                    float s0, s1;
-                    dot_pair(w_gu, WIDTH, 1, p, p + INTER, true, s0, s1);
-                    if (lane == 0) swiglu_out(p, s0, s1);
-                    p = next;
-                }
-            } else {
-                constexpr int NPAIRS_NOW = INTER;
-                UNIKERN_PAIRS(NPAIRS_NOW, SD) {
-                    UNIKERN_PAIR(SD);
-                    float s0, s1;
-                    dot_pair(w_gu, WIDTH, SD, live ? p : 0, live ? p + INTER : 0, live, s0, s1);
-                    if (writer) swiglu_out(p, s0, s1);
-                }
+            constexpr int NPAIRS_NOW = INTER;
+            UNIKERN_PAIRS(NPAIRS_NOW, SD) {
+                UNIKERN_PAIR(SD);
+                float s0, s1;
+                dot_pair(w_gu, WIDTH, SD, live ? p : 0, live ? p + INTER : 0, live, s0, s1);
+                if (writer) swiglu_out(p, s0, s1);
             }
         } else {  // out = h + a @ w_down.T
             stage(a, INTER, nullptr, 0.f);
@@ -542,9 +518,9 @@ def fits(width: int, inter: int, heads: int, kv_heads: int, head_dim: int, dtype
 
 def barrier(kv_heads: int) -> mx.array:
     """A zero barrier for the kernel (count, generation, the spin-out mark, then a
-    counter per KV head for the split attention's merge, then DYNAMIC_GU's count of
-    pairs taken), in device memory (kernel_cache.SMALL_POOL_BYTES)."""
-    return mx.zeros((off_small_pool(4 + kv_heads, 4),), dtype=mx.uint32)
+    counter per KV head for the split attention's merge), in device memory
+    (kernel_cache.SMALL_POOL_BYTES)."""
+    return mx.zeros((off_small_pool(3 + kv_heads, 4),), dtype=mx.uint32)
 
 
 def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tuple[mx.array, float], w_o: mx.array,
@@ -582,7 +558,7 @@ def block_step(x: mx.array, w_qkv: mx.array, b_qkv: mx.array | None, norm1: tupl
                 ("NW", warps), ("U", paged_attention.POSITIONS_IN_FLIGHT), ("SCALE", float_bits(scale)),
                 ("FIRST", phases[0]), ("LAST", phases[1]), ("SPIN_LIMIT", SPIN_LIMIT), ("SPIN_SLEEP", SPIN_SLEEP_NS), ("FLIP", FLIP_BARRIER),
                 ("ATTN_SPLIT", ATTN_SPLIT), ("ATTN_MIN", ATTN_MIN_POSITIONS), ("PRELOAD", int(PRELOAD and PRELOAD_REGISTERS[itemsize] * warps * 32 <= 65536)),
-                ("PHASES", PHASES), ("TIMES", TIMES), ("DYNAMIC_GU", DYNAMIC_GU)]
+                ("PHASES", PHASES), ("TIMES", TIMES)]
     inputs = [x, w_qkv, b_qkv if b_qkv is not None else placeholder(x.dtype), norm1[0], w_o, norm2[0], w_gu, w_down,
               pos, freq_pi, k_pool, v_pool, wslot, slots, lengths, bar]
     kernel = cuda_kernel("unikern_block_step", INPUTS, _SOURCE, _CLOCK_HEADER, OUTPUTS)
