@@ -18,11 +18,12 @@ barrier's waiting blocks cannot hold back one not yet started) walks each phase'
 output pairs in turn; a phase's blocks stage its input row in shared memory (normalized,
 the row's sum of squares summed by the block itself), and each warp (or SPLIT warps) gives
 one output pair as block_gemv's kernel does, rounding as MLX's ops round. The barrier is a
-counter and a generation in device memory: the block's first thread arrives with a
-fence, the last to arrive resets the count and advances the generation, the others spin
-on it (at most SPIN_LIMIT polls, then they go on and mark `bar[2]`, so a grid that
-could not all be resident gives wrong numbers, which the tests see, instead of a hung
-GPU). The kernel's intermediate rows are outputs of their own (q, the attention, h, a,
+count in device memory: the block's first thread arrives with a fence and one atomic add
+(block 0 adds 2^31 minus the other blocks, the others 1, so a full round flips the
+count's top bit: FLIP_BARRIER; or a count and a generation, the last to arrive resetting
+the one and advancing the other) and spins until the round is done (at most SPIN_LIMIT
+polls, then it goes on and marks `bar[2]`, so a grid that could not all be resident
+gives wrong numbers, which the tests see, instead of a hung GPU). The kernel's intermediate rows are outputs of their own (q, the attention, h, a,
 the split attention's partials):
 written in one phase, read in the next, never read before they are written, so no block
 can hold a stale copy in its cache.
@@ -41,7 +42,8 @@ its 122 MB of weights, 2.1 TB/s), 981 with 2, against 0.96-0.99 ms for the whole
 before. The engine at one request: 769 against 455 tok/s (one-process A/B, 6 of 6).
 The phases timed from the GPU's clock (TIMES; tools/probe_block_phases.py, session 23):
 of a 57.7 us block, gate/up 20.4 us (3.3 TB/s), down 13.3, q/k/v 10.8, the attention
-7.5, o 5.7, each barrier 1.7-2.0."""
+7.5, o 5.7, each barrier 1.7-2.0. Session 24: the input rows staged in 16-byte chunks
+and the one-atomic barrier, 47.1 us (tools/results/gpu/session24/c-bench)."""
 
 from __future__ import annotations
 
