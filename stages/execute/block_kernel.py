@@ -23,10 +23,10 @@ count in device memory: the block's first thread arrives with a fence and one at
 count's top bit: FLIP_BARRIER; or a count and a generation, the last to arrive resetting
 the one and advancing the other) and spins until the round is done (at most SPIN_LIMIT
 polls, then it goes on and marks `bar[2]`, so a grid that could not all be resident
-gives wrong numbers, which the tests see, instead of a hung GPU). The kernel's intermediate rows are outputs of their own (q, the attention, h, a,
-the split attention's partials):
-written in one phase, read in the next, never read before they are written, so no block
-can hold a stale copy in its cache.
+gives wrong numbers, which the tests see, instead of a hung GPU). The kernel's
+intermediate rows are outputs of their own (q, the attention, h, a, the split
+attention's partials): written in one phase, read in the next, never read before they
+are written, so no block can hold a stale copy in its cache.
 
 Phases FIRST..LAST run in one launch; the tests' emulation (tests/cuda_emulation.py),
 which runs blocks one after another, runs one phase per launch with the rows carried
@@ -80,7 +80,8 @@ SPIN_SLEEP_NS = 32  # a waiting block's pause between polls (0: none)
 # waits for the flip (cooperative groups' grid sync does the same). 0: the count and a
 # generation, the last to arrive resetting the one and advancing the other (two more
 # atomics on the barrier's path). On an H200, 1B block, 16 chained: the kernel 46.0 us
-# against 47.9 (tools/results/gpu/session24/b-stage/probe-phases.log)
+# against 47.9, and 47.1 against 49.5 in another machine start
+# (tools/results/gpu/session24/{b-stage,c-bench}/probe-phases.log)
 FLIP_BARRIER = 1
 SHARED_BYTES = 48 << 10  # static shared memory a kernel may declare
 PHASES = 5
