@@ -427,19 +427,18 @@ _SOURCE = """
         } else if (phase == 3) {  // a = swiglu(gate, up) of norm(h) @ w_gu.T, rounded as mlx-lm's
             stage(h, WIDTH, n2, __int_as_float(EPS2));
             stamp(1 + 3 * phase);
-            auto swiglu_out = [&](int p, float s0, float s1) {  // a[p], rounded as mlx-lm's ops round
-                const float g = static_cast<float>(static_cast<T>(s0));
-                const float u = static_cast<float>(static_cast<T>(s1));
-                const float sig = static_cast<float>(static_cast<T>(1.f / (1.f + expf(-g))));
-                const float act = static_cast<float>(static_cast<T>(g * sig));
-                a[p] = static_cast<T>(act * u);
-            };
             constexpr int NPAIRS_NOW = INTER;
             UNIKERN_PAIRS(NPAIRS_NOW, SD) {
                 UNIKERN_PAIR(SD);
                 float s0, s1;
                 dot_pair(w_gu, WIDTH, SD, live ? p : 0, live ? p + INTER : 0, live, s0, s1);
-                if (writer) swiglu_out(p, s0, s1);
+                if (writer) {
+                    const float g = static_cast<float>(static_cast<T>(s0));
+                    const float u = static_cast<float>(static_cast<T>(s1));
+                    const float sig = static_cast<float>(static_cast<T>(1.f / (1.f + expf(-g))));
+                    const float act = static_cast<float>(static_cast<T>(g * sig));
+                    a[p] = static_cast<T>(act * u);
+                }
             }
         } else {  // out = h + a @ w_down.T
             stage(a, INTER, nullptr, 0.f);

@@ -83,9 +83,10 @@ class CompiledPrefill:
     length bucket (paged_cache.length_bucket: 16, 32, 48, 64, then four lengths per
     doubling), traced once per (rows, bucket, pool size) and replayed, instead of the
     model's graph built op by op in Python for every prompt. On an H200 the 64-token 1B
-    prefill's build was 1.5-2.4 ms of a 5-8 ms step in the engine (tools/results/gpu/session23). The
-    padded positions write the scratch block and the causal mask keeps them out of every
-    real position; logits come from each row's last real token."""
+    prefill's build was 1.5-2.4 ms of a 5-8 ms step in the engine
+    (tools/results/gpu/session23). The padded positions write the scratch block and the
+    causal mask keeps them out of every real position; logits come from each row's last
+    real token."""
 
     max_traces = 64  # kept shapes before the traces start over (CompiledDecode's reason)
     max_tokens = 512  # rows x bucket; longer forwards are the GPU's, not the host's, to pace

@@ -48,8 +48,10 @@ class ScheduleParams(StageParams, frozen=True):
     # went 1.4 -> 0.4 ms, the wall time within that machine's noise
     # (tools/results/step-gaps-llama-5m-cpu-overlap-prefill-*.json). The cost: requests
     # arriving just after the first one's plan wait for that window (16 at once on the
-    # CPU machine: 1x1 +8x1 1x16 ... instead of 1x1 1x16 8x16 ...). Not measured on the
-    # GPU yet, so off by default
+    # CPU machine: 1x1 +8x1 1x16 ... instead of 1x1 1x16 8x16 ...). On an H200, 1B, with
+    # compile_prefill too against neither, one-process A/B: one request faster in 4 of 6
+    # repeats, 64 requests slower in 5 of 6 (tools/results/gpu/session24/a-ab/ab-1b.log),
+    # so off by default
     overlap_prefill: bool = False
 
     def waiting_limit(self) -> int:
