@@ -18,6 +18,8 @@ from unikern.registry import resolve, stage_types
 # What the engine facade injects and what it collects: the pipeline's two open ends.
 INGRESS_TYPES: tuple[type, ...] = (m.Submit, m.Cancel)
 EGRESS_TYPES: tuple[type, ...] = (m.TokenEvent, m.DoneEvent, m.ErrorEvent, m.EventBatch)
+# the section name `--set` reaches the pipeline file's `server:` settings by
+SERVER = "server"
 
 
 class StageSpec(msgspec.Struct, frozen=True):
@@ -85,14 +87,17 @@ def load_pipeline(
 
 
 def parse_overrides(assignments: list[str]) -> dict[str, dict[str, Any]]:
-    """`STAGE.KEY=VALUE` strings -> {stage: {key: value}}; values are YAML scalars."""
+    """`STAGE.KEY=VALUE` strings -> {stage: {key: value}}; values are YAML scalars. STAGE
+    is a member's name, or `server` for the server section."""
     result: dict[str, dict[str, Any]] = {}
     problems = []
     for item in assignments:
         target, eq, raw = item.partition("=")
         stage, dot, key = target.partition(".")
         if not eq or not dot or not stage or not key:
-            problems.append(f"--set {item!r}: expected STAGE.KEY=VALUE, e.g. kv.memory_fraction=0.2")
+            problems.append(
+                f"--set {item!r}: expected STAGE.KEY=VALUE, e.g. kv.memory_fraction=0.2 or server.max_waiting=2"
+            )
             continue
         try:
             value = msgspec.yaml.decode(raw.encode()) if raw else ""
@@ -152,10 +157,17 @@ def parse_pipeline(
     problems += check_server_section(server)
 
     overrides = dict(overrides or {})
+    if SERVER in overrides:  # `--set server.KEY=VALUE`: the server section, over the file's
+        if SERVER in raw_stages:
+            problems.append(f"--set {SERVER}.*: ambiguous: a member is named {SERVER!r} too; rename it")
+        given = overrides.pop(SERVER)
+        problems += check_server_section(given, path=f"--set {SERVER}")
+        server = {**server, **given}
     for stage_name in overrides:
         if stage_name not in raw_stages:
             problems.append(
-                f"--set {stage_name}.*: no stage named {stage_name!r}; stages: {', '.join(raw_stages)}"
+                f"--set {stage_name}.*: no stage named {stage_name!r}; stages: {', '.join(raw_stages)}; "
+                f"or `{SERVER}` for the server section"
             )
 
     stages: dict[str, StageSpec] = {}

@@ -64,6 +64,8 @@ def runs(
             "8",
             "--set",
             "kv.memory_fraction=0.2",
+            "--set",
+            "server.max_waiting=2",
         ],
         "sampled": [
             "run",
@@ -119,7 +121,8 @@ def test_run_streams_a_completion_to_stdout(runs) -> None:
 
 
 def test_run_accepts_a_stage_override(runs) -> None:
-    # `--set kv.memory_fraction=0.2` was given to the greedy run: accepted, not refused
+    # `--set kv.memory_fraction=0.2` and `--set server.max_waiting=2` were given to the
+    # greedy run: accepted, not refused (a pipeline file's every section can be set)
     result = runs["greedy"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "problem" not in result.stderr
@@ -295,3 +298,27 @@ def test_set_refuses_an_unknown_field_and_a_malformed_assignment(model_dir: Path
     assert result.returncode == 2
     assert "expected STAGE.KEY=VALUE" in result.stderr
     assert result.stdout == ""
+
+
+def test_set_reaches_the_settings_serve_uses(tmp_path: Path) -> None:
+    """`serve --set server.KEY=VALUE`: over the file's `server:` section, or without one,
+    in the ServerParams `serve` hands its HTTP server; flags still win over both."""
+    from unikern.frontends.cli import build_parser, serve_settings
+
+    text = (ROOT / "pipelines" / "generate.yaml").read_text() + "server: {max_waiting: 100, api_key: from-the-file}\n"
+    (tmp_path / "served.yaml").write_text(text)
+    args = build_parser().parse_args(["serve", str(tmp_path / "served.yaml"), "--set", "server.max_waiting=2"])
+    _, params = serve_settings(args)
+    assert (params.max_waiting, params.api_key) == (2, "from-the-file")
+    args = build_parser().parse_args(
+        ["serve", "--set", "server.max_waiting=2", "--set", "server.port=9001", "--port", "9002"]
+    )
+    _, params = serve_settings(args)
+    assert (params.max_waiting, params.port, params.api_key) == (2, 9002, None)
+
+
+def test_set_refuses_a_misspelled_server_key_naming_the_valid_ones() -> None:
+    result = run_cli("serve", "--set", "server.max_waitin=2")
+    assert result.returncode == 2
+    assert "--set server.max_waitin: unknown field; valid fields: api_key, drain_seconds, host, " in result.stderr
+    assert "Traceback" not in result.stderr and "listening" not in result.stderr

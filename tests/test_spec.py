@@ -349,6 +349,38 @@ def test_overrides_are_applied_and_validated() -> None:
     assert any(p.startswith("$.stages.kv.memory_fraction: must be in (0, 1]") for p in problems)
 
 
+def test_set_reaches_the_server_section_over_the_file_or_without_one() -> None:
+    """`--set server.KEY=VALUE` sets the `server:` section, typed as in the file: over the
+    file's own values, and in a file that has no section."""
+    with_section = pipeline(top="server: {max_waiting: 100, api_key: k}\n")
+    spec = parse_pipeline(with_section, overrides=parse_overrides(["server.max_waiting=2"]))
+    assert spec.server == {"max_waiting": 2, "api_key": "k"}
+    spec = parse_pipeline(pipeline(), overrides=parse_overrides(["server.max_waiting=2", "server.host=0.0.0.0"]))
+    assert spec.server == {"max_waiting": 2, "host": "0.0.0.0"}
+    assert parse_pipeline(pipeline()).server == {}
+
+
+def test_set_refuses_a_misspelled_or_mistyped_server_key_naming_the_valid_ones() -> None:
+    problems = problems_of(pipeline(), overrides=parse_overrides(["server.max_waitin=2", "server.port=http"]))
+    assert problems[0] == (
+        "--set server.max_waitin: unknown field; valid fields: api_key, drain_seconds, host, "
+        "max_body_bytes, max_waiting, port, retry_after_seconds, served_model_name"
+    )
+    assert problems[1].startswith("--set server.port: Expected `int`")
+    assert len(problems) == 2
+
+
+def test_set_names_server_among_the_sections_and_refuses_a_member_named_server() -> None:
+    problems = problems_of(pipeline(), overrides=parse_overrides(["servr.max_waiting=2"]))
+    assert problems == [
+        "--set servr.*: no stage named 'servr'; stages: tokenize, schedule, kv, execute, output; "
+        "or `server` for the server section"
+    ]
+    named_server = pipeline(extra="  server:\n    type: output\n", drop=("output",))
+    problems = problems_of(named_server, overrides=parse_overrides(["server.max_waiting=2"]))
+    assert problems == ["--set server.*: ambiguous: a member is named 'server' too; rename it"]
+
+
 def test_the_kv_tiers_with_several_ranks_are_refused_when_the_pipeline_is_read() -> None:
     """A member's checks across members (`pipeline_problems`): the tiers of generate-offload
     with execute.tensor_parallel 2 are refused by name before any rank starts; one rank

@@ -5,18 +5,22 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from unikern.errors import ConfigError, UnikernError
 from unikern.frontends import logs
 
+if TYPE_CHECKING:
+    from unikern.frontends.http.params import ServerParams
+    from unikern.spec import PipelineSpec
+
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("pipeline", nargs="?", default="generate", help="a pipeline YAML file or built-in name (default: generate)")
     parser.add_argument("--model", help="override the model of every stage that has one (a directory or hub repo)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.KEY=VALUE", help="override a stage parameter, e.g. kv.memory_fraction=0.2")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.KEY=VALUE", help="override a stage parameter or a server setting, e.g. kv.memory_fraction=0.2 or server.max_waiting=2")
     parser.add_argument("--log-level", default="warning", help="debug, info, warning or error (logs go to stderr)")
 
 
@@ -70,16 +74,24 @@ def _follow(args: argparse.Namespace) -> int:
     return follower_main(["--backend", backends[0] if backends else "auto", "--log-level", args.log_level])
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from unikern.engine import Engine
+def serve_settings(args: argparse.Namespace) -> tuple[PipelineSpec, ServerParams]:
+    """`serve`'s pipeline and server settings: the file's `server:` section, then
+    `--set server.KEY=VALUE`, then the flags (--host, --port, ...)."""
     from unikern.frontends.http.params import server_params
-    from unikern.frontends.http.server import HTTPServer
     from unikern.spec import load_pipeline, parse_overrides
 
     spec = load_pipeline(args.pipeline, model=args.model, overrides=parse_overrides(args.overrides))
     params = server_params(spec.server).with_overrides(
         host=args.host, port=args.port, api_key=args.api_key, drain_seconds=args.drain_seconds
     )
+    return spec, params
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from unikern.engine import Engine
+    from unikern.frontends.http.server import HTTPServer
+
+    spec, params = serve_settings(args)
     # the model as given (--model, or the file's), or `default`: what /v1/models reports
     given = next((stage.params["model"] for stage in spec.stages.values() if "model" in stage.params), "default")
     server = HTTPServer(

@@ -29,19 +29,19 @@ class ServerParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return msgspec.structs.replace(self, **given) if given else self
 
 
-def check_server_section(raw: dict[str, Any]) -> list[str]:
-    """Problems of a `server:` section, each with its `$.server.<field>` path."""
+def check_server_section(raw: dict[str, Any], path: str = "$.server") -> list[str]:
+    """Problems of a `server:` section (or of `--set server.*`), each with its `<path>.<field>`."""
     fields = {f.name: f.type for f in msgspec.structs.fields(ServerParams)}
     problems = []
     for key, value in raw.items():
         if key not in fields:
-            problems.append(f"$.server.{key}: unknown field; valid fields: {', '.join(sorted(fields))}")
+            problems.append(f"{path}.{key}: unknown field; valid fields: {', '.join(sorted(fields))}")
             continue
         try:
             msgspec.convert({key: value}, ServerParams)
         except msgspec.ValidationError as exc:
             detail = str(exc).split(" - at ")[0]
-            problems.append(f"$.server.{key}: {detail} (got {value!r})")
+            problems.append(f"{path}.{key}: {detail} (got {value!r})")
     return problems
 
 
