@@ -12,7 +12,7 @@ from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
 
 
 class OutputParams(StageParams, frozen=True):
-    pass
+    """The output stage has no settings: detokenization and stop strings follow each request."""
 
 
 class TextStream:

@@ -13,8 +13,11 @@ from unikern.stages.models import DEFAULT_MODEL, resolve_model_path
 
 class TokenizeParams(StageParams, frozen=True):
     model: str = DEFAULT_MODEL
-    # prompts longer than this are refused up front (default: the model's context)
+    """The model whose tokenizer and chat template are used: a directory in MLX layout, a hub repo id
+    (fetched by mlx-lm, which needs the network), or `default`, the small model shipped with unikern."""
     max_prompt_tokens: int | None = None
+    """Prompts longer than this many tokens (>= 1) are refused before they reach the scheduler;
+    null: the model's context length."""
 
     def validate(self) -> list[str]:
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:

@@ -40,169 +40,106 @@ LOST_WAIT_S = 3.0  # after a rank was lost, how long the model thread gets to co
 
 class MLXExecuteParams(StageParams, frozen=True):
     model: str = DEFAULT_MODEL
-    # seed for requests that give none (each request still gets its own stream)
+    """The model to load: a directory in MLX layout, a hub repo id (fetched by mlx-lm, which needs the
+    network), or `default`, the small model shipped with unikern."""
     seed: int = 0
-    # keep the weights resident: mlock on Linux, the wired limit on Metal
+    """Sampling seed for requests that give none; each request still draws from a stream of its own
+    (this seed mixed with its request id)."""
     wire_weights: bool = True
-    # on MLX's CPU backend, run SwiGLU and the attention softmax in PyTorch, in place on
-    # MLX's buffers (see stages/cpu_kernels.py); float32 models only; ignored elsewhere
+    """Keep the weights resident: mlock on Linux, MLX's wired limit on Metal (nothing to do on CUDA,
+    where the weights live in device memory)."""
     cpu_kernels: bool = True
-    # trace each lookahead decode step once per shape with mx.compile and replay it
-    # (compiled.CompiledDecode). "auto": on a GPU backend only, since the CPU backend
-    # builds compiled kernels with the system C++ compiler at first use, and its CPU
-    # kernels (above) cannot be traced; "always" (a C++ compiler needed on CPU); "never"
+    """On MLX's CPU backend, float32 models: SwiGLU and the attention softmax run in PyTorch, in place
+    on MLX's buffers (stages/execute/cpu_kernels.py). Ignored on other backends and dtypes."""
     compile_decode: Literal["auto", "always", "never"] = "auto"
-    # before saying ready, run a prefill and decode windows on a private pool so MLX's
-    # GPU kernels are built at start, not in the first requests (runner.warm_up);
-    # "auto": on a GPU backend only
+    """Trace a decode window's step once per shape with `mx.compile` and replay it. `auto`: on a GPU
+    backend only (on the CPU backend MLX builds compiled kernels with the system C++ compiler at first
+    use, and `cpu_kernels` cannot be traced); `always` needs that compiler on CPU."""
     warmup: Literal["auto", "always", "never"] = "auto"
-    # quantized weights: steps of at least this many rows dequantize each layer's weights
-    # and run a plain matmul, since MLX's CPU and CUDA quantized kernels cost a row's time
-    # per row (quantized.AUTO_ROWS); "auto": 8 on CPU, off on Metal; on CUDA 17 with the
-    # GEMV below, 65 with the tensor-core kernel (quantized.KERNEL_ROWS)
+    """Before reporting ready, run a prefill and decode windows on a private pool, so MLX builds its
+    GPU kernels at start instead of in the first requests. `auto`: on a GPU backend only."""
     dequantize_rows: int | Literal["auto", "never"] = "auto"
-    # 4-bit affine weights, steps of fewer rows than dequantize_rows: unikern's GEMV kernel
-    # (quantized.py: each weight word read and dequantized once for up to 16 rows, one
-    # pass per 16) instead of MLX's quantized matmul; CUDA only, "auto" = on CUDA, where it
-    # was measured (8B shape on an H200, against MLX's kernel and dequantized weights from
-    # 8 rows: one request 138 -> 177 tok/s; 16 requests 728 -> 894 with it below 65 rows;
-    # tools/results/gpu/session8/a-gemv)
+    """Quantized weights: steps of at least this many rows (>= 1) dequantize each layer's weights and
+    run a plain matmul, as MLX's CPU and CUDA quantized kernels cost about a row's time per row.
+    `auto`: 8 on CPU, off on Metal; on CUDA 65 with `quantized_mma`, 17 with only `quantized_gemv`,
+    else 8 (stages/execute/quantized.py); `never`: off."""
     quantized_gemv: Literal["auto", "always", "never"] = "auto"
-    # and steps of more than 8 rows (bfloat16 activations) through unikern's tensor-core
-    # kernel (quantized.py: mma.sync on weights dequantized in registers, 64 rows per
-    # pass); CUDA only, "auto" = on CUDA, where it was measured (8B shape on an H200,
-    # against the GEMV to 16 rows and dequantized weights above, two rounds: 16 requests
-    # 928 / 906 -> 1,705 / 1,691 tok/s, 64 requests 2,633 / 2,617 -> 3,537 / 3,596;
-    # tools/results/gpu/session8/b-mma)
+    """4-bit affine weights, steps of fewer rows than `dequantize_rows`: unikern's GEMV kernel instead of
+    MLX's quantized matmul (stages/execute/quantized.py). CUDA only: `auto` = on CUDA, `always` elsewhere
+    is refused at start. On an H200 (8B 4-bit) it took one request 138 -> 177 tok/s (tools/bench_gpu.py)."""
     quantized_mma: Literal["auto", "always", "never"] = "auto"
-    # the tensor-core kernel's weights: "bfloat16" (each dequantized weight rounded to
-    # bf16, as the dequantized-weights path does) or "split" (two bf16 halves through two
-    # MMAs: as exact as the float32 weights of MLX's one-row kernel). On an H200 the split
-    # cost 5% of a 64-row step of the 8B 4-bit shape and did not bring its greedy tokens
-    # nearer mlx-lm's (9 mismatches of 16 either way: tools/results/gpu/session9/a-kernels)
+    """4-bit affine weights, steps of more than 8 rows with bfloat16 activations: unikern's tensor-core
+    kernel (weights dequantized in registers). CUDA only, as `quantized_gemv`. On an H200 (8B 4-bit)
+    16 requests went 928 -> 1,705 tok/s and 64 requests 2,633 -> 3,537 (tools/bench_gpu.py)."""
     quantized_mma_weights: Literal["bfloat16", "split"] = "bfloat16"
-    # multiply each attention's q/k/v and each MLP's gate/up projections through one
-    # concatenated weight (stages/execute/fused.py): fewer, wider matmuls. "auto": on
-    # CUDA, unquantized layers, where it was measured (a one-row step's GEMV time 970 ->
-    # 624 us at the 1B shape; 16 and 64 requests 9-18% faster), and quantized layers
-    # where unikern's 4-bit kernels run them (ranks.fuses_quantized); "always": quantized
-    # layers too whatever multiplies them
+    """The tensor-core kernel's weights: `bfloat16` rounds each dequantized weight to bf16 (as the
+    dequantized path does); `split` runs two bf16 halves through two MMAs, as exact as float32. On an
+    H200 `split` cost 5% of a 64-row 8B step and came no nearer mlx-lm's tokens (tools/probe_cuda.py,
+    tools/parity_check.py)."""
     fuse_projections: Literal["auto", "always", "never"] = "auto"
-    # each pre-norm block's residual adds run with the RMS norms that read their sums, one
-    # kernel for both on CUDA (stages/execute/residual.py; llama, qwen2, qwen3 and phi3
-    # blocks, one rank): 32 fewer kernels per token of the 1B shape. On an H200 its first
-    # version was slower (its one output read back as two gathers:
-    # tools/results/gpu/session11/a-next); the version with two outputs is not measured,
-    # so "never" by default; "always" turns it on
+    """Multiply each attention's q/k/v and each MLP's gate/up projections through one concatenated
+    weight (stages/execute/fused.py). `auto`: on CUDA, for unquantized layers and the quantized ones
+    unikern's 4-bit kernels run; `always`: every quantized layer too. On an H200 (1B) a one-row token's
+    GEMV time went 970 -> 624 us (tools/probe_cuda.py)."""
     fuse_norms: Literal["always", "never"] = "never"
-    # a decoder block's decode steps of up to 4 rows as four GEMV kernels with RoPE,
-    # SwiGLU and the residual adds inside them and MLX's RMS norm kernels before two of
-    # them, 9 kernels per block instead of 14 (stages/execute/blocks.py; llama and qwen2
-    # blocks, unquantized, with fuse_projections, one rank); MLX's own ops off CUDA. On an
-    # H200 (1B shape, one row) a token's GPU time went 1.182 -> 1.089 ms and its kernels
-    # 242 -> 166, but its wall time, one process each, 1.430 -> 1.617 ms
-    # (tools/results/gpu/session13/b-blocks); in the engine, one-process A/B (session
-    # 14): 1.04x / 0.92x / 1.02x at 1 / 16 / 64 requests (above 4 rows it does not run:
-    # those two are the A/B's noise). Session 15 (session15/a-probes): 4 requests 1.40x,
-    # 12 of 12 repeats won, one request 0.93x, 5 of 12; the runner's one-row token
-    # 2.34 / 2.47 -> 1.86 / 2.43 ms in two rounds of processes, the host's part of it
-    # (the traced replay and mx.async_eval) 2.26 -> 1.81 ms. So "auto" (CUDA) by default
+    """Run each pre-norm block's residual adds with the RMS norms that read their sums, one CUDA kernel
+    for both (stages/execute/residual.py; llama, qwen2, qwen3, phi3; one rank). Off: on an H200 (1B) a
+    token took 1.31 ms of GPU time with it against 1.18 without (tools/probe_cuda.py)."""
     fuse_blocks: Literal["auto", "always", "never"] = "auto"
-    # with fuse_blocks, decode steps of more rows than its kernels take (4), up to this
-    # many, run the same block through MLX's ops instead of the family's code (4-bit
-    # blocks, which the kernels do not take: every step of up to this many rows): 2-D
-    # matmuls through the weights' transposed views made once, q and k rotated and written
-    # into the pool by one kernel (blocks.OPS_ROPE_WRITE), no layout round trips: fewer
-    # graph nodes for MLX to encode each step (a 1B 64-row step: 261 primitives against
-    # the family's 629). On an H200 (tools/results/gpu/session19) a 1B 64-row step took
-    # 1.63 / 1.80 ms in two rounds against the family's 3.30 / 2.17, the same tokens, and the
-    # three engines gave 0.91x and 0.89x llama.cpp at 64 requests (session 16: 0.64x).
-    # "auto": 64 for unquantized blocks; 4-bit blocks keep the kernels' 4 (not measured
-    # there above 4 rows); 0: the kernels' rows only
+    """Run a decoder block's decode steps of up to 4 rows as four GEMV kernels with RoPE, SwiGLU and
+    the residual adds inside them (stages/execute/blocks.py; llama and qwen2, unquantized, with
+    `fuse_projections`, one rank); MLX's own ops off CUDA. `auto`: on CUDA, where on an H200 (1B) it ran
+    4 requests 1.40x faster, 12 of 12 repeats (tools/bench_ab.py)."""
     fuse_blocks_ops_rows: int | Literal["auto"] = "auto"
-    # with fuse_blocks' kernels, a one-row decode step of each block as one kernel whose
-    # five phases meet at grid-wide barriers (stages/execute/block_kernel.py): a 1B token
-    # 34 kernels instead of 99 for MLX to encode, where the host paced the token. On an
-    # H200 (tools/results/gpu/session21/a-one-kernel) the runner's token took 1.13 / 1.15 ms
-    # against 1.34 / 1.33 in two rounds, the same tokens (GPU 1.07 against 0.97-0.99 ms),
-    # and the engine at one request 769 against 455 tok/s (one-process A/B, 6 of 6
-    # repeats). So "auto" (CUDA) by default
+    """With `fuse_blocks`, decode steps of more rows than its kernels take (4), up to this many (>= 0),
+    run the block through MLX's ops with fewer graph nodes than the model family's code (4-bit blocks:
+    every step up to it). `auto`: 64 for unquantized blocks, 4 for 4-bit ones; 0: off. On an H200 (1B)
+    a 64-row step took 1.63 ms against the family code's 3.30 (tools/probe_cuda.py)."""
     block_kernel: Literal["auto", "always", "never"] = "auto"
-    # plain bfloat16 linear layers (the fused projections' among them), steps of 5 to 64
-    # rows: unikern's tensor-core kernel (stages/execute/dense_mma.py) instead of MLX's
-    # cuBLASLt matmul, whose encoding costs the host 13-17 us per call on an H200 against
-    # 3-4 for a kernel of unikern's (tools/results/gpu/session15/c-ops); a decode step of
-    # the 1B shape runs 65. CUDA only ("always" without CUDA is refused at start); not
-    # measured in the engine yet, so "never" by default ("auto": on CUDA)
+    """With `fuse_blocks`' kernels, a block's one-row decode step as a single kernel whose phases meet at
+    grid-wide barriers (stages/execute/block_kernel.py). `auto`: on CUDA, where on an H200 (1B) the
+    engine at one request gave 769 against 455 tok/s (tools/bench_ab.py)."""
     dense_mma: Literal["auto", "always", "never"] = "never"
-    # decode steps of full-attention layers read keys and values straight from the pool
-    # by each row's slot table and length (stages/execute/paged_attention.py): one CUDA
-    # kernel per layer instead of a gathered copy and a masked SDPA; elsewhere MLX's own
-    # ops (tests). "auto" = on CUDA, where it was measured (1B shape on an H200, against
-    # the gathered path in one run: 64 requests 10,093 -> 16,891 tok/s, 16 requests
-    # 3,457 -> 4,943; tools/results/gpu/H200-issue17.md)
+    """Plain bfloat16 linear layers, steps of 5 to 64 rows: unikern's tensor-core kernel instead of MLX's
+    cuBLASLt matmul (stages/execute/dense_mma.py). CUDA only (`auto` = on CUDA). Off: on an H200 (1B) a
+    64-row step took 3.04 ms of GPU time against 2.57, no host time saved (tools/probe_cuda.py)."""
     paged_attention: Literal["auto", "always", "never"] = "auto"
-    # with paged_attention (no mask), one-row decode windows are traced steps too, as
-    # windows of several rows are (compile_decode); "auto": on CUDA only
+    """Decode attention of full-attention layers reads keys and values straight from the pool by each
+    row's slot table (stages/execute/paged_attention.py): a CUDA kernel on CUDA, MLX's ops elsewhere.
+    `auto`: on CUDA, where on an H200 (1B) 64 requests went 10,093 -> 16,891 tok/s (tools/bench_gpu.py)."""
     compile_one_row: Literal["auto", "always", "never"] = "auto"
-    # with paged_attention, prompts of up to this many tokens (a prefill group's in all)
-    # run as one decode step of a row per token, each row reading the table up to itself,
-    # through fuse_blocks' decode paths instead of the family's prefill code ("auto": the
-    # rows the fused blocks take, 64 for unquantized ones, where paged attention and
-    # fuse_blocks run; 0: off). On an H200 (tools/results/gpu/session22) the family's
-    # 64-token 1B prefill was 262 kernels and 5.1 / 6.2 ms in two processes (1.4 on the
-    # GPU), by rows 217 and 4.7 ms in a third; the engine's first token at one request
-    # was no sooner (10 ms), and parity with it on gave 2 one-ulp mismatches (margins
-    # 0.031) where the defaults had 0. So 0 (off) by default
+    """With `paged_attention`, one-row decode windows are traced (`mx.compile`) too, as windows of
+    several rows are. `auto`: on CUDA."""
     prefill_rows: int | Literal["auto"] = 0
-    # forwards of fresh prompts (every row at position 0, up to 512 tokens in all, padded
-    # to a length bucket) through one mx.compile'd function per (rows, bucket), replayed
-    # instead of built op by op in Python (compiled.CompiledPrefill): on an H200 the
-    # 64-token 1B prefill's Python build was 1.5-2.4 ms of a 5-8 ms step in the engine
-    # (tools/results/gpu/session23). In the engine on an H200, 1B, one-process A/B against
-    # op by op: faster at 1 / 16 / 64 requests in 6 / 4 / 5 of 6 repeats, medians 956 /
-    # 7,718 / 24,163 against 932 / 6,440 / 21,769 tok/s (session24/b-stage/ab-1b-cp.json).
-    # "auto" (default): where compile_decode is on (a GPU), the CPU kernels are off and the
-    # model has no quantized layers (not measured with them: ranks.traces_prefill)
+    """With `paged_attention`, prompts of up to this many tokens (a prefill group's in all; >= 0) run as
+    one decode step of a row per token through `fuse_blocks`' paths. `auto`: the rows the fused blocks
+    take (64 unquantized) where both run; 0: off. Off: on an H200 (1B) the first token came no sooner
+    and parity had 2 one-ulp mismatches (tools/probe_prefill.py, tools/parity_check.py)."""
     compile_prefill: Literal["auto", "always", "never"] = "auto"
-    # Python's GIL switch interval in ms while the stage runs (sys.setswitchinterval; it
-    # is the process's, the one before comes back at stop): the longest the model thread
-    # waits for the GIL while the event loop detokenizes and delivers, each time it wants
-    # it back (after each `mx.async_eval`) to build and launch a step. None: Python's own
-    # (5 ms); "auto": AUTO_GIL_SWITCH_MS on CUDA, Python's own elsewhere. With
-    # tools/host_bound.py's stand-in model (0.3 ms of Python, then 2.3 ms without the GIL
-    # per step) 64 requests took 227-263 ms at 5 ms and 209-213 at 0.2, 16 and one
-    # request the same (three interleaved rounds on the CPU machine:
-    # tools/results/host-bound-switch/). With a real model on the CPU backend 0.2 was
-    # slower (llama-5m, tools/bench_ab.py, 4 paired repeats: 0.88x / 0.94x / 0.97x at 1 /
-    # 16 / 64 requests; tools/results/ab-llama-5m-cpu-switch.json). On an H200 (1B shape):
-    # tools/bench_ab.py, 6 paired repeats in one process, 0.2 ms: 1.09x / 1.31x / 0.96x at
-    # 1 / 16 / 64 requests (tools/results/gpu/session14/a-engines); tools/step_gaps.py, one
-    # process per setting, 3 repeats (tools/results/gpu/session20): wall at 16 / 64
-    # requests 205 / 247 ms at 5 ms against 131 / 161 at 0.5, 142 / 172 at 0.2, 153 / 189 at
-    # 0.1, 131 / 146 at 0.05; the decode windows' `mx.async_eval` per step at 64 requests
-    # 2.35 ms at 5 against 1.33-1.64. On a second machine start, at 5 ms, 64 requests took
-    # 247 and 180 ms in two processes: the processes' spread is large. One request: 90-124
-    # ms at the short intervals, 104-150 at 5
+    """Run forwards of fresh prompts (every row at position 0, up to 512 tokens, padded to a length
+    bucket) through one `mx.compile`d function per shape. `auto`: where `compile_decode` is on,
+    `cpu_kernels` off and the model has no quantized layers. On an H200 (1B) 64 requests went 21,769 ->
+    24,163 tok/s (tools/bench_ab.py)."""
     gil_switch_ms: float | Literal["auto"] | None = "auto"
-    # once every stage has started, freeze the objects alive then (gc.freeze, after a
-    # collection of the young generations: the imports, the tokenizer, the model's
-    # tree), so Python's oldest-generation collection no longer walks them while the
-    # engine serves; they go back to the collector when the last engine that froze
-    # stops (unikern.platform.heap). On the CPU machine one such collection took
-    # 171-187 ms, inside runs of 60-70 ms (tools/results/host-bound-gc/)
+    """Python's GIL switch interval while the stage runs, in ms (> 0; the process's setting, restored at
+    stop): how long the model thread can wait for the GIL. `auto`: 0.5 on CUDA, Python's own elsewhere;
+    null: Python's own (5 ms). On an H200 (1B) 64 requests took 161 ms at 0.5 against 247 at 5
+    (tools/step_gaps.py)."""
     freeze_heap: bool = True
-    # several ranks through mx.distributed (stages/execute/distributed.py): attention
-    # heads and MLP columns split across ranks (mlx-lm's Model.shard), or the layers
-    # split (pipeline); one of the two at a time. Rank 0 runs the whole pipeline.
+    """Once every stage has started, move the objects alive then out of Python's garbage collections
+    (gc.freeze) until the last engine that froze stops: on the CPU machine one full collection took
+    171-187 ms inside 60-70 ms runs (tools/host_bound.py)."""
     tensor_parallel: int = 1
+    """Ranks (>= 1) splitting each layer's attention heads and MLP columns through mx.distributed; rank 0
+    runs the whole pipeline. One of `tensor_parallel` and `pipeline_parallel` may exceed 1."""
     pipeline_parallel: int = 1
-    # "auto": ring with a hostfile (its format is ring's), else nccl on a CUDA GPU, ring elsewhere
+    """Ranks (>= 1) each holding a contiguous share of the layers; one of the two at a time."""
     distributed_backend: Literal["auto", "ring", "nccl", "mpi", "jaccl"] = "auto"
-    # ranks on several machines: MLX's hostfile (ring: a JSON list of ["ip:port"] per
-    # rank, rank 0 first), the other ranks started with MLX_RANK=k (mlx.launch or by
-    # hand); none: the other ranks are started here, on loopback
+    """mx.distributed's backend for several ranks. `auto`: `ring` with a `hostfile`, else `nccl` on a
+    CUDA GPU and `ring` elsewhere."""
     hostfile: str | None = None
+    """Ranks on several machines: MLX's hostfile (for ring, a JSON list of ["ip:port"] per rank, rank 0
+    first), the other ranks started with MLX_RANK=k; null: the other ranks are started here, on loopback."""
 
     def validate(self) -> list[str]:
         problems = []

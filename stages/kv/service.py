@@ -21,34 +21,47 @@ RESERVED_BLOCKS = 2  # block 0: always zero (padded reads); block 1: scratch (pa
 
 
 class KVManagerParams(StageParams, frozen=True):
-    block_size: int = 256  # tokens per logical block: prefix hashing, offload, disk files
-    kernel_block_size: int = 16  # tokens per kernel block: what attention gathers
-    memory_fraction: float = 0.5  # of the platform's total memory, minus weights and reserve
-    kv_budget_bytes: int | None = None  # overrides memory_fraction
+    block_size: int = 256
+    """Tokens per logical block (a multiple of `kernel_block_size`): the unit of prefix caching,
+    offload and disk files."""
+    kernel_block_size: int = 16
+    """Tokens per kernel block (>= 1): what attention gathers, and the unit sequence lengths are
+    padded to in a batch."""
+    memory_fraction: float = 0.5
+    """The KV budget as a fraction (0 to 1] of the platform's total memory, less the weights and
+    `activation_reserve_bytes`. Ignored when `kv_budget_bytes` is set."""
+    kv_budget_bytes: int | None = None
+    """The KV budget in bytes (> 0), instead of `memory_fraction`; null: from `memory_fraction`."""
     activation_reserve_bytes: int = 512 * MiB
+    """Bytes kept out of the budget for the model's activations when it comes from `memory_fraction`."""
     allocation: Literal["lazy", "eager"] = "lazy"
-    slab_bytes: int = 64 * MiB  # metal, cuda: the lazy pool grows and shrinks in slabs of this size
-    # after this long with no block in use and nothing written, the memory of blocks that
-    # no prefix-cache entry names is given back
+    """`lazy`: memory is taken as blocks are first written and given back when idle; `eager`: the whole
+    budget is committed at start (for comparison)."""
+    slab_bytes: int = 64 * MiB
+    """On Metal and CUDA, the step (bytes, > 0) by which a lazy pool grows and shrinks; the CPU pool
+    commits pages as they are written instead."""
     idle_trim_seconds: float = 2.0
-    # after this long idle the prefix cache is forgotten too and its memory given back
-    # (None: keep it, bounded by the budget, for whoever comes back to it)
+    """Seconds (>= 0) with no block in use and nothing written, after which the memory of blocks that
+    no prefix-cache entry names is given back."""
     idle_drop_cache_seconds: float | None = 300.0
-    unwritten_fill: Literal["zeros", "nan"] = "zeros"  # nan: for tests that prove masking
-    # host tier: cached blocks pushed out of the KV budget move here by accounting (on
-    # unified memory it is the same RAM) and come back on a prefix hit; 0: none
+    """Seconds idle (>= 0) after which the prefix cache is forgotten too and its memory given back;
+    null: keep it, bounded by the budget."""
+    unwritten_fill: Literal["zeros", "nan"] = "zeros"
+    """What never-written slots hold: `zeros`, or `nan` for tests that prove masking (commits the
+    whole pool)."""
     host_bytes: int = 0
-    # recurrent models (Mamba, gated delta nets): slots for state checkpoints at block
-    # boundaries, what a prefix hit restores; each costs one request's state in every
-    # recurrent layer. None: max(64, 2 x schedule.max_num_seqs)
+    """Bytes (>= 0) of a host tier: cached blocks pushed out of the KV budget move there by accounting
+    (on unified memory it is the same RAM) and come back on a prefix hit; 0: none."""
     state_checkpoints: int | None = None
-    # models mixing full and windowed attention layers: "auto" gives the windowed layers
-    # a pool and block tables of their own (holding only their window's blocks);
-    # "shared": one table for every layer, each holding every block (as before groups)
+    """Recurrent models (Mamba, gated delta nets): slots (>= 1) for state checkpoints at block
+    boundaries, what a prefix hit restores; each costs one request's state in every recurrent layer.
+    null: max(64, 2 x `schedule.max_num_seqs`)."""
     layer_groups: Literal["auto", "shared"] = "auto"
-    # blocks of the windowed layers' pool when it is their own (None: room for 64
-    # sequences' windows); the full layers get the rest of the budget
+    """Models mixing full and windowed attention layers. `auto`: the windowed layers get a pool and
+    block tables of their own, holding only their window's blocks; `shared`: one table for every layer."""
     window_blocks: int | None = None
+    """Blocks (>= 1) of the windowed layers' own pool (`layer_groups: auto`); the full layers get the
+    rest of the budget. null: room for 64 sequences' windows."""
 
     def validate(self) -> list[str]:
         problems = []

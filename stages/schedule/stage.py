@@ -20,39 +20,32 @@ MIN_WAITING = 256
 
 
 class ScheduleParams(StageParams, frozen=True):
-    max_num_seqs: int = 64  # sequences in one step
-    max_num_batched_tokens: int = 2048  # tokens in one step: the chunked-prefill budget
-    max_prefill_chunk: int = 512  # tokens of one prompt in one step
-    # decode steps run back to back when only decodes are running and nobody waits;
-    # more hides per-step overhead, fewer lets new requests join sooner
+    max_num_seqs: int = 64
+    """Sequences (rows) in one step, at most (>= 1): more rows share each pass over the weights and
+    need more KV memory."""
+    max_num_batched_tokens: int = 2048
+    """Tokens in one step, at most (>= `max_num_seqs`): the chunked-prefill budget shared by the
+    prompts and decodes of a step."""
+    max_prefill_chunk: int = 512
+    """Tokens of one prompt in one step, at most (>= 1); a longer prompt is prefilled over several steps."""
     decode_lookahead: int = 8
-    # the same rows decoding step after step double it, up to this (1: never grow)
+    """Decode steps run back to back as one window (>= 1) when only decodes run and nobody waits: more
+    hides per-step overhead, fewer lets new requests join sooner."""
     decode_lookahead_max: int = 32
-    # requests queued for a free slot; past it a request is refused at once with an
-    # `overloaded` error. None: 4 x max_num_seqs, at least MIN_WAITING (waiting_limit)
+    """While the same rows keep decoding, each window doubles the last, up to this many steps (>= 1;
+    at or below `decode_lookahead`: never grows)."""
     max_waiting: int | None = None
-    # send the next decode window of the same rows while one runs (Scheduler.follow_up):
-    # the model thread starts it as soon as the last one ends, its inputs the tokens
-    # still on the device, instead of after StepDone's trip through this stage. A
-    # request that arrives meanwhile joins after both windows. "auto": on where MLX runs
-    # on CUDA, where it was measured: 1B shape on an H200, both settings' engines in one
-    # process, 6 interleaved paired repeats (tools/bench_ab.py): 1.12x / 1.31x / 1.22x at
-    # 1 / 16 / 64 requests, faster in 4 / 6 / 3 of 6 (tools/results/gpu/session14/a-engines);
-    # on the CPU machine it was even (0.99x at 64 requests in 8 repeats)
+    """Requests queued for a free slot, at most (>= 1); one more is refused at once with an
+    `overloaded` error. null: 4 x `max_num_seqs`, at least 256."""
     overlap_windows: bool | Literal["auto"] = "auto"
-    # with overlap_windows, the first decode window of rows whose prompts (or one-step
-    # decode) are in flight goes out too (Scheduler.follow_prefills), so the model thread
-    # starts it as soon as the prompt's step ends instead of after StepDone's trip: on an
-    # H200 the 1B engine at one request spent 1.4-1.7 ms a request between its steps
-    # (tools/results/gpu/session23); on the CPU machine (llama-5m, one request) the gaps
-    # went 1.4 -> 0.4 ms, the wall time within that machine's noise
-    # (tools/results/step-gaps-llama-5m-cpu-overlap-prefill-*.json). The cost: requests
-    # arriving just after the first one's plan wait for that window (16 at once on the
-    # CPU machine: 1x1 +8x1 1x16 ... instead of 1x1 1x16 8x16 ...). On an H200, 1B, with
-    # compile_prefill too against neither, one-process A/B: one request faster in 4 of 6
-    # repeats, 64 requests slower in 5 of 6 (tools/results/gpu/session24/a-ab/ab-1b.log),
-    # so off by default
+    """Send the next decode window of the same rows while one runs, fed the tokens still on the device,
+    so the model thread starts it without waiting for the step's result to come back through this stage
+    (not for rows with penalties, processors or grammars). `auto`: on where MLX runs on CUDA: on an H200
+    (1B) 16 requests ran 1.31x faster, 6 of 6 repeats (tools/bench_ab.py); on CPU it made no difference."""
     overlap_prefill: bool = False
+    """With `overlap_windows`, a row's first decode window goes out while its prompt's step runs, too;
+    requests arriving just after wait for that window. Off: on an H200 (1B), on together with
+    `execute.compile_prefill`, 64 requests were slower in 5 of 6 repeats (tools/bench_ab.py)."""
 
     def waiting_limit(self) -> int:
         return self.max_waiting if self.max_waiting is not None else max(MIN_WAITING, 4 * self.max_num_seqs)

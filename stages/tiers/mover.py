@@ -24,9 +24,13 @@ log = structlog.get_logger("unikern")
 
 
 class OffloadParams(StageParams, frozen=True):
-    max_inflight_blocks: int = 16  # blocks being loaded or stored at once
-    max_blocks_per_call: int = 4  # blocks per model-thread call: keeps each pause short
-    drain_timeout_s: float = 10.0  # at shutdown, time allowed to finish stores under way
+    max_inflight_blocks: int = 16
+    """Logical blocks being loaded from or stored to the disk tier at once (>= 1)."""
+    max_blocks_per_call: int = 4
+    """Blocks copied in or out of the pools per call on the model thread (>= 1), between steps:
+    fewer keeps each pause of the step loop short."""
+    drain_timeout_s: float = 10.0
+    """At shutdown, seconds (>= 0) that the stores under way get to finish; stores still queued are dropped."""
 
     def validate(self) -> list[str]:
         problems = []

@@ -10,18 +10,27 @@ Meta = msgspec.Meta
 
 
 class ServerParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The pipeline file's `server:` section: what `unikern serve` listens on and admits."""
+
     host: str = "127.0.0.1"
+    """Address to listen on; `0.0.0.0` listens on every interface. The `--host` flag wins."""
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
-    # when set, /v1/* needs `Authorization: Bearer KEY` or `x-api-key: KEY`
+    """TCP port to listen on, 0 to 65535; 0 picks a free one (announced on stderr). The `--port` flag wins."""
     api_key: str | None = None
-    # the id /v1/models reports (default: the --model value as given, or `default`)
+    """When set, `/v1/*` requires `Authorization: Bearer KEY` or `x-api-key: KEY`; null: no key asked.
+    The `--api-key` flag wins."""
     served_model_name: str | None = None
-    # requests submitted but not yet producing tokens; one more gets 429 + Retry-After
+    """The model id `/v1/models` reports and responses carry; null: the `--model` value as given, or `default`."""
     max_waiting: Annotated[int, Meta(ge=1)] = 256
+    """Requests admitted but not yet producing tokens, at most (>= 1); one more gets HTTP 429 with
+    Retry-After at once."""
     retry_after_seconds: Annotated[int, Meta(ge=1)] = 1
+    """The Retry-After header of a 429 answer, in seconds (>= 1)."""
     max_body_bytes: Annotated[int, Meta(ge=1024)] = 4 << 20
-    # on SIGTERM/SIGINT: stop accepting, let requests in flight run this long, then cancel
+    """Largest request body accepted, in bytes (>= 1024); a larger one gets HTTP 413."""
     drain_seconds: Annotated[float, Meta(ge=0)] = 30.0
+    """On SIGTERM or SIGINT: stop accepting, let requests in flight run this many seconds (>= 0), then
+    cancel them. The `--drain-seconds` flag wins."""
 
     def with_overrides(self, **flags: Any) -> ServerParams:
         """Flags given on the command line (not None) replace the file's values."""

@@ -31,9 +31,15 @@ _SAMPLE_BYTES = 64 << 10
 
 class DiskTierParams(StageParams, frozen=True):
     path: str = "~/.cache/unikern/kv"
-    capacity_bytes: int = 8 * GiB  # LRU-evicted above this many bytes of files
-    compression_level: int = 3  # zstd level; 1-3 keep up with a prefill on these CPUs
-    fsync: bool = False  # fsync each file (survives power loss, not only a crash)
+    """Directory of the block files (`~` expands), one store per model below it; one engine at a time
+    uses a model's store (a lock file; a second is refused at start)."""
+    capacity_bytes: int = 8 * GiB
+    """Bytes of block files kept (> 0); above it the least recently used files are deleted."""
+    compression_level: int = 3
+    """zstd level, -7 to 22: higher packs tighter and costs more CPU; levels 1-3 kept up with a
+    prefill on the CPUs measured."""
+    fsync: bool = False
+    """fsync each file when written: blocks survive a power loss, not only a crash of the process."""
 
     def validate(self) -> list[str]:
         problems = []
