@@ -18,15 +18,15 @@ pytestmark = pytest.mark.anyio
 # matmul runs bfloat16 rows an order of magnitude slower than float32 ones
 FLOAT32 = dict(family="llama", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                intermediate_size=384, vocab_size=1024, dtype="float32", seed=1)
-BFLOAT16 = dict(FLOAT32, hidden_size=64, num_layers=3, intermediate_size=192, dtype="bfloat16", seed=2)
+BFLOAT16 = dict(FLOAT32, hidden_size=64, num_layers=2, intermediate_size=192, dtype="bfloat16", seed=2)
 # (dtype, bits, group size): each bit width, group size and dtype twice
 MODELS = {"4bit-bf16-g64": (BFLOAT16, 4, 64), "4bit-f32-g32": (FLOAT32, 4, 32),
           "8bit-bf16-g32": (BFLOAT16, 8, 32), "8bit-f32-g64": (FLOAT32, 8, 64)}
 MAX_TOKENS = 10
-# requests in flight -> their prompts' lengths: the 300-token prompt goes in three steps
-# of up to 128 rows, beside the others' decode rows
-LENGTHS = {1: [300, 7], 8: [5, 40, 9, 129, 17, 64, 12, 200], 32: [5, 6, 9, 11, 14, 17, 20, 25] * 3 + [31, 47, 64, 90,
-                                                                                                     100, 129, 150, 300]}
+# requests in flight -> their prompts' lengths: the long ones go in steps of up to 128
+# rows, beside the others' decode rows
+LENGTHS = {1: [150, 5], 8: [5, 40, 9, 129, 17, 64, 12, 300],
+           32: [5, 6, 9, 11, 14, 17, 20, 25] * 3 + [31, 40, 47, 64, 80, 100, 129, 160]}
 OVERRIDES = {"kv": {"kv_budget_bytes": 32 << 20, "block_size": 32, "kernel_block_size": 16},
              "schedule": {"max_num_batched_tokens": 128, "max_prefill_chunk": 128, "decode_lookahead": 4}}
 
