@@ -43,6 +43,58 @@ def test_rows_at_the_threshold_take_the_dequantized_matmul(monkeypatch, bits):
     assert mx.allclose(first(x_many), x_many @ w.T + first["bias"], rtol=1e-5, atol=1e-5)
 
 
+def as_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (to nearest, ties to even), kept as float32."""
+    bits = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.skipif(cuda_is_default(), reason="MLX's CPU kernel")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mlxs_cpu_quantized_matmul_sums_bfloat16_rows_in_bfloat16(bits):
+    """Why quantized.AUTO_DTYPES keeps bfloat16 rows on MLX's CPU kernel: it sums each
+    output k by k in bfloat16, rounding every weight, product and partial sum (bit for
+    bit, below), which a matmul of the dequantized weights (float32 sums) does not give.
+    If MLX ever sums in float32, the first assertion fails: widen AUTO_DTYPES then."""
+    mx.random.seed(bits)
+    w, scales, biases = mx.quantize(mx.random.normal((24, 256)).astype(mx.bfloat16), group_size=64, bits=bits)
+    x = mx.random.normal((9, 256)).astype(mx.bfloat16)
+    kernel = np.array(mx.quantized_matmul(x, w, scales, biases, group_size=64, bits=bits).astype(mx.float32))
+    levels = np.array(mx.dequantize(w, mx.ones_like(scales), mx.zeros_like(biases), group_size=64,
+                                    bits=bits).astype(mx.float32))
+    scale, bias = (np.repeat(np.array(a.astype(mx.float32)), 64, axis=1) for a in (scales, biases))
+    weights = as_bf16(as_bf16(scale * levels) + bias)
+    xs, sums = np.array(x.astype(mx.float32)), np.zeros(kernel.shape, np.float32)
+    for k in range(xs.shape[1]):
+        sums = as_bf16(sums + as_bf16(xs[:, None, k] * weights[None, :, k]))
+    np.testing.assert_array_equal(kernel, sums)
+    dequantized = x @ mx.dequantize(w, scales, biases, group_size=64, bits=bits, dtype=mx.bfloat16).T
+    assert not np.array_equal(np.array(dequantized.astype(mx.float32)), kernel)
+
+
+def test_rows_of_other_dtypes_than_asked_keep_the_kernel(monkeypatch):
+    """route_quantized_layers' `dtypes`: many bfloat16 rows of a layer routed for float32
+    ones take MLX's kernel, bit for bit the layer's own values; float32 rows of as many
+    are dequantized; without `dtypes` bfloat16 rows are too."""
+    model = quantized_model(4)
+    x32 = mx.random.normal((9, 128))
+    bf16_model = quantized_model(4)
+    bf16_model.set_dtype(mx.bfloat16)
+    x16 = x32.astype(mx.bfloat16)
+    expected16 = bf16_model(x16)
+    assert route_quantized_layers(model, 8, dtypes=("float32",)) == 2
+    assert route_quantized_layers(bf16_model, 8, dtypes=("float32",)) == 2
+    calls = []
+    kernel = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: calls.append(a[0].dtype) or kernel(*a, **k))
+    assert mx.array_equal(bf16_model(x16), expected16) and calls == [mx.bfloat16] * 2
+    model(x32)
+    assert calls == [mx.bfloat16] * 2  # float32 rows: no kernel call
+    route_quantized_layers(bf16_model, 8)
+    bf16_model(x16)
+    assert calls == [mx.bfloat16] * 2
+
+
 def test_never_routes_nothing_and_plain_layers_stay():
     model = quantized_model()
     assert route_quantized_layers(model, None) == 0
@@ -61,6 +113,7 @@ async def test_engine_reports_routed_layers_of_a_4bit_model():
     async with unikern.Engine.from_pipeline("generate", model=path) as engine:
         quantized = engine.stats()["model"]["quantized"]
         assert quantized["dequantize_rows"] == 8 and quantized["routed_layers"] == 4 * 7 + 1
+        assert quantized["dequantize_dtypes"] == ["float32"]  # (the CPU's AUTO_DTYPES: this model's)
         assert quantized["gemv"] is False and quantized["mma"] is False  # CUDA kernels: off here
         assert quantized["mma_weights"] is None
         routed = await engine.complete(prompt_tokens=prompt, max_tokens=8)

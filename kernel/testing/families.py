@@ -136,8 +136,9 @@ def _init(name: str, value: Any, key: Any, config: dict[str, Any]) -> Any:
     return noise * std
 
 
-def cached_quantized(preset: str, bits: int, group_size: int = 32) -> Path:
-    """A modelgen preset converted by `mlx_lm.convert` with `-q` at `bits` bits."""
+def cached_quantized(preset: str | dict[str, Any], bits: int, group_size: int = 32) -> Path:
+    """A modelgen preset (or spec) converted by `mlx_lm.convert` with `-q` at `bits` bits
+    in scale groups of `group_size`."""
     source = cached_model(preset)
 
     def convert(tmp: Path) -> None:

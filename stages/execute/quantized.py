@@ -22,6 +22,14 @@ from unikern.stages.execute.paged_attention import ROPE_STORE
 # ran 64 rows in ~210 ms against 7.6 ms for one), while dequantizing costs one pass over
 # the weights whatever the rows. Metal's quantized kernels tile rows well: left alone.
 AUTO_ROWS = {"cpu": 8, "cuda": 8, "metal": None}
+# The activations' dtypes whose steps "auto" dequantizes, by backend (absent: any). MLX's
+# CPU quantized matmul sums each output k by k in the activations' dtype, rounding every
+# product and partial sum to it (mlx/backend/cpu/quantized.cpp, _qmm_t): bfloat16 and
+# float16 rows sum in 8 and 11 bits, which no matmul (float32 sums) gives back, and
+# mlx-lm's tokens changed (tests/test_quantized_parity.py); float32 rows sum in float32
+# either way, bit for bit under MLX's reference BLAS, in another order under a preloaded
+# one, as unquantized float32 layers' batched rows do.
+AUTO_DTYPES = {"cpu": ("float32",)}
 # The same with unikern's CUDA kernels below it (execute.quantized_gemv / quantized_mma).
 # The GEMV, measured at the 8B shape on an H200 (tools/results/gpu/session8/a-gemv):
 # steps of 16 rows 728 -> 894 tok/s against dequantized weights, 64 rows 2,579 -> 1,074;
@@ -484,10 +492,12 @@ def _matmul(layer: nn.Module, x: mx.array) -> mx.array:
     """x @ layer's weights^T, without its bias. Below `layer.dequantize_rows` rows: the
     tensor-core kernel above GEMV_ROWS rows when `layer.mma`, else the GEMV when
     `layer.gemv`, else MLX's quantized kernel (each where it applies); from there, the
-    dequantized weights (in x's dtype, a transient array)."""
+    dequantized weights (in x's dtype, a transient array) where x's dtype is one of
+    `layer.dequantize_dtypes` (None: any), else MLX's kernel too."""
     rows = x.size // x.shape[-1] if x.ndim else 1
     w, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
-    if rows < layer.dequantize_rows:
+    dtypes = layer.dequantize_dtypes
+    if rows < layer.dequantize_rows or (dtypes is not None and x.dtype not in dtypes):
         if layer.mma and rows > GEMV_ROWS and mma_applies(layer, x):
             return mma(x, w, scales, biases, layer.group_size, split=layer.mma_split)
         if takes_gemv(layer, x):
@@ -502,6 +512,9 @@ class RowRouting:
     """The settings route_quantized_layers gives each routed layer (read by _matmul)."""
 
     dequantize_rows: int
+    # the activations' dtypes dequantized (None: any); a frozenset, since nn.Module keeps
+    # tuples among its parameters
+    dequantize_dtypes: frozenset[mx.Dtype] | None = None
     gemv: bool = False  # steps of few rows through the GEMV kernel above
     mma: bool = False  # and of more than GEMV_ROWS through the tensor-core kernel
     mma_split: bool = False  # its weights as two bf16 halves each (float32-exact)
@@ -547,12 +560,13 @@ ROUTED = {nn.QuantizedLinear: RowRoutedQuantizedLinear, QuantizedAllToShardedLin
 
 
 def route_quantized_layers(model: Any, rows: int | None, gemv: bool = False, mma: bool = False,
-                           mma_split: bool = False) -> int:
+                           mma_split: bool = False, dtypes: tuple[str, ...] | None = None) -> int:
     """Give every affine quantized linear layer of `model` (plain, or a tensor-parallel
-    shard) the row-routed call: dequantized weights from `rows` rows (None: never), and
-    below that the GEMV kernel (`gemv`) and the tensor-core kernel (`mma`, with the
-    weights in two bf16 halves when `mma_split`) where they apply. Returns how many
-    layers were routed (0 when nothing is asked for or the model is not quantized)."""
+    shard) the row-routed call: dequantized weights from `rows` rows (None: never) for
+    activations of `dtypes` (names, as AUTO_DTYPES; None: any), and below that the GEMV
+    kernel (`gemv`) and the tensor-core kernel (`mma`, with the weights in two bf16
+    halves when `mma_split`) where they apply. Returns how many layers were routed (0
+    when nothing is asked for or the model is not quantized)."""
     if rows is None and not gemv and not mma:
         return 0
     routed = 0
@@ -561,6 +575,7 @@ def route_quantized_layers(model: Any, rows: int | None, gemv: bool = False, mma
             module.__class__ = ROUTED[type(module)]
         if type(module) in ROUTED.values():  # routed now, or by an earlier call
             module.dequantize_rows = rows if rows is not None else 1 << 62
+            module.dequantize_dtypes = None if dtypes is None else frozenset(getattr(mx, name) for name in dtypes)
             module.gemv, module.mma, module.mma_split = gemv, mma, mma_split
             routed += 1
     return routed

@@ -28,7 +28,12 @@ from unikern.stages.execute.distributed import (
     for_the_wire,
 )
 from unikern.stages.execute.model import LoadedModel, load_model
-from unikern.stages.execute.quantized import AUTO_ROWS, KERNEL_ROWS, route_quantized_layers
+from unikern.stages.execute.quantized import (
+    AUTO_DTYPES,
+    AUTO_ROWS,
+    KERNEL_ROWS,
+    route_quantized_layers,
+)
 from unikern.stages.execute.runner import ModelRunner, warm_up
 from unikern.stages.kv.pool import KVPool
 
@@ -103,9 +108,14 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     on_cpu = backend == "cpu"
     auto_rows = KERNEL_ROWS["mma" if mma else "gemv"] if gemv or mma else AUTO_ROWS.get(backend)
     rows = {"auto": auto_rows, "never": None}.get(params.dequantize_rows, params.dequantize_rows)
+    # "auto" dequantizes only where that gives MLX's quantized matmul's sums (AUTO_DTYPES);
+    # a number of rows is taken for every dtype, as asked
+    dtypes = AUTO_DTYPES.get(backend) if params.dequantize_rows == "auto" and rows is not None else None
     split = mma and params.quantized_mma_weights == "split"
-    quantized = {"dequantize_rows": rows, "routed_layers": route_quantized_layers(loaded.model, rows, gemv, mma, split),
-                 "gemv": gemv, "mma": mma, "mma_weights": params.quantized_mma_weights if mma else None}
+    routed = route_quantized_layers(loaded.model, rows, gemv, mma, split, dtypes)
+    quantized = {"dequantize_rows": rows, "dequantize_dtypes": list(dtypes) if dtypes is not None else None,
+                 "routed_layers": routed, "gemv": gemv, "mma": mma,
+                 "mma_weights": params.quantized_mma_weights if mma else None}
     kernels = params.cpu_kernels and on_cpu
     if kernels:  # their PyTorch before ready, not in the first request (the command
         import torch  # noqa: F401  line keeps it out of transformers' import: platform.imports)
