@@ -61,8 +61,10 @@ class MLXExecuteParams(StageParams, frozen=True):
     dequantize_rows: int | Literal["auto", "never"] = "auto"
     """Quantized weights: steps of at least this many rows (>= 1) dequantize each layer's weights and
     run a plain matmul, as MLX's CPU and CUDA quantized kernels cost about a row's time per row.
-    `auto`: 8 on CPU, off on Metal; on CUDA 65 with `quantized_mma`, 17 with only `quantized_gemv`,
-    else 8 (stages/execute/quantized.py); `never`: off."""
+    `auto`: on CPU 8, for float32 activations only (MLX's CPU kernel sums bfloat16 and float16 rows
+    in their own dtype, which no matmul reproduces, so those keep it and mlx-lm's tokens); off on
+    Metal; on CUDA 65 with `quantized_mma`, 17 with only `quantized_gemv`, else 8; `never`: off.
+    A number applies to every dtype and may change bfloat16 tokens on CPU."""
     quantized_gemv: Literal["auto", "always", "never"] = "auto"
     """4-bit affine weights, steps of fewer rows than `dequantize_rows`: unikern's GEMV kernel instead of
     MLX's quantized matmul (stages/execute/quantized.py). CUDA only: `auto` = on CUDA, `always` elsewhere
