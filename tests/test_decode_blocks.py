@@ -833,7 +833,7 @@ def test_the_phase_timeline_reads_the_blocks_clocks_across_a_wrap():
     """tools/probe_block_phases.timeline: per phase the first and last block to stage its
     input and to end its work, and the last to leave its barrier, in us from the first
     block's start, medians over layers; the clocks' low 32 bits may wrap mid-kernel."""
-    from tools.probe_block_phases import timeline
+    from tools.probe.probe_block_phases import timeline
 
     base = (1 << 32) - 5_000  # 5 us before the low 32 bits wrap
     # two blocks, two phases: start, then (staged, work done, left) per phase, in ns

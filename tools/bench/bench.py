@@ -9,7 +9,7 @@ both sides first (new shapes: kernels built, decode steps traced). Both sides ru
 under the same MLX and the same BLAS library (the one unikern preloads, or none with
 --blas off), because a ratio across BLAS libraries says nothing about the engine.
 
-    python tools/bench.py --model llama-5m --concurrency 1 4 16 32 64 --plot bench.png
+    python -m tools.bench.bench --model llama-5m --concurrency 1 4 16 32 64 --plot bench.png
 
 `--structured` measures instead what a JSON schema costs: 32 concurrent requests under
 `response_format` against the same requests (prompts, and as many tokens each) free.
@@ -20,51 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def make_prompts(n: int, vocab: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(10, vocab - 10) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def batch_room(levels: list[int], token_budget: int) -> dict[str, dict]:
-    """The schedule settings a benchmark's largest batch needs: every request of the
-    highest level in one step, and `token_budget` tokens per step for their prefills."""
-    return {"schedule": {"max_num_seqs": max(levels), "max_num_batched_tokens": token_budget}}
-
-
-def engine_overrides(base: dict[str, dict], assignments: list[str]) -> dict[str, dict]:
-    """A benchmark's engine settings: `base` (what the benchmark needs, e.g. room for its
-    batch), then the user's STAGE.KEY=VALUE assignments over it, key by key."""
-    from unikern.spec import parse_overrides
-
-    merged = {stage: dict(values) for stage, values in base.items()}
-    for stage, values in parse_overrides(list(assignments)).items():
-        merged.setdefault(stage, {}).update(values)
-    return merged
-
-
-def run_mlx_lm(model, tokenizer, prompts, max_tokens) -> dict:
-    """One batch through mlx-lm: {"wall", "tokens", "ttft"} (ttft: None for batch_generate,
-    which reports no first token)."""
-    import mlx.core as mx
-    from mlx_lm import batch_generate, stream_generate
-
-    start = time.perf_counter()
-    if len(prompts) == 1:
-        n, first = 0, None
-        for _ in stream_generate(model, tokenizer, mx.array(prompts[0]), max_tokens=max_tokens):
-            first = first or time.perf_counter() - start
-            n += 1
-        return {"wall": time.perf_counter() - start, "tokens": n, "ttft": first}
-    response = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True)
-    return {"wall": time.perf_counter() - start, "tokens": sum(len(t) for t in response.token_ids), "ttft": None}
+from tools.common.runs import batch_room, engine_overrides, make_prompts, run_mlx_lm
 
 
 async def run_unikern(engine, prompts, max_tokens) -> tuple[float, int]:
@@ -286,7 +248,7 @@ def main() -> None:
             env = dict(os.environ, UNIKERN_BLAS="auto" if mode == "on" else "off")
             argv = [a for a in sys.argv[1:] if not a.startswith("--blas") and a not in ("on", "off", "both")]
             out = subprocess.run(
-                [sys.executable, __file__, *argv, "--child", "--json", f"/tmp/unikern-bench-{mode}.json"],
+                [sys.executable, "-m", __spec__.name, *argv, "--child", "--json", f"/tmp/unikern-bench-{mode}.json"],
                 env=env, check=True,
             )
             del out

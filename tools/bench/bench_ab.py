@@ -2,18 +2,18 @@
 drift between processes cannot decide.
 
 On the H200 the same code ran 1.62-1.88 ms per one-row step in one run and 2.42-2.56 in
-the next, and whole processes landed fast or slow (tools/results/gpu/H200-issue17.md,
-session 13), so an A/B of separate processes (bench_gpu.py per setting) told less than
-the settings differ. Here both engines are open at once, each with its own model copy,
-and every repeat runs each level through A and B back to back, the order flipped every
-repeat; the ratios are paired per repeat.
+the next, and whole processes landed fast or slow (one H200, 2026-12-01), so an A/B of
+separate processes (tools/bench/bench_gpu.py per setting) told less than the settings
+differ. Here both engines are open at once, each with its own model copy, and every
+repeat runs each level through A and B back to back, the order flipped every repeat;
+the ratios are paired per repeat.
 
-    python tools/bench_ab.py --model DIR --a schedule.overlap_windows=true [--b ...]
+    python -m tools.bench.bench_ab --model DIR --a schedule.overlap_windows=true [--b ...]
         [--concurrency 1 16 64] [--repeats 6] [--label L] [--json out.json]
 
 Its own bias: with both engines at the defaults (an A/A, 1B on an H200, 10 repeats), A,
 the engine opened first, ran 1.02x / 1.13x / 1.12x at 1 / 16 / 64 requests
-(tools/results/gpu/session15/b-defaults/ab-1b-aa.json), so ratios within about 1.15x
+(2026-12-01), so ratios within about 1.15x
 there decide nothing. A setting of the process rather than of an engine cannot be
 compared here either: `execute.freeze_heap` freezes the process's heap for both.
 
@@ -31,7 +31,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools.common.runs import batch_room, engine_overrides, make_prompts, run_unikern
 
 PYTHON_SWITCH_S = 0.005  # CPython's default switch interval
 
@@ -43,7 +43,7 @@ def paired(a: list[float], b: list[float]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a model folder or a modelgen preset")
     parser.add_argument("--a", nargs="*", default=[], metavar="STAGE.KEY=VALUE")
     parser.add_argument("--b", nargs="*", default=[], metavar="STAGE.KEY=VALUE")
@@ -60,8 +60,6 @@ def main() -> None:
 
     # isort: split
     import anyio
-    from bench import batch_room, engine_overrides, make_prompts
-    from bench_gpu import run_unikern
 
     from unikern.stages.execute.stage import gil_switch_ms
     from unikern.testing.modelgen import cached_model

@@ -1,7 +1,7 @@
 """MLX float32 GEMM throughput with and without the optimized-BLAS preload.
 
 Each configuration runs in a fresh subprocess, because the preload only works before
-`mlx` is first imported. Usage: python tools/bench_blas.py [--rows 1 8 32 128] [--size 1024]
+`mlx` is first imported. Usage: python -m tools.bench.bench_blas [--rows 1 8 32 128] [--size 1024]
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def run_child(blas_setting: str, rows: list[int], size: int, min_seconds: float)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--size", type=int, default=1024, help="K = N of the weight matrix")
     parser.add_argument("--min-seconds", type=float, default=0.5, help="timing per row count")

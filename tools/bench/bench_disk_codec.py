@@ -1,6 +1,6 @@
 """Compression ratio and speed of the disk tier's block codec on KV-like data.
 
-    python tools/bench_disk_codec.py [--levels 1,3] [--model DIR] [--json out.json]
+    python -m tools.bench.bench_disk_codec [--levels 1,3] [--model DIR] [--json out.json]
 
 Rows, per data set:
   shuffle+zstd L   the block format end to end (encode_block / decode_block: byte
@@ -150,7 +150,7 @@ def measure(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", default="1,3", help="zstd levels, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", type=Path, help="an mlx-lm model directory for real KV")

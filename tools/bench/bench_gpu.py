@@ -2,13 +2,13 @@
 
 Three subcommands, run in this order on the GPU machine:
 
-    python tools/bench_gpu.py models --out DIR [--shapes 1b 8b]
+    python -m tools.bench.bench_gpu models --out DIR [--shapes 1b 8b]
         random Llama weights written by MLX (HF layout, modelgen's tokenizer): DIR/llama-1b
         in bfloat16, DIR/llama-8b in bfloat16 and DIR/llama-8b-q4 from `mlx_lm convert -q`
-    python tools/bench_gpu.py gguf --out DIR --llama-cpp SRC --llama-bin BIN
+    python -m tools.bench.bench_gpu gguf --out DIR --llama-cpp SRC --llama-bin BIN
         the same weights as GGUF through llama.cpp's own converter: llama-1b bf16, and
         llama-8b quantized to Q4_0 by llama-quantize
-    python tools/bench_gpu.py bench --model DIR/llama-1b --gguf DIR/llama-1b.gguf --llama-bin BIN --json OUT
+    python -m tools.bench.bench_gpu bench --model DIR/llama-1b --gguf DIR/llama-1b.gguf --llama-bin BIN --json OUT
 
 `bench` runs, for every repeat, each concurrency level through mlx-lm (stream_generate at
 1, batch_generate above) and through a unikern Engine, one after the other, then every
@@ -18,7 +18,7 @@ and generate the same number of tokens, greedy; tok/s is generated tokens over w
 prompt time; mlx-lm's batch_generate reports none). The table gives medians over the
 repeats, min-max, and unikern's ratios to each peer. `--isolate` runs mlx-lm in a
 process of its own (MlxLmWorker), so that the benchmark's process holds the unikern
-engine alone; `--split` times unikern's steps in the same runs (step_gaps.StepClock).
+engine alone; `--split` times unikern's steps in the same runs (tools.common.step_clock.StepClock).
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools.common.gguf import convert_to_gguf
+from tools.common.runs import batch_room, engine_overrides, make_prompts, run_mlx_lm, run_unikern
+from tools.common.step_clock import StepClock, medians, steps_line
 
 SHAPES = {  # the shapes of issue 17 (Llama 3.2 1B and Llama 3 8B, with a small vocabulary)
     "1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
@@ -119,8 +121,6 @@ def cmd_models(args) -> None:
 
 
 def cmd_gguf(args) -> None:
-    from bench_http import convert_to_gguf
-
     out = Path(args.out)
     script = Path(args.llama_cpp) / "convert_hf_to_gguf.py"
     for name in args.shapes:
@@ -136,27 +136,6 @@ def cmd_gguf(args) -> None:
 
 
 # ---- bench -------------------------------------------------------------------------------
-
-async def run_unikern(engine, prompts, max_tokens) -> dict:
-    import anyio
-
-    from unikern import TokenEvent
-
-    counts, firsts = [0] * len(prompts), [0.0] * len(prompts)
-    start = time.perf_counter()
-
-    async def one(i):
-        async for event in engine.generate(prompt_tokens=prompts[i], max_tokens=max_tokens):
-            if isinstance(event, TokenEvent):
-                if counts[i] == 0:
-                    firsts[i] = time.perf_counter() - start
-                counts[i] += 1
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(prompts)):
-            tg.start_soon(one, i)
-    return {"wall": time.perf_counter() - start, "tokens": sum(counts), "ttft": statistics.median(firsts)}
-
 
 def run_llama_cpp(binary: Path, gguf: str, levels: list[int], prompt_tokens: int, max_tokens: int) -> dict:
     """One llama-batched-bench process for every level: {level: run}. The first level runs
@@ -193,8 +172,6 @@ def summarize(level: int, runs: dict[str, list[dict]]) -> dict:
         if "decode_tok_s" in rs[0]:  # llama.cpp's own figure for its generation phase alone
             row[name]["decode_tok_s"] = statistics.median(r["decode_tok_s"] for r in rs)
         if "split" in rs[0]:  # unikern's steps, with --split: medians over the repeats
-            from step_gaps import medians
-
             row[name]["split"] = medians([r["split"] for r in rs])
     ours = [r["tokens"] / r["wall"] for r in runs["unikern"]]
     for peer in ("mlx-lm", "llama.cpp"):
@@ -209,7 +186,6 @@ def cmd_bench(args) -> dict:
 
     # isort: split
     import anyio
-    from bench import batch_room, engine_overrides, make_prompts, run_mlx_lm
     from mlx_lm import load
 
     from unikern.platform import current_platform
@@ -231,8 +207,6 @@ def cmd_bench(args) -> dict:
 
     clock = None
     if args.split:
-        from step_gaps import StepClock
-
         clock = StepClock()
         clock.install()
 
@@ -284,8 +258,6 @@ def cmd_bench(args) -> dict:
     for row in rows:
         split = row["unikern"].get("split")
         if split:
-            from step_gaps import steps_line
-
             line = steps_line(split)
             print(f"unikern c={row['concurrency']}: in execute {split['execute_ms']:.1f} ms, gaps {split['gaps_ms']:.1f}, "
                   f"head {split['head_ms']:.1f}, tail {split['tail_ms']:.1f}" + (f"; {line}" if line else ""))
@@ -305,7 +277,7 @@ class MlxLmWorker:
     the repeats stay interleaved."""
 
     def __init__(self, model: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "mlx-lm-worker", "--model", model],
+        self.proc = subprocess.Popen([sys.executable, "-m", __spec__.name, "mlx-lm-worker", "--model", model],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.vocab = self._answer()["vocab"]
 
@@ -328,7 +300,6 @@ def cmd_mlx_lm_worker(args) -> None:
     import unikern  # noqa: F401  first, as in the benchmark's process: the BLAS MLX's CPU backend should use
 
     # isort: split
-    from bench import run_mlx_lm
     from mlx_lm import load
 
     model, tokenizer = load(args.model)
@@ -368,7 +339,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("models", help="random Llama weights written by MLX")
     p.add_argument("--out", required=True)
@@ -394,7 +365,7 @@ def main() -> None:
     p.add_argument("--token-budget", type=int, default=4096)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.PARAM=VALUE")
     p.add_argument("--split", action="store_true",
-                   help="time unikern's steps too (tools/step_gaps.py's StepClock): per level, the medians of its "
+                   help="time unikern's steps too (tools/common/step_clock.py's StepClock, as tools/probe/step_gaps.py): per level, the medians of its "
                         "time inside execute, the gaps, and its decode windows' step split into build, submit, "
                         "wait and other")
     p.add_argument("--isolate", action="store_true",

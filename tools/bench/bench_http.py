@@ -1,6 +1,15 @@
 """The same streaming /v1/completions requests against `unikern serve`, `mlx_lm.server` and
 llama.cpp's `llama-server` on one model and machine, interleaved in one run: throughput,
-TTFT p50/p99 and ITL p50 at 1, 8 and 32 streams; JSON and PNG under tools/results/."""
+TTFT p50/p99 and ITL p50 at 1, 8 and 32 streams; JSON and PNG under tools/results/.
+
+    python -m tools.bench.bench_http --model llama-5m --llama-server BUILD/bin/llama-server \\
+        --convert-script LLAMA_CPP/convert_hf_to_gguf.py --rounds 5
+
+For each level and round every server gets the same batch of greedy requests in turn (the
+order rotates per round); the client is an async httpx loop in this process. Both MLX
+servers run under the BLAS unikern preloads: a ratio across BLAS libraries would say
+nothing about the servers. A peer that cannot start is reported; the others still run.
+"""
 
 from __future__ import annotations
 
@@ -20,13 +29,9 @@ from pathlib import Path
 
 import httpx
 
-# For each level and round every server gets the same batch of greedy requests in turn (the
-# order rotates per round); the client is an async httpx loop in this process. Both MLX
-# servers run under the BLAS unikern preloads: a ratio across BLAS libraries would say
-# nothing about the servers. A peer that cannot start is reported; the others still run.
-#   python tools/bench_http.py --model llama-5m --llama-server /work/llama-build/build/bin/llama-server \
-#       --convert-script <llama.cpp>/convert_hf_to_gguf.py
-ROOT = Path(__file__).resolve().parents[1]
+from tools.common.gguf import convert_to_gguf
+
+ROOT = Path(__file__).resolve().parents[2]
 MAX_ATTEMPTS = 5
 RESULTS = ROOT / "tools" / "results"
 BODY_TEXT = (
@@ -36,13 +41,6 @@ BODY_TEXT = (
 )
 # preload unikern's BLAS choice, then run mlx_lm.server as `python -m` would
 MLX_LM_SERVER = "import runpy, sys, unikern; sys.argv[0] = 'mlx_lm.server'; runpy.run_module('mlx_lm.server', run_name='__main__')"
-# modelgen's tokenizers split text with GPT-2's own regex: tell the converter so, as its
-# hash table only knows published tokenizers
-CONVERT = (
-    "import runpy, sys; del sys.argv[0]; root = sys.argv.pop(0); sys.path[:0] = [root, root + '/gguf-py']; "
-    "import conversion.base as base; base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'; "
-    "runpy.run_path(sys.argv[0], run_name='__main__')"
-)
 
 
 def free_port() -> int:
@@ -202,16 +200,6 @@ def summarize(batches: list[dict]) -> dict:
     }
 
 
-def convert_to_gguf(model: Path, script: Path, out: Path, outtype: str = "f32") -> Path:
-    if out.exists():
-        return out
-    done = subprocess.run([sys.executable, "-c", CONVERT, str(script.parent), str(script), str(model), "--outfile",
-                           str(out), "--outtype", outtype], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"GGUF conversion failed:\n{done.stderr[-2000:]}")
-    return out
-
-
 def plot(summary: dict, levels: list[int], path: Path, title: str) -> None:
     import matplotlib
 
@@ -235,7 +223,7 @@ def plot(summary: dict, levels: list[int], path: Path, title: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-5m", help="a unikern.testing.modelgen preset or a model directory")
     parser.add_argument("--gguf", help="the model as GGUF for llama-server (default: converted with --convert-script)")
     parser.add_argument("--llama-server", help="path of a llama-server binary (omit to skip llama.cpp)")

@@ -1,6 +1,6 @@
 """Time to first token from each KV tier, disk throughput and compression, in one run.
 
-    python tools/bench_offload.py [--preset llama-5m] [--prompt-tokens 2048] [--repeats 3] [--json out.json]
+    python -m tools.bench.bench_offload [--preset llama-5m] [--prompt-tokens 2048] [--repeats 3] [--json out.json]
 
 TTFT (a generate call to its first token event) of a 2048-token prompt:
   cold            nothing cached: the whole prompt is computed (the best of the plain

@@ -1,7 +1,7 @@
 """Time to first token of a recurrent model's prompt cold, and from the disk tier in a fresh
 engine (KV blocks and the state checkpoint at their end loaded from files), in one run.
 
-    python tools/bench_state_restart.py [--families qwen3-next nemotron-h mamba2] [--prompt-tokens 2048] [--repeats 2]
+    python -m tools.bench.bench_state_restart [--families qwen3-next nemotron-h mamba2] [--prompt-tokens 2048] [--repeats 2]
 
 The test models of `unikern.testing.families` (tiny, random weights): what it shows is
 what the restart saves relative to computing the prompt, and that the cached tokens and
@@ -55,7 +55,7 @@ async def one(path: str, prompt: list[int]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="+", default=["qwen3-next", "nemotron-h", "mamba2"])
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=2)

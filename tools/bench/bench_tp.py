@@ -8,8 +8,8 @@ and how many requests' tokens differ between the two (greedy: expected 0, but su
 split across ranks round differently, so a near-tie may flip). The JSON goes under
 tools/results/.
 
-    python tools/bench_tp.py --model llama-5m --tp 2 --concurrency 1 8 --max-tokens 32   # CPU, ring, loopback
-    python tools/bench_tp.py --model /models/llama-8b --tp 2 --backend nccl --concurrency 1 16 64
+    python -m tools.bench.bench_tp --model llama-5m --tp 2 --concurrency 1 8 --max-tokens 32   # CPU, ring, loopback
+    python -m tools.bench.bench_tp --model /models/llama-8b --tp 2 --backend nccl --concurrency 1 16 64
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def make_prompts(n: int, vocab: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -78,7 +78,7 @@ def child(args: argparse.Namespace) -> dict:
 
 
 def run_child(args: argparse.Namespace, ranks: int) -> dict:
-    command = [sys.executable, __file__, "--child", "--ranks", str(ranks), "--model-path", args.model_path,
+    command = [sys.executable, "-m", __spec__.name, "--child", "--ranks", str(ranks), "--model-path", args.model_path,
                "--vocab", str(args.vocab), "--mode", args.mode, "--backend", args.backend,
                "--pipeline", args.pipeline, "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
                "--prompt-len", *map(str, args.prompt_len), "--concurrency", *map(str, args.concurrency)]
@@ -131,7 +131,7 @@ def main() -> None:
                      "median_one_rank": ra, "median_ranks": rb, "ratio": rb / ra, "requests_differing": differ})
         print(f"{c:>11} {ra:>13.1f} {rb:>15.1f} {rb / ra:>6.2f}x {differ:>4}/{c}")
     result = {
-        "tool": "tools/bench_tp.py", "argv": sys.argv[1:], "model": args.model, "ranks": args.tp,
+        "tool": "tools/bench/bench_tp.py", "argv": sys.argv[1:], "model": args.model, "ranks": args.tp,
         "mode": args.mode, "backend": backend, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
         "repeats": args.repeats, "machine": platform.machine(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "platform": many["platform"], "kv_ranks": many["kv"].get("ranks"), "levels": rows,

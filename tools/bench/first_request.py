@@ -5,8 +5,8 @@ and off: seconds to `ready`, then per request the seconds to its first token and
 --cold-warm instead starts two workers on unikern's default kernel cache (under a fresh
 XDG_CACHE_HOME): the first compiles every kernel, the second finds them (issue 17).
 
-    python tools/first_request.py --model llama-80m [--variants auto never] [--json out.json]
-    python tools/first_request.py --model DIR --cold-warm [--warm-starts 3]
+    python -m tools.bench.first_request --model llama-80m [--variants auto never] [--json out.json]
+    python -m tools.bench.first_request --model DIR --cold-warm [--warm-starts 3]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from load import WorkerClient  # tools/ is on sys.path when run as a script
+from tools.check.worker_client import WorkerClient
 
 
 def one_worker(model: str, warmup: str, requests: list[dict], fresh_cache: bool,
@@ -48,7 +48,7 @@ def one_worker(model: str, warmup: str, requests: list[dict], fresh_cache: bool,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-5m", help="a modelgen preset or a model directory")
     parser.add_argument("--variants", nargs="+", default=["auto", "never"], help="execute.warmup settings")
     parser.add_argument("--fresh-cache", action="store_true", help="an empty MLX_PTX_CACHE_DIR per worker")

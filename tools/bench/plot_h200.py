@@ -1,7 +1,7 @@
 """Plot one round of tools/results/h200-bench.json: a panel per model, unikern against
 mlx-lm by concurrency, each point labelled with its ratio.
 
-    python tools/plot_h200.py --round R7c --out tools/results/h200-bench.png
+    python -m tools.bench.plot_h200 --round R7c --out tools/results/h200-bench.png
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default="tools/results/h200-bench.json")
     parser.add_argument("--round", required=True)
     parser.add_argument("--variant", default="unikern as committed")

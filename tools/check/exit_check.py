@@ -6,7 +6,7 @@
 the fix in stages/execute/thread.py. Rounds alternate the two so both meet the same
 machine load.
 
-    python tools/exit_check.py --model PATH --runs 10 --ab --json tools/results/exit-check.json
+    python -m tools.check.exit_check --model PATH --runs 10 --ab --json tools/results/exit-check.json
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def run_once(model: str, variant: str, leave: str, timeout_s: float) -> tuple[in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--runs", type=int, default=10, help="runs per variant")
     ap.add_argument("--ab", action="store_true", help="also run the legacy shutdown, interleaved")

@@ -2,8 +2,8 @@
 
 The same generators serve the bounded tests (`tests/test_fuzz.py`) and longer runs here:
 
-    python tools/fuzz.py --examples 20000            # the in-process properties
-    python tools/fuzz.py --worker-lines 5000 --model DIR   # one worker fed fuzzed lines
+    python -m tools.check.fuzz --examples 20000            # the in-process properties
+    python -m tools.check.fuzz --worker-lines 5000 --model DIR   # one worker fed fuzzed lines
 
 Properties checked:
 - `decode_op` on any bytes returns an op or raises ProtocolError, nothing else; what it
@@ -11,18 +11,17 @@ Properties checked:
 - `parse_pipeline` on any text (and `--set` overrides) returns a spec or raises
   PipelineErrors whose every problem names a path (`$...` or `--set ...`); a spec it
   returns converts into each stage's Params.
-- `bad_lines` makes protocol lines that must each get one error event from a worker,
-  with the id the worker can know (`BadLine.expected_id`).
+- `--worker-lines`: a worker fed tools/check/bad_lines.py's lines between valid requests
+  answers each with one error event, with the id the worker can know
+  (`BadLine.expected_id`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
-from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -31,6 +30,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tools.check.bad_lines import HUGE_NUMBERS, encode
 from unikern.errors import ConfigError
 from unikern.frontends.protocol import CancelOp, GenerateOp, ProtocolError, StatsOp, decode_op
 from unikern.spec import PipelineErrors, PipelineSpec, parse_overrides, parse_pipeline
@@ -39,7 +39,6 @@ from unikern.spec import PipelineErrors, PipelineSpec, parse_overrides, parse_pi
 
 GENERATE_FIELDS = ("id", "prompt", "prompt_tokens", "messages", "max_tokens", "temperature", "top_p", "seed", "stop")
 OP_FIELDS = {"generate": ("op", *GENERATE_FIELDS), "cancel": ("op", "id"), "stats": ("op",)}
-HUGE_NUMBERS = ("1e400", "-1e400", "1e-400", "9" * 30, "-" + "9" * 30, "9" * 5000, "18446744073709551616", "1.7976931348623157e309", "0.0000001", "-0")
 
 ids = st.text(min_size=1, max_size=20)
 json_scalars = (
@@ -96,10 +95,6 @@ def mutated_ops(draw) -> dict[str, Any]:
         else:
             body[draw(st.text(max_size=8))] = draw(json_values)
     return body
-
-
-def encode(body: Any) -> bytes:
-    return json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass")
 
 
 @st.composite
@@ -234,83 +229,6 @@ def check_parse_pipeline(text: str, assignments: list[str] | None = None) -> Pip
     return spec
 
 
-# ---- lines for a live worker --------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BadLine:
-    data: bytes  # no newline inside
-    expected_id: str | None  # the `id` of the one error event it must get
-    kind: str
-
-
-SEMANTIC = (  # decode fine, refused by the engine: (body without id, needs a fresh id)
-    ("vocab", {"op": "generate", "prompt_tokens": [1, 2, 99_999_999]}),
-    ("empty_tokens", {"op": "generate", "prompt_tokens": []}),
-    ("empty_prompt", {"op": "generate", "prompt": ""}),
-    ("two_prompts", {"op": "generate", "prompt": "a", "prompt_tokens": [1]}),
-    ("no_prompt", {"op": "generate", "max_tokens": 3}),
-    ("no_messages", {"op": "generate", "messages": []}),
-    ("too_long", {"op": "generate", "prompt_tokens": [7] * 40_000}),  # over any test model's context
-    ("cancel_unknown", {"op": "cancel"}),
-)
-WRONG_VALUES = {
-    "max_tokens": [0, -1, "5", 1e30, 10**30, True, None, [1]],
-    "temperature": [-1, 101, "x", None, [0.5]],
-    "top_p": [0, 2, -0.5, "1"],
-    "seed": [-1, 2**64, 1.5, "7"],
-    "prompt": [5, [], {}, True],
-    "prompt_tokens": [[-1], [1.5], "abc", [2**40], [None]],
-    "stop": ["", [""], 5, [5]],
-    "messages": ["hi", [{}], [{"role": 1, "content": "x"}], [{"role": "user"}]],
-    "id": [5, "", "x" * 300, None, ["a"]],
-}
-
-
-def bad_lines(rng: random.Random, count: int, id_prefix: str = "bad") -> list[BadLine]:
-    """`count` lines that each must get exactly one error event (checked here with
-    decode_op where the protocol alone refuses them)."""
-    out: list[BadLine] = []
-    while len(out) < count:
-        n = len(out)
-        kind = rng.choice(("bytes", "truncated", "wrong_value", "unknown_field", "huge", "nested", "semantic", "not_object", "flip"))
-        rid = f"{id_prefix}-{n}"
-        base = {"op": "generate", "id": rid, "prompt_tokens": [5, 6, 7], "max_tokens": 4}
-        if kind == "semantic":
-            label, body = rng.choice(SEMANTIC)
-            out.append(BadLine(encode({**body, "id": rid}), rid, f"semantic:{label}"))
-            continue
-        if kind == "bytes":
-            data = bytes(rng.randrange(256) for _ in range(rng.randint(1, 120)))
-        elif kind == "truncated":
-            full = encode(base)
-            data = full[: rng.randint(1, len(full) - 1)]
-        elif kind == "wrong_value":
-            field = rng.choice(sorted(WRONG_VALUES))
-            data = encode({**base, field: rng.choice(WRONG_VALUES[field])})
-        elif kind == "unknown_field":
-            data = encode({**base, rng.choice(("bogus", "Max_tokens", "")): 1})
-        elif kind == "huge":
-            field = rng.choice(("max_tokens", "seed", "temperature"))
-            data = f'{{"op": "generate", "id": "{rid}", "prompt": "x", "{field}": {rng.choice(HUGE_NUMBERS[:6])}}}'.encode()
-        elif kind == "nested":
-            data = b"[" * rng.randint(1, 50_000)
-        elif kind == "not_object":
-            data = encode(rng.choice([[base], 5, "generate", None, 1.5, []]))
-        else:
-            data = bytearray(encode(base))
-            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-            data = bytes(data)
-        data = data.replace(b"\n", b" ")
-        if not data.strip():
-            continue
-        try:
-            decode_op(data.strip())  # what the worker decodes
-        except ProtocolError as exc:
-            out.append(BadLine(data, exc.request_id, kind))
-    return out
-
-
 # ---- command line -------------------------------------------------------------------
 
 HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
@@ -344,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.examples:
         run_properties(args.examples)
     if args.worker_lines:
-        from load import run_bad_lines  # tools/load.py: the same check the issue asks for
+        from tools.check.load import run_bad_lines  # the same check as load.py --mode bad-lines
 
         model = args.model
         if model is None:

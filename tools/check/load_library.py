@@ -1,8 +1,8 @@
-"""load.py's library mode: an in-process `unikern.Engine` under concurrent load, where a
-share of the requests carry a logits processor that raises (the worker cannot send
-Python callables). Every other request is greedy and checked against mlx-lm.
+"""tools/check/load.py's library mode: an in-process `unikern.Engine` under concurrent
+load, where a share of the requests carry a logits processor that raises (the worker
+cannot send Python callables). Every other request is greedy and checked against mlx-lm.
 
-    python tools/load.py --mode library --requests 1000 --concurrency 32 \\
+    python -m tools.check.load --mode library --requests 1000 --concurrency 32 \\
         --raising-processors 0.05 --set schedule.max_num_seqs=32
 
 Passes when: each request whose processor raised ends alone with `processor_failed`;
@@ -20,6 +20,8 @@ from typing import Any
 
 import anyio
 import psutil
+
+from tools.check.workload import make_requests, percentiles
 
 MiB = 1 << 20
 
@@ -41,10 +43,6 @@ class RaisingProcessor:
 
 def greedy_requests(n: int, model: str, rng: random.Random) -> list[dict[str, Any]]:
     """load.py's mix (shared prefixes, lengths, stop strings) as token prompts, greedy."""
-    try:
-        from tools.load import make_requests
-    except ImportError:  # run as a script: tools/ itself is on sys.path
-        from load import make_requests
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(Path(model))
@@ -124,11 +122,6 @@ def run_library(model: str, *, num_requests: int, concurrency: int, raising_frac
     import unikern
     from unikern.errors import StageError
     from unikern.spec import parse_overrides
-
-    try:
-        from tools.load import percentiles
-    except ImportError:
-        from load import percentiles
 
     rng = random.Random(seed)
     requests = greedy_requests(num_requests, model, rng)

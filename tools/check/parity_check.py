@@ -10,7 +10,7 @@ compared with stream_generate the same way: on a GPU that says how far mlx-lm's 
 batched decode strays from its single-stream one (TF32 / bf16 rounding that depends on
 the batch shape), i.e. what any batching engine must expect.
 
-    python tools/parity_check.py --model llama-5m llama-80m --prompts 16 --max-tokens 32
+    python -m tools.check.parity_check --model llama-5m llama-80m --prompts 16 --max-tokens 32
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from tools.common.runs import engine_overrides
 
 
 def prompts(n: int, vocab: int) -> list[list[int]]:
@@ -31,7 +33,6 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 def check(path: str, n: int, max_tokens: int, block_size: int, token_budget: int,
           mlx_lm_batch: bool = False, extra: list[str] = ()) -> dict:
     import anyio
-    from bench import engine_overrides  # tools/ is on sys.path when run as a script
     from mlx_lm import load
 
     import unikern

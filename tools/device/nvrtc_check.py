@@ -11,7 +11,7 @@ reads them, and the outputs; template arguments as constants in its body) over a
 prelude standing in for MLX's device header, and compiled.
 
     pip install nvidia-cuda-nvrtc nvidia-cuda-runtime   # NVRTC and CUDA's headers
-    python tools/nvrtc_check.py [--arch sm_90] [--ptxas]
+    python -m tools.device.nvrtc_check [--arch sm_90] [--ptxas]
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def record_launches() -> list[Build]:
             block_kernel.ATTN_SPLIT, block_kernel.PRELOAD, block_kernel.GRID_BLOCKS = attn_split, preload, grid
         w, scales, biases = mx.quantize(mx.zeros((64, 4096), dtype=mx.bfloat16), group_size=64, bits=4)
         # the defaults, the nibbles made floats by their bits (GEMV_MAGIC_NIBBLES), then
-        # session 8's 4-byte loads and narrow blocks
+        # the first version's 4-byte loads and narrow blocks
         for wide, magic in ((True, False), (True, True), (False, False)):
             quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = wide, "wide" if wide else "narrow"
             quantized.GEMV_MAGIC_NIBBLES = magic
@@ -248,7 +248,7 @@ def record_launches() -> list[Build]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--ptxas", action="store_true", help="print each build's registers, stack and shared memory")
     args = parser.parse_args()

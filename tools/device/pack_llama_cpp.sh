@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Packs the llama.cpp source that llama-cpp-python's sdist vendors into one small tarball
-# for the GPU machine (no network there; tools/h200_gpu.sh builds llama-bench,
+# for the GPU machine (no network there; tools/device/h200_gpu.sh builds llama-bench,
 # llama-batched-bench and llama-quantize from it, with CUDA for sm_90): without docs,
 # models, media, tests, examples, the web UI and the other backends (about 8 MB).
 #
-#   tools/pack_llama_cpp.sh OUT_DIR [LLAMA_CPP_PYTHON_VERSION]   # writes OUT_DIR/llama.cpp.tgz
+#   tools/device/pack_llama_cpp.sh OUT_DIR [LLAMA_CPP_PYTHON_VERSION]   # writes OUT_DIR/llama.cpp.tgz
 set -euo pipefail
 out=${1:?usage: pack_llama_cpp.sh OUT_DIR [VERSION]}; version=${2:-0.3.36}
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT

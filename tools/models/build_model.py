@@ -1,10 +1,10 @@
 """Build a small Hugging Face-layout model dir that `mlx_lm.load` reads like a real one.
 
-    python tools/build_model.py --preset llama-5m --out DIR
-    python tools/build_model.py --family qwen3 --hidden-size 128 --num-layers 2 \\
+    python -m tools.models.build_model --preset llama-5m --out DIR
+    python -m tools.models.build_model --family qwen3 --hidden-size 128 --num-layers 2 \\
         --num-heads 4 --num-kv-heads 2 --intermediate-size 384 --vocab-size 1024 --out DIR
-    python tools/build_model.py --preset llama-80m            # into the shared cache
-    python tools/build_model.py --list
+    python -m tools.models.build_model --preset llama-80m            # into the shared cache
+    python -m tools.models.build_model --list
 
 Flags given with --preset override that preset's fields. Without --out, the model is
 built into (or found in) the cache `unikern.testing.modelgen.cached_model` uses, and its path
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIELDS = {  # spec key -> type, for the explicit flags
     "family": str, "hidden_size": int, "num_layers": int, "num_heads": int,
     "num_kv_heads": int, "intermediate_size": int, "vocab_size": int,
@@ -42,7 +42,7 @@ def import_modelgen():
 
 def main(argv: list[str] | None = None) -> int:
     modelgen = import_modelgen()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(modelgen.PRESETS))
     parser.add_argument("--out", type=Path, help="model dir to write (default: the cache)")
     parser.add_argument("--list", action="store_true", help="print the presets and exit")

@@ -1,6 +1,6 @@
 """Train the embedded default model (kernel/assets/default_model) with MLX on CPU.
 
-    python tools/train_default.py [--out kernel/assets/default_model] [--steps 320]
+    python -m tools.models.train_default [--out kernel/assets/default_model] [--steps 320]
 
 A Llama (hidden 256, 2 layers, 4 heads / 2 KV heads, MLP 1024, vocab 2048, untied; 3.02M
 parameters) trained from a seeded init on next-token loss over a seeded selection of the
@@ -25,33 +25,29 @@ and raw source with docstrings (val 4.49 after 400 steps; greedy output loops on
 
 from __future__ import annotations
 
+import argparse
+import ast
 import ctypes
+import json
+import math
 import os
+import resource
+import shutil
+import tempfile
+import time
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tools.models.build_model import import_modelgen
+
+if TYPE_CHECKING:  # MLX and numpy load in main(), after the BLAS preload and --help
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
-if os.path.exists(OPENBLAS):
-    ctypes.CDLL(OPENBLAS, mode=ctypes.RTLD_GLOBAL)  # must precede `import mlx`
-
-import argparse  # noqa: E402
-import ast  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import resource  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from functools import partial  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-import mlx.optimizers as optim  # noqa: E402
-import mlx_lm  # noqa: E402
-import numpy as np  # noqa: E402
-from build_model import import_modelgen  # noqa: E402  (tools/ is on sys.path when run as a script)
-from mlx.utils import tree_flatten, tree_map_with_path  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "kernel" / "assets" / "default_model"
 # Two wide layers: per-layer overheads dominate on 2 CPU cores, so this sees ~2x the
 # tokens of the 4-layer llama-5m in the same minutes and ends at a lower loss.
@@ -63,6 +59,7 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json",
 
 def token_stream(tokenizer_json: bytes, texts: list[str]) -> np.ndarray:
     """All texts tokenized (each with its leading <|bos|>) and concatenated."""
+    import numpy as np
     from tokenizers import Tokenizer
 
     encodings = Tokenizer.from_str(tokenizer_json.decode("utf-8")).encode_batch(texts)
@@ -95,6 +92,9 @@ def code_only(source: str) -> str | None:
 
 def init_parameters(model: nn.Module, num_layers: int, seed: int) -> None:
     """GPT-2 style: std 0.02, residual projections scaled down by depth, norms at 1."""
+    import mlx.core as mx
+    from mlx.utils import tree_map_with_path
+
     mx.random.seed(seed)
 
     def init(path: str, p: mx.array) -> mx.array:
@@ -121,7 +121,7 @@ def learning_rate(step: int, total_steps: int, peak: float, warmup_steps: int) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--steps", type=int, default=320)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -130,6 +130,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus-mb", type=float, default=12.0)
     args = parser.parse_args(argv)
+    if os.path.exists(OPENBLAS):
+        ctypes.CDLL(OPENBLAS, mode=ctypes.RTLD_GLOBAL)  # must precede `import mlx`
+
+    # isort: split
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    import mlx_lm
+    import numpy as np
+    from mlx.utils import tree_flatten
 
     modelgen = import_modelgen()
     spec = modelgen.normalize_spec(DEFAULT_SPEC)
@@ -205,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def save(model: nn.Module, files: dict[str, bytes], out: Path) -> None:
     """Write bfloat16 weights plus config/tokenizer files into `out`, replacing it."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

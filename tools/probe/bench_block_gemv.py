@@ -2,7 +2,7 @@
 MLX's own matmul of the same weights: which prologue or epilogue makes a kernel slow.
 Needs CUDA (PyTorch's profiler reads the kernels' GPU time through CUPTI).
 
-    python tools/bench_block_gemv.py [--hidden 2048 --heads 32 --kv-heads 8 --mlp 8192]
+    python -m tools.probe.bench_block_gemv [--hidden 2048 --heads 32 --kv-heads 8 --mlp 8192]
         [--layers 16] [--rows 1] [--dtype bfloat16] [--set UNROLL=1] [--json out.json]
 
 Each variant runs over `--layers` distinct weight matrices (as many as the model has, so
@@ -32,7 +32,7 @@ def shape_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     shape_arguments(parser)
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
@@ -85,7 +85,7 @@ def main() -> None:
         "down-residual": (down, lambda w: bg.gemv(a, w, bg.RESIDUAL, res=x)),
         "down-mlx": (down, lambda w: a @ w.T),
     }
-    from probe_cuda import kernel_profile  # tools/ is on sys.path when run as a script
+    from tools.probe.probe_cuda import kernel_profile
 
     rows = []
     for name, (ws, call) in variants.items():

@@ -5,11 +5,11 @@ On a GPU the model thread's step is a little Python (building and launching the 
 step; the GIL held) and then the GPU's work (the GIL released while it waits). Here
 each step spins for --host-us of Python and sleeps --gpu-ms, and the rest of the engine
 is the real one: scheduler, output stage (mlx-lm's detokenizer), the library's
-delivery and a benchmark's consumers (bench_gpu's run). Per concurrency it prints the
+delivery and a benchmark's consumers (tools/common/runs.py's run_unikern). Per concurrency it prints the
 model thread's time per step against what the step costs alone, so the difference is
 time spent waiting for the GIL; --switch-interval sets Python's (default 5 ms).
 
-    python tools/host_bound.py [--model llama-5m] [--gpu-ms 2.6] [--host-us 300] [--handoffs 1]
+    python -m tools.probe.host_bound [--model llama-5m] [--gpu-ms 2.6] [--host-us 300] [--handoffs 1]
         [--concurrency 1 16 64] [--switch-interval MS] [--set STAGE.KEY=VALUE] [--json out.json]
 """
 
@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from tools.common.runs import batch_room, engine_overrides, make_prompts, run_unikern
+
 
 def spin(seconds: float) -> None:
     """Python work holding the GIL for `seconds` of this thread's own run time."""
@@ -31,7 +33,7 @@ def spin(seconds: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-5m", help="a modelgen preset or a model directory (its tokenizer)")
     parser.add_argument("--gpu-ms", type=float, default=2.6, help="each step's GIL-free wait (the GPU's work)")
     parser.add_argument("--host-us", type=float, default=300.0, help="each step's Python with the GIL held")
@@ -54,10 +56,6 @@ def main() -> None:
 
     # isort: split
     import anyio
-
-    # tools/ is on sys.path when run as a script
-    from bench import batch_room, engine_overrides, make_prompts
-    from bench_gpu import run_unikern
 
     from unikern import messages as m
     from unikern.stages.execute.runner import ModelRunner

@@ -1,7 +1,7 @@
 """Where the one-row decode step of a decoder block goes inside block_kernel.py's one
 kernel, phase by phase, and what its variants cost. Needs MLX's CUDA backend.
 
-    python tools/probe_block_phases.py [--hidden 2048 --heads 32 --kv-heads 8 --mlp 8192]
+    python -m tools.probe.probe_block_phases [--hidden 2048 --heads 32 --kv-heads 8 --mlp 8192]
         [--layers 16] [--positions 128] [--repeats 30] [--variants default UNROLL=2 WARPS=8,SPLITS=4/2/1/2]
         [--json out.json]
 
@@ -28,9 +28,9 @@ PHASE_NAMES = ("q/k/v + RoPE", "attention", "o + residual", "gate/up + SwiGLU", 
 
 
 def main() -> None:
-    from bench_block_gemv import shape_arguments  # tools/ is on sys.path
+    from tools.probe.bench_block_gemv import shape_arguments
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     shape_arguments(parser)
     parser.add_argument("--positions", type=int, default=128, help="the row's context (its slot table)")
     parser.add_argument("--repeats", type=int, default=30)

@@ -4,7 +4,7 @@ capture and launch), time waiting for the GPU, and the GPU's own kernel time (CU
 through PyTorch's profiler in the same process), for variants of the run each in a
 process of its own (MLX reads its CUDA settings once per process).
 
-    python tools/probe_cuda.py --model DIR [--variants default nographs ...] [--json out.json]
+    python -m tools.probe.probe_cuda --model DIR [--variants default nographs ...] [--json out.json]
 
 Variants:
   default      mlx-lm's model and KVCache, greedy, as generate_step runs them
@@ -23,11 +23,11 @@ Variants:
   engine-paged-group  engine-paged with paged_attention.KERNEL = "group" (a block per row
                and KV head instead of per row and query head)
   engine-paged-head   engine-paged with paged_attention.KERNEL = "head" (the default is
-               "group" since session 8)
+               "group")
   qgemv        4-bit models: mlx-lm's loop with the quantized layers through unikern's GEMV
                kernel (execute.quantized_gemv) instead of MLX's quantized matmul; the
-               qgemv and qmma variants below run session 8's 4-byte loads and narrow
-               tensor-core blocks unless named -wide (the defaults since session 9)
+               qgemv and qmma variants below run the first version's 4-byte loads and narrow
+               tensor-core blocks unless named -wide (the defaults since 2026-12-01)
   engine-paged-qgemv  engine-paged with that GEMV (steps of fewer than 8 rows, as
                execute.dequantize_rows=auto leaves it)
   engine-paged-qgemv-all  the GEMV for every step of up to 64 rows (dequantize_rows=65)
@@ -39,14 +39,14 @@ Variants:
                16-byte weight loads (quantized.GEMV_WIDE_LOADS)
   engine-paged-qmma-wide  engine-paged-qmma with the tensor-core kernel's wide blocks
                (quantized.MMA_SHAPE = "wide": 8 warps, 16 features per warp)
-  engine-paged-q  4-bit models as the engine runs them on CUDA since session 9: the GEMV
+  engine-paged-q  4-bit models as the engine runs them on CUDA: the GEMV
                (16-byte loads) to 8 rows, the wide tensor-core kernel to 64, quantized
                q/k/v and gate/up fused (execute.fuse_projections=auto with those kernels)
   engine-paged-q-unfused  the same, quantized projections separate
   engine-paged-8warps  engine-paged with 8 warps per paged-attention block at any row
                count (paged_attention.FEW_BLOCKS = 0; 16 below 128 blocks by default)
   engine-paged-nosplit  engine-paged with each row's positions in one block per KV head
-               (paged_attention.SPLIT_BLOCKS = 0: session 9's kernel; the default splits
+               (paged_attention.SPLIT_BLOCKS = 0: the first paged kernel; the default splits
                long tables at few rows over several blocks and merges them)
   engine-paged-split512, engine-paged-split1024  the split aiming at 512 blocks of at
                least 128 table positions, or 1,024 of at least 64 (SPLIT_BLOCKS and
@@ -63,7 +63,7 @@ Variants:
                stages/execute/block_kernel.py); -u2: 2 chunks per lane and weight row in flight
                (block_kernel.UNROLL, 4 by default); -g264: 264 blocks of 8 warps (two per SM)
                instead of 132 of 16; -split: the attention phase over several blocks per KV
-               head (ATTN_SPLIT = 1, the default since session 22, so the same as the plain
+               head (ATTN_SPLIT = 1, the default, so the same as the plain
                variant now); -nosplit: one block per KV head (ATTN_SPLIT = 0); -preload: each
                phase's first weight loads before its barrier (PRELOAD = 1)
   engine-paged-blocks-u1, -u4, -u8  the same, each lane with 1, 4 or 8 of a weight row's
@@ -74,12 +74,12 @@ Variants:
   engine-paged-blocks-mlxnorm, -mlxrope, -mlxboth  engine-paged-blocks with the norms,
                the RoPE or both run by MLX's own kernels around plain GEMVs
                (blocks.KERNEL_NORM, blocks.KERNEL_ROPE = 0; the norms were MLX's by
-               default from session 13 to 17)
+               default for a while on 2026-12-01)
   engine-paged-blocks-kernelnorm  engine-paged-blocks with the norms inside the GEMV
-               kernels (blocks.KERNEL_NORM = 1: the default before session 13)
+               kernels (blocks.KERNEL_NORM = 1: the first default)
   engine-paged-blocks-handnorm  engine-paged-blocks with the norms inside the GEMV kernels
                from the sums of squares the residual kernels hand over (KERNEL_NORM = 2,
-               the default since session 18)
+               the default)
   engine-paged-nographs, engine-paged-blocks-nographs, engine-paged-q-nographs  those
                with MLX_USE_CUDA_GRAPHS=0 (each kernel launched as MLX encodes it)
   engine-paged-ops50, engine-paged-ops300  engine-paged with MLX_MAX_OPS_PER_BUFFER at 50
@@ -89,25 +89,25 @@ Variants:
   engine-paged-blocks-ops-rw  engine-paged-blocks-ops with RoPE and the pool write of
                those steps in one kernel after the q/k/v matmul (blocks.OPS_ROPE_WRITE = 1)
   engine-paged-blocks-scatter  engine-paged-blocks with the keys and values written into
-               the pool by the cache's two scatters per layer, as before session 16, not in
+               the pool by the cache's two scatters per layer, as at first, not in
                place by the q/k/v kernel (PagedLayerCache._kernel_reads off)
   engine-paged-write  engine-paged with steps the blocks do not take (more than 4 rows)
                writing the pool through one in-place kernel instead of two scatters per
-               layer (paged_attention.WRITE_IN_PLACE = 1; the default since session 17)
+               layer (paged_attention.WRITE_IN_PLACE = 1; the default)
   engine-paged-q-blocks  engine-paged-q with the 4-bit blocks' steps of up to 4 rows through
-               the fused block's MLX ops (the default since session 16)
+               the fused block's MLX ops (the default)
   engine-paged-q-blocks-res, -write, -res-write  engine-paged-q-blocks with the residual
                adds inside the 4-bit GEMV (quantized.GEMV_RESIDUAL = 1), the pool writes
                through one in-place kernel (paged_attention.WRITE_IN_PLACE = 1), or both
-               (both are the defaults since session 17)
-  engine-paged-q-blocks-s16  engine-paged-q-blocks as session 16 left it: the residual
+               (both are the defaults)
+  engine-paged-q-blocks-s16  engine-paged-q-blocks as first written: the residual
                adds and the pool's scatters outside the GEMV (q-res=0, pool-write=0)
   engine-paged-q-blocks-rope  engine-paged-q-blocks with q and k rotated inside the 4-bit
                q/k/v GEMV and k and v written into the pool by it (quantized.GEMV_ROPE = 1)
   engine-paged-q-blocks-swiglu, -epi  with silu(gate) * up inside the gate/up GEMV
                (quantized.GEMV_SWIGLU = 1), or both that and -rope (both are the defaults
-               since session 18)
-  engine-paged-q-blocks-s17  engine-paged-q-blocks as session 17 left it: RoPE, the pool
+               now)
+  engine-paged-q-blocks-s17  engine-paged-q-blocks before the epilogues: RoPE, the pool
                write and SwiGLU outside the 4-bit GEMVs (q-rope=0, q-swiglu=0)
   engine-paged-q-blocks-magic  engine-paged-q-blocks with the 4-bit GEMV's nibbles made
                floats by the bits of 2^23 + q, not I2F (quantized.GEMV_MAGIC_NIBBLES = 1)
@@ -120,7 +120,7 @@ Variants:
                -w1-u4, -w2-u2: 1 or 2 warps with that loop unrolled (GEMV_UNROLL)
   engine-paged-blocks-smallpool, engine-paged-q-blocks-smallpool  those with a decode
                window's per-row arrays of one row in MLX's pool of small arrays, as up to
-               session 18 (paged_cache.PAD_STEP_ROWS = 0)
+               2026-12-02 (paged_cache.PAD_STEP_ROWS = 0)
   engine-paged-q-blocks-ops  engine-paged-q with every step of up to 64 rows through the
                fused block's MLX ops (4-bit blocks: execute.fuse_blocks_ops_rows=64)
   engine-paged-dmma  engine-paged with plain bf16 layers' steps of 5-64 rows through
@@ -496,7 +496,7 @@ def kernel_profile(run) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--tokens", type=int, default=64)
@@ -507,7 +507,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the variant list this many times, interleaved, each variant in a fresh process "
                              "every round: the host's speed moves between processes by more than some variants "
-                             "differ (tools/results/gpu/H200-issue17.md, session 13)")
+                             "differ (one H200, 2026-12-01)")
     parser.add_argument("--json")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--features", default="", help=argparse.SUPPRESS)
@@ -517,7 +517,7 @@ def main() -> None:
     results = {}
     for round_, name in ((r, n) for r in range(args.rounds) for n in args.variants):
         env, features = VARIANTS[name]
-        cmd = [sys.executable, __file__, "--child", "--model", args.model, "--tokens", str(args.tokens),
+        cmd = [sys.executable, "-m", __spec__.name, "--child", "--model", args.model, "--tokens", str(args.tokens),
                "--prompt", str(args.prompt), "--repeats", str(args.repeats), "--rows", str(args.rows), "--features", ",".join(features)]
         try:
             done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,

@@ -4,7 +4,7 @@ MLX's CUDA allocator keeps arrays of up to 8 bytes in one pool of managed memory
 the host writes and the GPU reaches across the bus, and arrays made on the host (a
 step's positions, slots, lengths, tables: `mx.array(...)`) in managed memory as well.
 On an H200 a residual kernel whose every block counted on a one-element counter there
-took 600 us instead of 10 (tools/results/gpu/session17/a-probe). This probe times one
+took 600 us instead of 10 (2026-12-02). This probe times one
 small kernel (a grid of blocks; each thread reads the array's first element, then adds
 it over its share of a 1 MB buffer) in steps of --launches launches, the array made
 again for every step where a case says "fresh" (as the engine makes its step's inputs),
@@ -22,7 +22,7 @@ wall time per step, by case:
   atomic-small    each block adds 1 to a one-element counter (the small pool) as well
   atomic-device   each block adds 1 to a 4-element counter made on the GPU
 
-    python tools/probe_memory.py [--launches 16] [--steps 32] [--blocks 264] [--json out.json]
+    python -m tools.probe.probe_memory [--launches 16] [--steps 32] [--blocks 264] [--json out.json]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ CASES = ("template", "device", "small", "small-fresh", "host16-fresh", "host1k-f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--launches", type=int, default=16, help="launches per step, each reading the step's array")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--blocks", type=int, default=264)

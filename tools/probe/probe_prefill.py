@@ -5,11 +5,11 @@ or `_logits_by_rows`), in `mx.eval` (MLX encoding and launching the kernels, the
 waiting for the GPU), the rest (sampling, tables), and with --profile the GPU's own
 kernel time (CUPTI, through PyTorch's profiler) with the kernels that take it.
 
-    python tools/probe_prefill.py --model DIR [--lengths 16 64 256] [--repeats 20] [--profile] [--json out.json]
-    python tools/probe_prefill.py --model DIR --set prefill_rows=0 ...
+    python -m tools.probe.probe_prefill --model DIR [--lengths 16 64 256] [--repeats 20] [--profile] [--json out.json]
+    python -m tools.probe.probe_prefill --model DIR --set prefill_rows=0 ...
 
 The first token's latency (TTFT) of one request is this step plus the messages around
-it (tools/step_gaps.py splits those). On MLX's CPU backend the CPU kernels evaluate inside
+it (tools/probe/step_gaps.py splits those). On MLX's CPU backend the CPU kernels evaluate inside
 the forward (execute.cpu_kernels), so there build and eval overlap.
 """
 
@@ -22,7 +22,7 @@ import time
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=20)
@@ -62,7 +62,7 @@ def main() -> None:
     table = tuple(range(2, 2 + stride * blocks, stride))
     params_ = m.SamplingParams(max_tokens=1)
 
-    from probe_cuda import timed
+    from tools.probe.probe_cuda import timed
 
     spent = {"build": 0.0, "eval": 0.0}
     timed(runner, "_logits", spent, "build")  # the family's prefill
@@ -84,7 +84,7 @@ def main() -> None:
                "build_ms": 1e3 * spent["build"] / args.repeats, "eval_ms": 1e3 * spent["eval"] / args.repeats}
         row["other_ms"] = 1e3 * sum(walls) / args.repeats - row["build_ms"] - row["eval_ms"]
         if args.profile:  # per step: kernel_profile divides by the steps run() reports
-            from probe_cuda import kernel_profile
+            from tools.probe.probe_cuda import kernel_profile
 
             prof = kernel_profile(lambda k: {"decoded": len([step(i) for i in range(k)])})
             row.update(gpu_ms=prof["gpu_ms_per_token"], kernels=prof["kernels_per_token"],

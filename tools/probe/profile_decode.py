@@ -1,7 +1,7 @@
 """Per-token cost of single-stream decode: mlx-lm's generate loop against unikern's
 ModelRunner, and the runner with one piece changed at a time, in one process.
 
-    python tools/profile_decode.py --model llama-80m [--tokens 64] [--repeats 5] [--json out.json]
+    python -m tools.probe.profile_decode --model llama-80m [--tokens 64] [--repeats 5] [--json out.json]
 
 Rows (ms per token, median of repeats; lower is better):
   mlx-lm generate_step      mlx_lm.generate.generate_step, greedy, dense KVCache
@@ -26,7 +26,7 @@ from pathlib import Path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-5m", help="a modelgen preset or a model directory")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens before decoding")
