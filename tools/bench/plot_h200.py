@@ -1,7 +1,8 @@
-"""Plot one round of tools/results/h200-bench.json: a panel per model, unikern against
-mlx-lm by concurrency, each point labelled with its ratio.
+"""Plot one round of tools/results/h200/unikern-vs-mlx-lm-small-models.json (tools.bench.bench
+on an H200, rounds R1-R7): a panel per model, unikern against mlx-lm by concurrency, each
+point labelled with its ratio.
 
-    python -m tools.bench.plot_h200 --round R7c --out tools/results/h200-bench.png
+    python -m tools.bench.plot_h200 --round R7c --out tools/results/h200/unikern-vs-mlx-lm-small-models.png
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", default="tools/results/h200-bench.json")
+    parser.add_argument("--json", default="tools/results/h200/unikern-vs-mlx-lm-small-models.json")
     parser.add_argument("--round", required=True)
     parser.add_argument("--variant", default="unikern as committed")
     parser.add_argument("--out", required=True)

@@ -19,9 +19,10 @@
 #   bench-8b-q4   the three engines, 8B 4-bit (mlx-lm's -q 4 against llama.cpp's Q4_0)
 #   kernel-tests  the CUDA kernel tests against MLX's ops, TF32 off (PYTEST_GPU: which ones)
 # and only where GPU_STEPS names them: bench-1b-iso (bench-1b with mlx-lm in a process of
-# its own), parity-8b-q4, importtime (the worker's import, -X importtime), and the two-GPU
-# steps of h200_x2.sh: nccl-tests, bench-tp-8b. The models a step needs are built first
-# (bench_gpu.py models / gguf; llama.cpp builds in the background from .whl/lc).
+# its own), startup-tf (startup with the transformers wheel of .whl/tf), parity-8b-q4,
+# importtime (the worker's import, -X importtime), and h200_x2.sh's two-GPU steps:
+# nccl-tests, bench-tp-8b. The models a step needs are built first (bench_gpu.py models
+# and gguf; llama.cpp builds in the background from .whl/lc's source).
 #
 # Environment: OUT (results: $OUT/gpu/, one log per step and summary.txt; default
 # /tmp/h200-out), GPU_STEPS, GPU_BUDGET_S (seconds this call may use, 570), BENCH_ARGS
@@ -88,7 +89,7 @@ if any_wanted bench-1b bench-8b-q4 || named bench-1b-iso; then
 fi
 
 # ---- models: random Llama weights written by MLX, and as GGUF by llama.cpp's converter -----
-if any_wanted bench-1b parity-1b startup || named bench-1b-iso; then
+if any_wanted bench-1b parity-1b startup || named bench-1b-iso || named startup-tf; then
   run_step models-1b $M/llama-1b/config.json 60 python3 -m tools.bench.bench_gpu models --out $M --shapes 1b --quantize
 fi
 if any_wanted bench-1b || named bench-1b-iso; then
@@ -118,6 +119,14 @@ fi
 if want startup; then
   run_step startup $RES/startup-1b.json 150 python3 -m tools.bench.first_request --model $M/llama-1b --cold-warm \
     --warm-starts ${WARM_STARTS:-2} --json $RES/startup-1b.json
+fi
+# the same with the transformers release pip installs beside unikern today (the image's is
+# older, and its import slower): its wheel carried in .whl/tf, copied to /tmp/tfwhl
+if named startup-tf && ls /tmp/tfwhl/transformers-*.whl > /dev/null 2>&1; then
+  [ -d /tmp/tf/transformers ] || python3 -m pip install -q --no-index --no-deps --target /tmp/tf \
+    /tmp/tfwhl/transformers-*.whl 2>&1 | tail -2
+  run_step startup-tf $RES/startup-1b-tf.json 150 env PYTHONPATH=/tmp/tf:$PYTHONPATH python3 -m tools.bench.first_request \
+    --model $M/llama-1b --cold-warm --warm-starts ${WARM_STARTS:-2} --json $RES/startup-1b-tf.json
 fi
 if named importtime; then  # the same import three times in fresh processes, then where its time goes
   TAIL=8 run_step importtime $RES/importtime.txt 60 bash -c 'TIMEFORMAT="import: %R s"; for i in 1 2 3; do \
@@ -149,7 +158,7 @@ fi
 # ---- the CUDA kernel tests: each kernel against MLX's own ops, float32 exact (TF32 off) -----
 if want kernel-tests; then
   tests=${PYTEST_GPU:-tests/test_decode_blocks.py tests/test_quantized_rows.py tests/test_paged_attention.py \
-tests/test_decode_window.py -k "cuda or rope_write or mlxs_quantized_matmul or small_pool"}
+tests/test_decode_window.py -k cuda}
   TAIL=6 run_step kernel-tests $RES/kernel-tests.done 300 bash -c "MLX_ENABLE_TF32=0 python3 -m pytest \
     -p no:cacheprovider -q -rA $tests && touch $RES/kernel-tests.done"
 fi
