@@ -754,7 +754,7 @@ def test_one_row_steps_through_the_block_kernel_on_cuda(attn_split, preload, mon
 @pytest.mark.parametrize("fused", [True, False])
 def test_decode_steps_write_the_pool_in_place_on_cuda(fused, monkeypatch):
     """The same on a CUDA GPU, where MLX orders the attention after the write only
-    through q (fused) or `after` (run with MLX_ENABLE_TF32=0). Session 16's H200 run of the
+    through q (fused) or `after` (run with MLX_ENABLE_TF32=0). An H200 run (2026-12-01) of the
     unfused case, with the attention ordered through `mx.depends` instead, failed: the
     tokens one step late."""
     pool_writes_case(monkeypatch, emulate=False, fused=fused)
@@ -830,10 +830,10 @@ def test_mlx_lms_code_is_still_what_the_fused_steps_repeat(module, name):
 
 
 def test_the_phase_timeline_reads_the_blocks_clocks_across_a_wrap():
-    """tools/probe_block_phases.timeline: per phase the first and last block to stage its
+    """tools/probe/probe_block_phases.timeline: per phase the first and last block to stage its
     input and to end its work, and the last to leave its barrier, in us from the first
     block's start, medians over layers; the clocks' low 32 bits may wrap mid-kernel."""
-    from tools.probe_block_phases import timeline
+    from tools.probe.probe_block_phases import timeline
 
     base = (1 << 32) - 5_000  # 5 us before the low 32 bits wrap
     # two blocks, two phases: start, then (staged, work done, left) per phase, in ns

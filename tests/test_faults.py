@@ -15,7 +15,7 @@ import pytest
 
 import unikern
 from tests.conftest import SMALL_KV
-from tools.load import WorkerClient
+from tools.check.worker_client import WorkerClient
 from unikern import messages as m
 from unikern.errors import ConfigError, StageError
 from unikern.faults import ENV_VAR, FaultyInbox, planned_fault, wrap_inbox

@@ -1,6 +1,6 @@
 """Fuzzing the worker protocol and pipeline files, with a bounded budget (issue 6).
 
-The generators live in `tools/fuzz.py`, which runs the same properties for longer. Here:
+The generators live in `tools/check/fuzz.py`, which runs the same properties for longer. Here:
 `decode_op` and `parse_pipeline` in-process (hypothesis, ~200 examples each), every op
 with every subset of its fields missing, and one worker subprocess fed a few hundred
 fuzzed lines between valid requests.
@@ -19,8 +19,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tools import fuzz
-from tools.load import WorkerClient
+from tools.check import fuzz
+from tools.check.bad_lines import bad_lines
+from tools.check.worker_client import WorkerClient
 from unikern.errors import ConfigError
 from unikern.frontends.protocol import CancelOp, GenerateOp, ProtocolError, StatsOp, decode_op
 from unikern.frontends.worker import OversizeLine, read_lines
@@ -168,7 +169,7 @@ OVERSIZE_BYTES = (16 << 20) + 10  # the worker's limit is 16 MiB
 @pytest.mark.timeout(150)
 def test_a_worker_answers_every_fuzzed_line_and_serves_the_valid_ones(tiny_llama: str, tmp_path: Path) -> None:
     rng = random.Random(6)
-    bad = fuzz.bad_lines(rng, NUM_BAD)
+    bad = bad_lines(rng, NUM_BAD)
     assert len({b.kind for b in bad}) >= 8  # every kind of damage is in the mix
     client = WorkerClient(tiny_llama, sets=["kv.kv_budget_bytes=67108864"], stderr_path=tmp_path / "stderr.txt")
     try:

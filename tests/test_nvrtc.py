@@ -1,6 +1,6 @@
 """Every CUDA kernel the engine's paths launch compiles for an H200 (sm_90) with NVRTC,
 without spilling registers to local memory and within an SM's registers at its block
-size, on a machine without a GPU (tools/nvrtc_check.py: the sources wrapped as MLX's CUDA
+size, on a machine without a GPU (tools/device/nvrtc_check.py: the sources wrapped as MLX's CUDA
 backend wraps a custom kernel). NVRTC and CUDA's headers come from the test extras'
 `nvidia-cuda-nvrtc` and `nvidia-cuda-runtime` wheels (Linux x86_64)."""
 
@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tools import nvrtc_check
+from tools.device import nvrtc_check
 
 
 def test_every_kernel_compiles_for_sm90():

@@ -139,9 +139,9 @@ def test_unikerns_cuda_kernels_are_named_by_their_source():
     """MLX keys a compiled CUDA kernel (and its PTX on disk, kept across upgrades) by name
     and template arguments alone: each of unikern's kernels is built under a name that
     carries a digest of its source, so a changed source never loads the old code. Every
-    build the engine's paths launch (tools/nvrtc_check.py drives them with MLX's
+    build the engine's paths launch (tools/device/nvrtc_check.py drives them with MLX's
     cuda_kernel stood in for)."""
-    from tools.nvrtc_check import record_launches
+    from tools.device.nvrtc_check import record_launches
     from unikern.platform.kernel_cache import kernel_name
 
     assert kernel_name("k", "a") != kernel_name("k", "b") and kernel_name("k", "a").startswith("k_")

@@ -156,7 +156,7 @@ def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, 
 @pytest.mark.parametrize("warps,features,unroll", [(1, 4, 1), (2, 4, 1), (4, 2, 1), (2, 8, 1), (1, 4, 4),
                                                    (2, 4, 2), (1, 4, 3)])
 def test_the_gemv_holds_for_other_block_shapes_in_an_emulation(warps, features, unroll, monkeypatch):
-    """The block shapes tools/probe_cuda.py's -w1, -w2, -f2, -w2-f8, -w1-u4 and -w2-u2
+    """The block shapes tools/probe/probe_cuda.py's -w1, -w2, -f2, -w2-f8, -w1-u4 and -w2-u2
     variants try on a GPU (GEMV_WARPS, GEMV_FEATURES, GEMV_UNROLL): each thread then covers
     more of K, a block more or fewer features, or a thread's loop several strides per pass
     (3: the last pass partial), with the residual added inside; still x times the

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tools.load import WorkerClient
+from tools.check.worker_client import WorkerClient
 
 DRAIN_A_S = 1.0
 CANCEL_WITHIN_S = 2.0  # "within a second or so", on a shared 2-core machine

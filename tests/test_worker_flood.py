@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.load import RssSampler, WorkerClient
+from tools.check.worker_client import RssSampler, WorkerClient
 
 MiB = 1 << 20
 MAX_WAITING = 32

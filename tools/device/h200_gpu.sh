@@ -1,0 +1,181 @@
+#!/usr/bin/env bash
+# unikern on one NVIDIA H200 through MLX's CUDA backend, step by step: set up, build the
+# models, run the CUDA kernel tests, the three-engine benchmark (unikern, mlx-lm and
+# llama.cpp on a 1B-shape bf16 and an 8B-shape 4-bit Llama), greedy parity and the
+# start-up time. tools/device/README.md says what to send and in which calls.
+#
+#   OUT=$OUT bash tools/device/h200_gpu.sh /tmp/w0 .whl/p1 .whl/lc   # first call: set up, then the steps
+#   OUT=$OUT bash tools/device/h200_gpu.sh                           # later calls, the machine still warm
+#   GPU_STEPS="bench-1b parity-1b" OUT=$OUT bash tools/device/h200_gpu.sh   # only these steps
+#   bash tools/device/h200_gpu.sh exec python3 -m tools.probe.probe_cuda --model /tmp/gpu/models/llama-1b
+#                                     # any command, in this script's environment (after set-up)
+#
+# Steps, in this order (each one skipped once its output exists, so a call resumes where
+# the last one's time ran out; a call lasts at most 10 minutes):
+#   bench-1b      the three engines, 1B bf16 (tools/bench/bench_gpu.py bench --split)
+#   parity-1b     greedy tokens against mlx-lm, 16 prompts in flight (tools/check/parity_check.py)
+#   startup       a fresh worker's cold start, then warm starts on the kernel cache it left
+#                 (tools/bench/first_request.py --cold-warm)
+#   bench-8b-q4   the three engines, 8B 4-bit (mlx-lm's -q 4 against llama.cpp's Q4_0)
+#   kernel-tests  the CUDA kernel tests against MLX's ops, TF32 off (PYTEST_GPU: which ones)
+# and only where GPU_STEPS names them: bench-1b-iso (bench-1b with mlx-lm in a process of
+# its own), startup-tf (startup with the transformers wheel of .whl/tf), parity-8b-q4,
+# importtime (the worker's import, -X importtime), and h200_x2.sh's two-GPU steps:
+# nccl-tests, bench-tp-8b. The models a step needs are built first (bench_gpu.py models
+# and gguf; llama.cpp builds in the background from .whl/lc's source).
+#
+# Environment: OUT (results: $OUT/gpu/, one log per step and summary.txt; default
+# /tmp/h200-out), GPU_STEPS, GPU_BUDGET_S (seconds this call may use, 570), BENCH_ARGS
+# (more bench_gpu.py bench arguments), PYTEST_GPU, WARM_STARTS, MLX_MEMORY_LIMIT_GIB (60).
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+OUT=${OUT:-/tmp/h200-out}
+G=/tmp/gpu  # models, llama.cpp and results: kept between calls while the machine is warm
+RES=$G/res
+M=$G/models
+BIN=$G/llama-build/bin
+mkdir -p "$RES" "$OUT"
+START=$SECONDS
+DEADLINE=$((SECONDS + ${GPU_BUDGET_S:-570}))
+say() { echo "== [$((SECONDS - START)) s] $*" | tee -a "$RES/summary.txt"; }
+left() { echo $((DEADLINE - SECONDS)); }
+save() { mkdir -p "$OUT/gpu" && cp -r "$RES"/. "$OUT/gpu/"; }
+
+# ---- set-up: the carried wheels, the environment, llama.cpp's source ----------------------
+if [ ! -e /tmp/py/mlx ] && [ $# -gt 0 ] && [ "$1" != exec ]; then
+  say "setup"
+  H200_TMP=/tmp bash "$REPO/tools/device/h200_setup.sh" "$@" 2>&1 | tail -4 | tee -a "$RES/summary.txt"
+fi
+export PYTHONPATH=/tmp/py:/tmp/src:$REPO UNIKERN_MODEL_CACHE=/tmp/models TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 MLX_MEMORY_LIMIT_GIB=${MLX_MEMORY_LIMIT_GIB:-60} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export PATH=$CUDA_HOME/bin:$PATH
+cd "$REPO"  # python3 -m tools.X and the tests' paths are relative to it
+if [ "${1:-}" = exec ]; then shift; exec "$@"; fi
+trap save EXIT
+for d in "$@"; do [ -f "$d/llama.cpp.tgz" ] && [ ! -d $G/llama.cpp ] && tar -xzf "$d/llama.cpp.tgz" -C $G; done
+
+want() { [ -z "${GPU_STEPS:-}" ] || [[ " $GPU_STEPS " == *" $1 "* ]]; }  # a default step, unless GPU_STEPS leaves it out
+named() { [[ " ${GPU_STEPS:-} " == *" $1 "* ]]; }  # a step that runs only when GPU_STEPS names it
+any_wanted() { local s; for s in "$@"; do want "$s" && return 0; done; return 1; }
+
+run_step() {  # NAME DONE_FILE MIN_S COMMAND...: runs it unless DONE_FILE exists or fewer than MIN_S seconds are left
+  local name=$1 done_file=$2 min_s=$3; shift 3
+  [ -e "$done_file" ] && return 0
+  if [ "$(left)" -lt "$min_s" ]; then say "SKIPPED $name: needs about $min_s s, $(left) s left; call again"; return 1; fi
+  local t0=$SECONDS log="$RES/$name.log"
+  timeout $(($(left) - 10)) "$@" > "$log" 2>&1
+  local rc=$?
+  say "$name: rc=$rc in $((SECONDS - t0)) s"
+  grep -vE "^\s*$|\[(info|debug|warning)|it/s\]|s/it\]" "$log" | tail -"${TAIL:-4}" | tee -a "$RES/summary.txt"
+  save
+  return $rc
+}
+
+build_llama() {  # only the three targets the benchmark needs, with CUDA for sm_90
+  [ -x $BIN/llama-batched-bench ] && [ -x $BIN/llama-quantize ] && return 0
+  cmake -S $G/llama.cpp -B $G/llama-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF > $RES/llama-cmake.log 2>&1 &&
+  cmake --build $G/llama-build -j14 --target llama-batched-bench llama-quantize llama-bench > $RES/llama-build.log 2>&1
+}
+wait_llama() {
+  [ -n "${BUILD_PID:-}" ] || return 0
+  wait "$BUILD_PID"; say "llama.cpp build: rc=$? $(tail -1 $RES/llama-build.log)"; BUILD_PID=
+}
+
+say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader)"
+if any_wanted bench-1b bench-8b-q4 || named bench-1b-iso; then
+  if [ ! -x $BIN/llama-batched-bench ] && [ -d $G/llama.cpp ]; then build_llama & BUILD_PID=$!; fi
+fi
+
+# ---- models: random Llama weights written by MLX, and as GGUF by llama.cpp's converter -----
+if any_wanted bench-1b parity-1b startup || named bench-1b-iso || named startup-tf; then
+  run_step models-1b $M/llama-1b/config.json 60 python3 -m tools.bench.bench_gpu models --out $M --shapes 1b --quantize
+fi
+if any_wanted bench-1b || named bench-1b-iso; then
+  run_step gguf-1b $M/llama-1b-bf16.gguf 60 python3 -m tools.bench.bench_gpu gguf --out $M --shapes 1b --quantize \
+    --llama-cpp $G/llama.cpp --llama-bin $BIN
+fi
+
+# ---- the three engines, 1B bf16 -------------------------------------------------------------
+if want bench-1b; then
+  wait_llama
+  TAIL=9 run_step bench-1b $RES/bench-gpu-1b.json 120 python3 -m tools.bench.bench_gpu bench --model $M/llama-1b \
+    --gguf $M/llama-1b-bf16.gguf --llama-bin $BIN --split ${BENCH_ARGS:-} --label "llama 1B shape, bfloat16" \
+    --json $RES/bench-gpu-1b.json
+fi
+if named bench-1b-iso; then
+  wait_llama
+  TAIL=9 run_step bench-1b-iso $RES/bench-gpu-1b-iso.json 120 python3 -m tools.bench.bench_gpu bench \
+    --model $M/llama-1b --gguf $M/llama-1b-bf16.gguf --llama-bin $BIN --split --isolate ${BENCH_ARGS:-} \
+    --label "llama 1B shape, bfloat16, mlx-lm in its own process" --json $RES/bench-gpu-1b-iso.json
+fi
+
+# ---- greedy parity and start-up, 1B bf16 ----------------------------------------------------
+if want parity-1b; then
+  TAIL=12 run_step parity-1b $RES/parity-1b.json 90 python3 -m tools.check.parity_check --model $M/llama-1b \
+    --prompts 16 --max-tokens 32 --json $RES/parity-1b.json
+fi
+if want startup; then
+  run_step startup $RES/startup-1b.json 150 python3 -m tools.bench.first_request --model $M/llama-1b --cold-warm \
+    --warm-starts ${WARM_STARTS:-2} --json $RES/startup-1b.json
+fi
+# the same with the transformers release pip installs beside unikern today (the image's is
+# older, and its import slower): its wheel carried in .whl/tf, copied to /tmp/tfwhl
+if named startup-tf && ls /tmp/tfwhl/transformers-*.whl > /dev/null 2>&1; then
+  [ -d /tmp/tf/transformers ] || python3 -m pip install -q --no-index --no-deps --target /tmp/tf \
+    /tmp/tfwhl/transformers-*.whl 2>&1 | tail -2
+  run_step startup-tf $RES/startup-1b-tf.json 150 env PYTHONPATH=/tmp/tf:$PYTHONPATH python3 -m tools.bench.first_request \
+    --model $M/llama-1b --cold-warm --warm-starts ${WARM_STARTS:-2} --json $RES/startup-1b-tf.json
+fi
+if named importtime; then  # the same import three times in fresh processes, then where its time goes
+  TAIL=8 run_step importtime $RES/importtime.txt 60 bash -c 'TIMEFORMAT="import: %R s"; for i in 1 2 3; do \
+    time python3 -c "import unikern.frontends.worker, mlx_lm.utils"; done; \
+    python3 -X importtime -c "import unikern.frontends.worker, mlx_lm.utils" 2> '"$RES"'/importtime.txt; \
+    sort -t"|" -k2 -n '"$RES"'/importtime.txt | tail -4'
+fi
+
+# ---- the three engines, 8B 4-bit (mlx_lm convert -q against llama-quantize's Q4_0) ----------
+if want bench-8b-q4 || named parity-8b-q4; then
+  run_step models-8b $M/llama-8b-q4/config.json 120 python3 -m tools.bench.bench_gpu models --out $M --shapes 8b \
+    --quantize 8b
+fi
+if want bench-8b-q4; then
+  run_step gguf-8b-bf16 $M/llama-8b-q4_0.gguf 150 python3 -m tools.bench.bench_gpu gguf --out $M --shapes 8b \
+    --quantize --llama-cpp $G/llama.cpp --llama-bin $BIN
+  wait_llama
+  run_step gguf-8b-q4 $M/llama-8b-q4_0.gguf 30 $BIN/llama-quantize $M/llama-8b-bf16.gguf $M/llama-8b-q4_0.gguf Q4_0
+  [ -e $M/llama-8b-q4_0.gguf ] && rm -f $M/llama-8b-bf16.gguf  # 16 GB of disk back
+  TAIL=9 run_step bench-8b-q4 $RES/bench-gpu-8b-q4.json 330 python3 -m tools.bench.bench_gpu bench \
+    --model $M/llama-8b-q4 --gguf $M/llama-8b-q4_0.gguf --llama-bin $BIN --split ${BENCH_ARGS:-} \
+    --label "llama 8B shape, 4-bit (Q4_0 for llama.cpp)" --json $RES/bench-gpu-8b-q4.json
+fi
+if named parity-8b-q4; then
+  TAIL=12 run_step parity-8b-q4 $RES/parity-8b-q4.json 150 python3 -m tools.check.parity_check \
+    --model $M/llama-8b-q4 --prompts 16 --max-tokens 32 --json $RES/parity-8b-q4.json
+fi
+
+# ---- the CUDA kernel tests: each kernel against MLX's own ops, float32 exact (TF32 off) -----
+if want kernel-tests; then
+  tests=${PYTEST_GPU:-tests/test_decode_blocks.py tests/test_quantized_rows.py tests/test_paged_attention.py \
+tests/test_decode_window.py -k cuda}
+  TAIL=6 run_step kernel-tests $RES/kernel-tests.done 300 bash -c "MLX_ENABLE_TF32=0 python3 -m pytest \
+    -p no:cacheprovider -q -rA $tests && touch $RES/kernel-tests.done"
+fi
+
+# ---- two GPUs of one host (nvidia-h200-x2, tools/device/h200_x2.sh) -------------------------
+if named nccl-tests; then  # tensor and pipeline parallel over NCCL, one rank's tokens
+  TAIL=10 run_step nccl-tests $RES/nccl-tests.done 200 bash -c "env MLX_ENABLE_TF32=0 UNIKERN_TEST_BACKEND=nccl \
+    python3 -m pytest -p no:cacheprovider -q -rA -o filterwarnings=default --durations=0 tests/test_distributed.py \
+    && touch $RES/nccl-tests.done"
+fi
+if named bench-tp-8b; then  # the 8B-shape bf16 model at 64 requests, one GPU against tensor parallel over two
+  run_step models-8b-bf16 $M/llama-8b/config.json 120 python3 -m tools.bench.bench_gpu models --out $M --shapes 8b \
+    --quantize
+  TAIL=10 run_step bench-tp-8b $RES/bench-tp-llama-8b-nccl.json 300 python3 -m tools.bench.bench_tp \
+    --model $M/llama-8b --tp 2 --backend nccl --concurrency 64 --max-tokens 64 --repeats 3 \
+    --out $RES/bench-tp-llama-8b-nccl.json
+fi
+wait_llama
+(cd $RES && tar -czf $G/res.tgz . && cp $G/res.tgz "$OUT/gpu-results.tgz")  # one file: every log
+say "done; $(left) s left"

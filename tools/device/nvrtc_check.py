@@ -1,0 +1,279 @@
+"""Compile unikern's CUDA kernels for an H200 (sm_90) with NVRTC on a machine without a
+GPU, so a kernel source changed since the last GPU run is known to build before device
+time is spent on it.
+
+Each kernel is launched as the engine launches it (paged attention whole, split and
+merged, at several positions in flight; the 4-bit GEMV and tensor-core kernels; the
+residual add and norm; a decoder block's GEMV kernels; the pool writes and RoPE) with `mx.fast.cuda_kernel` replaced by a stand-in that records
+the call. The recorded source is wrapped as MLX's CUDA backend wraps a custom kernel
+(a `__global__` function whose parameters are the inputs, their shapes where the source
+reads them, and the outputs; template arguments as constants in its body) over a small
+prelude standing in for MLX's device header, and compiled.
+
+    pip install nvidia-cuda-nvrtc nvidia-cuda-runtime   # NVRTC and CUDA's headers
+    python -m tools.device.nvrtc_check [--arch sm_90] [--ptxas]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# what MLX's device header gives a custom kernel that unikern's sources use
+PRELUDE = r"""
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+typedef int int32_t;
+typedef unsigned int uint32_t;
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+struct Shape { int v[10]; __device__ int operator[](int i) const { return v[i]; } };
+struct Strides { long long v[10]; __device__ long long operator[](int i) const { return v[i]; } };
+"""
+
+CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int32_t",
+              "uint32": "uint32_t"}
+
+
+@dataclass(frozen=True)
+class Build:
+    """One kernel build as the engine asked MLX for it: the kernel's name (carrying its
+    source's digest, platform/kernel_cache.py), source and header, its inputs (name,
+    dtype, ndim), outputs (name, dtype), template arguments and threads per block."""
+
+    name: str
+    source: str
+    header: str
+    inputs: tuple[tuple[str, str, int], ...]
+    outputs: tuple[tuple[str, str], ...]
+    template: tuple[tuple[str, object], ...]
+    threads: int
+
+    @property
+    def label(self) -> str:
+        return self.name + "".join(f"_{k}{v}" for k, v in self.template)
+
+    def wrapped(self) -> str:
+        """The source as MLX's CUDA backend builds a custom kernel around it."""
+        return wrap(self.name, self.source, self.header, list(self.inputs), list(self.outputs), list(self.template))
+
+
+def find_nvrtc() -> tuple[ctypes.CDLL, str]:
+    """libnvrtc and CUDA's include directory, from the pip wheels on sys.path."""
+    for base in sys.path:
+        for lib in sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libnvrtc.so*"))):
+            include = Path(lib).parent.parent / "include"
+            if (include / "cuda_bf16.h").exists():
+                return ctypes.CDLL(lib), str(include)
+    raise FileNotFoundError("NVRTC and CUDA's headers not found: pip install nvidia-cuda-nvrtc nvidia-cuda-runtime")
+
+
+def compile_source(nvrtc: ctypes.CDLL, include: str, name: str, source: str, arch: str,
+                   ptxas: bool = False) -> tuple[bool, str]:
+    """Whether it compiles, and NVRTC's log (with ptxas' resource use if `ptxas`)."""
+    prog = ctypes.c_void_p()
+    if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None):
+        return False, "nvrtcCreateProgram failed"
+    options = [f"--gpu-architecture={arch}", "-std=c++17", f"-I{include}", "-default-device"]
+    options += ["--ptxas-options=--verbose"] if ptxas else []
+    array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+    status = nvrtc.nvrtcCompileProgram(prog, len(options), array)
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+    return status == 0, log.value.decode(errors="replace")
+
+
+def registers(log: str) -> int | None:
+    """The registers per thread in ptxas' verbose log."""
+    found = re.search(r"Used (\d+) registers", log)
+    return int(found.group(1)) if found else None
+
+
+def wrap(name: str, source: str, header: str, inputs: list[tuple[str, str, int]], outputs: list[tuple[str, str]],
+         template: list[tuple[str, object]]) -> str:
+    """`source` as MLX's CUDA backend builds a custom kernel around it."""
+    params = []
+    for arg, dtype, ndim in inputs:
+        params.append(f"const {CUDA_TYPES[dtype]}* {arg}")
+        if ndim > 0 and f"{arg}_shape" in source:
+            params.append(f"const __grid_constant__ Shape {arg}_shape")
+        if ndim > 0 and f"{arg}_strides" in source:
+            params.append(f"const __grid_constant__ Strides {arg}_strides")
+    params += [f"{CUDA_TYPES[dtype]}* {arg}" for arg, dtype in outputs]
+    constants = "".join(f"  using {k} = {CUDA_TYPES[v]};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
+                        for k, v in template)
+    return (f"{PRELUDE}\n{header}\nnamespace unikern_check {{\n__global__ void {name}(\n    "
+            + ",\n    ".join(params) + f") {{\n{constants}\n{source}\n}}\n}}\n")
+
+
+def record_launches() -> list[Build]:
+    """Every kernel build the engine's paths launch here, in launch order."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from unikern.platform import kernel_cache
+    from unikern.stages.execute import (
+        block_gemv,
+        block_kernel,
+        paged_attention,
+        quantized,
+        residual,
+    )
+
+    builds: list[Build] = []
+
+    def fake_cuda_kernel(*, name, input_names, output_names, source, header="", **_):
+        def launch(*, inputs, template, threadgroup, output_shapes, output_dtypes, **__):
+            def dtype(d: mx.Dtype) -> str:
+                return str(d).removeprefix("mlx.core.")
+
+            builds.append(Build(
+                name, source, header,
+                tuple((n, dtype(a.dtype), a.ndim) for n, a in zip(input_names, inputs, strict=True)),
+                tuple((n, dtype(d)) for n, d in zip(output_names, output_dtypes, strict=True)),
+                tuple((k, dtype(v) if isinstance(v, mx.Dtype) else v) for k, v in template),
+                threadgroup[0]))
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+        return launch
+
+    saved = (mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE,
+             quantized.GEMV_MAGIC_NIBBLES)
+    mx.fast.cuda_kernel = fake_cuda_kernel
+    kernel_cache.cuda_kernel.cache_clear()
+    try:
+        for dtype in (mx.bfloat16, mx.float32):
+            for D, H, Hk in ((64, 32, 8), (128, 32, 8)):  # the 1B and 8B shapes
+                q = mx.zeros((1, H, 1, D), dtype=dtype)
+                pool = mx.zeros((Hk, 64, D), dtype=dtype)
+                for width in (8, 4096):  # whole, then split (partials and merge)
+                    for in_flight in (2, 4, 8):
+                        paged_attention.POSITIONS_IN_FLIGHT = in_flight
+                        kernel_cache.cuda_kernel.cache_clear()
+                        paged_attention.decode(q, pool, pool, mx.zeros((1, width), dtype=mx.int32), mx.array([8]),
+                                               D**-0.5, use_kernel=True)
+                # the decode step's keys and values written into the pool in place
+                new = mx.zeros((3, Hk, 1, D), dtype=dtype)
+                paged_attention.write(new, new, pool, pool, mx.zeros((3,), dtype=mx.int32))
+                # a step of more rows' q/k/v rotated and written by one kernel (blocks.OPS_ROPE_WRITE)
+                for trad in (False, True):
+                    paged_attention.rope_write(mx.zeros((64, (H + 2 * Hk) * D), dtype=dtype),
+                                               mx.zeros((64,), dtype=mx.int32), mx.zeros((D // 2,), dtype=mx.float32),
+                                               H, D, trad, (pool, pool, mx.zeros((64,), dtype=mx.int32)))
+            for hidden in (2048, 4096):
+                norm = nn.RMSNorm(hidden)
+                norm.weight = norm.weight.astype(dtype)
+                x = mx.zeros((3, hidden), dtype=dtype)
+                residual.add_rms_norm(x, x, norm, use_kernel=True)
+            # a decoder block's four GEMV kernels (block_gemv.py) at the 1B and 8B shapes
+            for hidden, H, Hk, D, inter in ((2048, 32, 8, 64, 8192), (4096, 32, 8, 128, 14336)):
+                for rows in (1, 3):  # ROWS 1 and 4
+                    x = mx.zeros((rows, hidden), dtype=dtype)
+                    norm = (mx.zeros((hidden,), dtype=dtype), 1e-5)
+                    qkv = mx.zeros(((H + 2 * Hk) * D, hidden), dtype=dtype)
+                    block_gemv.gemv(x, qkv, block_gemv.ROPE, bias=qkv[:, 0], norm=norm, pos=mx.zeros((rows,), dtype=mx.int32),
+                                freq_pi=mx.zeros((D // 2,), dtype=mx.float32), head_dim=D, rope_pairs=(H + Hk) * D // 2,
+                                q_features=H * D)
+                    pool = mx.zeros((Hk, 64, D), dtype=dtype)  # k and v into the pool in place
+                    block_gemv.gemv(x, qkv, block_gemv.ROPE, norm=norm, pos=mx.zeros((rows,), dtype=mx.int32),
+                                freq_pi=mx.zeros((D // 2,), dtype=mx.float32), head_dim=D, rope_pairs=(H + Hk) * D // 2,
+                                q_features=H * D, pool=(pool, pool, mx.zeros((rows,), dtype=mx.int32)))
+                    block_gemv.gemv(mx.zeros((rows, H * D), dtype=dtype), mx.zeros((hidden, H * D), dtype=dtype),
+                                block_gemv.RESIDUAL, res=x)
+                    block_gemv.gemv(x, mx.zeros((2 * inter, hidden), dtype=dtype), block_gemv.SWIGLU, norm=norm)
+                    block_gemv.gemv(mx.zeros((rows, inter), dtype=dtype), mx.zeros((hidden, inter), dtype=dtype),
+                                block_gemv.RESIDUAL, res=x)
+                    # KERNEL_NORM 2: the residual kernel hands the sums of squares, the next takes them
+                    counter, ss = block_gemv.counter(), mx.zeros((rows,), dtype=mx.float32)
+                    block_gemv.gemv(mx.zeros((rows, inter), dtype=dtype), mx.zeros((hidden, inter), dtype=dtype),
+                                block_gemv.RESIDUAL, res=x, hand_ss=counter)
+                    block_gemv.gemv(x, mx.zeros((2 * inter, hidden), dtype=dtype), block_gemv.SWIGLU, norm=norm, ss=ss)
+            # a decoder block's one-row step as one kernel (block_kernel.py), 1B shape, with q/k/v's bias and without
+            hidden, H, Hk, D, inter = 2048, 32, 8, 64, 8192
+            paged_attention.POSITIONS_IN_FLIGHT = saved[1]
+            if dtype == mx.float32:  # (the 1B shape's row in float32 is more shared memory than a kernel has)
+                inter = 4096
+            attn_split, preload, grid = block_kernel.ATTN_SPLIT, block_kernel.PRELOAD, block_kernel.GRID_BLOCKS
+            block_kernel.GRID_BLOCKS = 132  # (an H200's SMs: no driver to ask here)
+            assert block_kernel.fits(hidden, inter, H, Hk, D, dtype, 128)
+            qkv, pool = mx.zeros(((H + 2 * Hk) * D, hidden), dtype=dtype), mx.zeros((Hk, 64, D), dtype=dtype)
+            one = mx.zeros((1,), dtype=mx.int32)
+            for bias, block_kernel.ATTN_SPLIT, block_kernel.PRELOAD in ((None, 0, 0), (qkv[:, 0], 0, 0), (None, 1, 0),
+                                                                          (None, 1, 1)):
+                block_kernel.block_step(
+                    mx.zeros((1, 1, hidden), dtype=dtype), qkv, bias, (mx.zeros((hidden,), dtype=dtype), 1e-5),
+                    mx.zeros((hidden, H * D), dtype=dtype), (mx.zeros((hidden,), dtype=dtype), 1e-5),
+                    mx.zeros((2 * inter, hidden), dtype=dtype), mx.zeros((hidden, inter), dtype=dtype), one,
+                    mx.zeros((D // 2,), dtype=mx.float32), H, Hk, D, False, D**-0.5, (pool, pool, one),
+                    mx.zeros((1, 128), dtype=mx.int32), one, block_kernel.barrier(Hk))
+            block_kernel.ATTN_SPLIT, block_kernel.PRELOAD, block_kernel.GRID_BLOCKS = attn_split, preload, grid
+        w, scales, biases = mx.quantize(mx.zeros((64, 4096), dtype=mx.bfloat16), group_size=64, bits=4)
+        # the defaults, the nibbles made floats by their bits (GEMV_MAGIC_NIBBLES), then
+        # the first version's 4-byte loads and narrow blocks
+        for wide, magic in ((True, False), (True, True), (False, False)):
+            quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = wide, "wide" if wide else "narrow"
+            quantized.GEMV_MAGIC_NIBBLES = magic
+            kernel_cache.cuda_kernel.cache_clear()
+            for rows in (1, 9, 64):
+                x = mx.zeros((rows, 4096), dtype=mx.bfloat16)
+                quantized.gemv(x, w, scales, biases, 64)
+                quantized.gemv(x, w, scales, biases, 64, res=mx.zeros((rows, 64), dtype=mx.bfloat16))
+                for split in (False, True):
+                    quantized.mma(x, w, scales, biases, 64, split=split)
+        # the 8B shape's 4-bit q/k/v with RoPE (quantized.GEMV_ROPE), returned or into the
+        # pool, and the gate/up GEMV's SwiGLU (GEMV_SWIGLU), with the default loads
+        quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE, quantized.GEMV_MAGIC_NIBBLES = saved[2], saved[3], saved[4]
+        qkv = nn.QuantizedLinear(4096, 48 * 128, bias=False, group_size=64, bits=4)
+        qkv.set_dtype(mx.bfloat16)
+        for rows in (1, 3):
+            x, pos = mx.zeros((rows, 4096), dtype=mx.bfloat16), mx.zeros((rows,), dtype=mx.int32)
+            freq_pi, pool = mx.zeros((64,), dtype=mx.float32), mx.zeros((8, 64, 128), dtype=mx.bfloat16)
+            for target in (None, (pool, pool, pos)):
+                quantized.gemv_rope(x, qkv, pos, freq_pi, 32 * 128, 128, False, target)
+            quantized.gemv_swiglu(x, qkv)  # (the gate/up kernel: the same build for any N)
+    finally:  # the stand-in and its kernels go: a test process goes on with the real ones
+        (mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE,
+         quantized.GEMV_MAGIC_NIBBLES) = saved
+        kernel_cache.cuda_kernel.cache_clear()
+    return builds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--ptxas", action="store_true", help="print each build's registers, stack and shared memory")
+    args = parser.parse_args()
+    try:
+        nvrtc, include = find_nvrtc()
+    except FileNotFoundError as exc:
+        raise SystemExit(str(exc)) from None
+    seen: set[str] = set()
+    failed = 0
+    for build in record_launches():
+        source, label = build.wrapped(), build.label
+        if source in seen:
+            continue
+        seen.add(source)
+        ok, log = compile_source(nvrtc, include, "unikern", source, args.arch, args.ptxas)
+        usage = ""
+        if ok and args.ptxas:  # ptxas' lines: "... N bytes stack frame ...", "Used N registers, ..."
+            usage = " | " + "; ".join(re.findall(r"\d+ bytes stack frame[^\n]*|Used \d+ registers[^\n]*", log))
+        print(f"{'ok  ' if ok else 'FAIL'} {label}{usage}", flush=True)
+        if not ok:
+            failed += 1
+            print(log[-3000:])
+    print(f"{len(seen) - failed} of {len(seen)} kernel builds compiled for {args.arch}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
