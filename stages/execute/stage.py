@@ -68,47 +68,47 @@ class MLXExecuteParams(StageParams, frozen=True):
     quantized_gemv: Literal["auto", "always", "never"] = "auto"
     """4-bit affine weights, steps of fewer rows than `dequantize_rows`: unikern's GEMV kernel instead of
     MLX's quantized matmul (stages/execute/quantized.py). CUDA only: `auto` = on CUDA, `always` elsewhere
-    is refused at start. On an H200 (8B 4-bit) it took one request 138 -> 177 tok/s (tools/bench_gpu.py)."""
+    is refused at start. On an H200 (8B 4-bit) it took one request 138 -> 177 tok/s (tools/bench/bench_gpu.py)."""
     quantized_mma: Literal["auto", "always", "never"] = "auto"
     """4-bit affine weights, steps of more than 8 rows with bfloat16 activations: unikern's tensor-core
     kernel (weights dequantized in registers). CUDA only, as `quantized_gemv`. On an H200 (8B 4-bit)
-    16 requests went 928 -> 1,705 tok/s and 64 requests 2,633 -> 3,537 (tools/bench_gpu.py)."""
+    16 requests went 928 -> 1,705 tok/s and 64 requests 2,633 -> 3,537 (tools/bench/bench_gpu.py)."""
     quantized_mma_weights: Literal["bfloat16", "split"] = "bfloat16"
     """The tensor-core kernel's weights: `bfloat16` rounds each dequantized weight to bf16 (as the
     dequantized path does); `split` runs two bf16 halves through two MMAs, as exact as float32. On an
-    H200 `split` cost 5% of a 64-row 8B step and came no nearer mlx-lm's tokens (tools/probe_cuda.py,
-    tools/parity_check.py)."""
+    H200 `split` cost 5% of a 64-row 8B step and came no nearer mlx-lm's tokens (tools/probe/probe_cuda.py,
+    tools/check/parity_check.py)."""
     fuse_projections: Literal["auto", "always", "never"] = "auto"
     """Multiply each attention's q/k/v and each MLP's gate/up projections through one concatenated
     weight (stages/execute/fused.py). `auto`: on CUDA, for unquantized layers and the quantized ones
     unikern's 4-bit kernels run; `always`: every quantized layer too. On an H200 (1B) a one-row token's
-    GEMV time went 970 -> 624 us (tools/probe_cuda.py)."""
+    GEMV time went 970 -> 624 us (tools/probe/probe_cuda.py)."""
     fuse_norms: Literal["always", "never"] = "never"
     """Run each pre-norm block's residual adds with the RMS norms that read their sums, one CUDA kernel
     for both (stages/execute/residual.py; llama, qwen2, qwen3, phi3; one rank). Off: on an H200 (1B) a
-    token took 1.31 ms of GPU time with it against 1.18 without (tools/probe_cuda.py)."""
+    token took 1.31 ms of GPU time with it against 1.18 without (tools/probe/probe_cuda.py)."""
     fuse_blocks: Literal["auto", "always", "never"] = "auto"
     """Run a decoder block's decode steps of up to 4 rows as four GEMV kernels with RoPE, SwiGLU and
     the residual adds inside them (stages/execute/blocks.py; llama and qwen2, unquantized, with
     `fuse_projections`, one rank); MLX's own ops off CUDA. `auto`: on CUDA, where on an H200 (1B) it ran
-    4 requests 1.40x faster, 12 of 12 repeats (tools/bench_ab.py)."""
+    4 requests 1.40x faster, 12 of 12 repeats (tools/bench/bench_ab.py)."""
     fuse_blocks_ops_rows: int | Literal["auto"] = "auto"
     """With `fuse_blocks`, decode steps of more rows than its kernels take (4), up to this many (>= 0),
     run the block through MLX's ops with fewer graph nodes than the model family's code (4-bit blocks:
     every step up to it). `auto`: 64 for unquantized blocks, 4 for 4-bit ones; 0: off. On an H200 (1B)
-    a 64-row step took 1.63 ms against the family code's 3.30 (tools/probe_cuda.py)."""
+    a 64-row step took 1.63 ms against the family code's 3.30 (tools/probe/probe_cuda.py)."""
     block_kernel: Literal["auto", "always", "never"] = "auto"
     """With `fuse_blocks`' kernels, a block's one-row decode step as a single kernel whose phases meet at
     grid-wide barriers (stages/execute/block_kernel.py). `auto`: on CUDA, where on an H200 (1B) the
-    engine at one request gave 769 against 455 tok/s (tools/bench_ab.py)."""
+    engine at one request gave 769 against 455 tok/s (tools/bench/bench_ab.py)."""
     dense_mma: Literal["auto", "always", "never"] = "never"
     """Plain bfloat16 linear layers, steps of 5 to 64 rows: unikern's tensor-core kernel instead of MLX's
     cuBLASLt matmul (stages/execute/dense_mma.py). CUDA only (`auto` = on CUDA). Off: on an H200 (1B) a
-    64-row step took 3.04 ms of GPU time against 2.57, no host time saved (tools/probe_cuda.py)."""
+    64-row step took 3.04 ms of GPU time against 2.57, no host time saved (tools/probe/probe_cuda.py)."""
     paged_attention: Literal["auto", "always", "never"] = "auto"
     """Decode attention of full-attention layers reads keys and values straight from the pool by each
     row's slot table (stages/execute/paged_attention.py): a CUDA kernel on CUDA, MLX's ops elsewhere.
-    `auto`: on CUDA, where on an H200 (1B) 64 requests went 10,093 -> 16,891 tok/s (tools/bench_gpu.py)."""
+    `auto`: on CUDA, where on an H200 (1B) 64 requests went 10,093 -> 16,891 tok/s (tools/bench/bench_gpu.py)."""
     compile_one_row: Literal["auto", "always", "never"] = "auto"
     """With `paged_attention`, one-row decode windows are traced (`mx.compile`) too, as windows of
     several rows are. `auto`: on CUDA."""
@@ -116,21 +116,21 @@ class MLXExecuteParams(StageParams, frozen=True):
     """With `paged_attention`, prompts of up to this many tokens (a prefill group's in all; >= 0) run as
     one decode step of a row per token through `fuse_blocks`' paths. `auto`: the rows the fused blocks
     take (64 unquantized) where both run; 0: off. Off: on an H200 (1B) the first token came no sooner
-    and parity had 2 one-ulp mismatches (tools/probe_prefill.py, tools/parity_check.py)."""
+    and parity had 2 one-ulp mismatches (tools/probe/probe_prefill.py, tools/check/parity_check.py)."""
     compile_prefill: Literal["auto", "always", "never"] = "auto"
     """Run forwards of fresh prompts (every row at position 0, up to 512 tokens, padded to a length
     bucket) through one `mx.compile`d function per shape. `auto`: where `compile_decode` is on,
     `cpu_kernels` off and the model has no quantized layers. On an H200 (1B) 64 requests went 21,769 ->
-    24,163 tok/s (tools/bench_ab.py)."""
+    24,163 tok/s (tools/bench/bench_ab.py)."""
     gil_switch_ms: float | Literal["auto"] | None = "auto"
     """Python's GIL switch interval while the stage runs, in ms (> 0; the process's setting, restored at
     stop): how long the model thread can wait for the GIL. `auto`: 0.5 on CUDA, Python's own elsewhere;
     null: Python's own (5 ms). On an H200 (1B) 64 requests took 161 ms at 0.5 against 247 at 5
-    (tools/step_gaps.py)."""
+    (tools/probe/step_gaps.py)."""
     freeze_heap: bool = True
     """Once every stage has started, move the objects alive then out of Python's garbage collections
     (gc.freeze) until the last engine that froze stops: on the CPU machine one full collection took
-    171-187 ms inside 60-70 ms runs (tools/host_bound.py)."""
+    171-187 ms inside 60-70 ms runs (tools/probe/host_bound.py)."""
     tensor_parallel: int = 1
     """Ranks (>= 1) splitting each layer's attention heads and MLP columns through mx.distributed; rank 0
     runs the whole pipeline. One of `tensor_parallel` and `pipeline_parallel` may exceed 1."""

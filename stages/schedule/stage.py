@@ -41,11 +41,11 @@ class ScheduleParams(StageParams, frozen=True):
     """Send the next decode window of the same rows while one runs, fed the tokens still on the device,
     so the model thread starts it without waiting for the step's result to come back through this stage
     (not for rows with penalties, processors or grammars). `auto`: on where MLX runs on CUDA: on an H200
-    (1B) 16 requests ran 1.31x faster, 6 of 6 repeats (tools/bench_ab.py); on CPU it made no difference."""
+    (1B) 16 requests ran 1.31x faster, 6 of 6 repeats (tools/bench/bench_ab.py); on CPU it made no difference."""
     overlap_prefill: bool = False
     """With `overlap_windows`, a row's first decode window goes out while its prompt's step runs, too;
     requests arriving just after wait for that window. Off: on an H200 (1B), on together with
-    `execute.compile_prefill`, 64 requests were slower in 5 of 6 repeats (tools/bench_ab.py)."""
+    `execute.compile_prefill`, 64 requests were slower in 5 of 6 repeats (tools/bench/bench_ab.py)."""
 
     def waiting_limit(self) -> int:
         return self.max_waiting if self.max_waiting is not None else max(MIN_WAITING, 4 * self.max_num_seqs)
