@@ -2,8 +2,8 @@
 the pipeline file's `server:` section: one table per stage type, each field's type and
 default from msgspec, its description from the docstring under it in the class source.
 
-    python tools/docs/gen_configuration.py           # (re)write docs/configuration.md
-    python tools/docs/gen_configuration.py --check   # exit 1 if it is stale
+    python -m tools.docs.gen_configuration           # (re)write docs/configuration.md
+    python -m tools.docs.gen_configuration --check   # exit 1 if it is stale
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from unikern.spec import builtin_pipelines, load_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "configuration.md"
-COMMAND = "python tools/docs/gen_configuration.py"
+COMMAND = "python -m tools.docs.gen_configuration"
 MiB = 1 << 20
 
 
@@ -197,11 +197,8 @@ def _pipeline_rows() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=COMMAND,
-        description="Write docs/configuration.md (every stage's and the server's parameters) from the "
-        "parameter Structs' types, defaults and field docstrings; --check only compares.",
-    )
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/configuration.md is not what would be written")
     args = parser.parse_args(argv)
     missing = missing_docs()
