@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 
@@ -78,6 +79,27 @@ class TextStream:
         return text
 
 
+def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode` (special tokens kept, as callers' decode does), or the same
+    through the Rust tokenizer alone where transformers' layers above it add nothing (its
+    stock decode, no space clean-up): ~1 us instead of ~3.4 for a few ids."""
+    decode = tokenizer.decode
+    hf = getattr(decode, "__self__", None)  # mlx-lm's wrapper hands out the HF tokenizer's
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers: its decode as it is
+        return decode
+    stock = (isinstance(hf, TokenizersBackend) and type(hf).decode is PreTrainedTokenizerBase.decode
+             and type(hf)._decode is TokenizersBackend._decode and not hf.clean_up_tokenization_spaces)
+    backend = getattr(hf, "backend_tokenizer", None) if stock else None
+    if not isinstance(backend, Tokenizer):
+        return decode
+    raw = backend.decode
+    return lambda ids: raw(ids, skip_special_tokens=False)
+
+
 class AbortOutbox:
     """Aborts for schedule that never make output wait on schedule. schedule <-> output is
     a cycle of bounded inboxes: were output to block on a full schedule inbox while
@@ -115,7 +137,7 @@ class OutputStage(StageBase):
     requires = ("tokenizer",)
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
-        decode = ctx.resource("tokenizer").decode  # special tokens kept, as callers' decode does
+        decode = text_decoder(ctx.resource("tokenizer"))
         streams: dict[str, TextStream] = {}
         stopped: set[str] = set()
         outbox = AbortOutbox(ctx)

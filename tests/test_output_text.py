@@ -197,3 +197,33 @@ def test_sentencepiece_drops_the_first_space_without_context():
     assert "".join(alone.add(t) for t in generated) == "exist here" == tok.decode(generated)
     after = TextStream(tok.decode, (), tuple(tok.encode("x")))
     assert "".join(after.add(t) for t in generated) == " exist here"
+
+
+def test_the_fast_decoder_is_the_tokenizers_decode(any_tok):
+    import random
+
+    from unikern.stages.output import text_decoder
+
+    decode = text_decoder(any_tok)
+    assert decode != any_tok.decode  # the Rust tokenizer's own, for these stock tokenizers
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(any_tok)) for _ in range(rng.randrange(1, 8))]  # specials too
+        assert decode(ids) == any_tok.decode(ids), ids
+
+
+def test_the_fast_decoder_steps_aside_for_what_transformers_adds(any_tok, monkeypatch):
+    from unikern.stages.output import text_decoder
+
+    hf = any_tok.decode.__self__
+    monkeypatch.setattr(hf, "clean_up_tokenization_spaces", True)
+    assert text_decoder(any_tok) == any_tok.decode  # the clean-up is transformers'
+    monkeypatch.setattr(hf, "clean_up_tokenization_spaces", False)
+    assert text_decoder(any_tok) != any_tok.decode
+
+    class OwnDecode(type(hf)):  # as a model's own tokenizer class might
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).replace("<n>", "\n")
+
+    monkeypatch.setattr(hf, "__class__", OwnDecode)
+    assert text_decoder(any_tok) == any_tok.decode
