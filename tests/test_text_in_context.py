@@ -38,7 +38,10 @@ SPACE, SPLIT, FORCE = "space", "split", "force"
 def cases(model: str, tok) -> dict[str, tuple[str, dict]]:
     """name -> (what it shows, request body): greedy, found on these seeded models."""
     c3, a9 = (str(t) for t in tok.encode("é", add_special_tokens=False)[-2:])
-    user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+
+    def user(text: str) -> list[dict]:
+        return [{"role": "user", "content": text}]
+
     if model == "tiny-qwen3":
         return {
             "prompt-space": (SPACE, {"prompt": "for i in", "max_tokens": 8}),
