@@ -214,6 +214,11 @@ class BlocksStored(Message, frozen=True):
 # ---- schedule -> output -------------------------------------------------------------
 
 
+# Prompt tokens a request's text is decoded after: enough to start the window at a
+# character and to give SentencePiece's first-token space strip a token to act on.
+DETOKENIZE_CONTEXT = 4
+
+
 class TokenOut(Message, frozen=True):
     request_id: str
     token_id: int
@@ -221,6 +226,9 @@ class TokenOut(Message, frozen=True):
     last: bool = False
     # the request's stop strings, sent with its first token only
     stop: tuple[str, ...] = ()
+    # the prompt's last tokens (DETOKENIZE_CONTEXT), sent with its first token only: the
+    # text of generated tokens is what they add to it (a leading space stays)
+    context: tuple[int, ...] = ()
     logprob: float | None = None  # only for requests that asked
     top_logprobs: tuple[TopLogprob, ...] | None = None
 

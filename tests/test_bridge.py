@@ -156,8 +156,9 @@ def test_logits_processors_write_into_the_mlx_logits() -> None:
     bridge = Bridge()
     logits = evaluated(mx.zeros((3, 6), dtype=mx.float32))
 
-    def ban_history(token_ids: list[int], row: torch.Tensor) -> None:
+    def ban_history(token_ids: list[int], row: torch.Tensor) -> torch.Tensor:
         row[token_ids] = -float("inf")
+        return row  # masked in place: no copy
 
     def boost_last(token_ids: list[int], row: torch.Tensor) -> torch.Tensor:
         boosted = row.clone()  # a different buffer: its values go back into the row
@@ -190,7 +191,23 @@ def test_logits_processor_errors() -> None:
         logits, [(0, [lambda ids, row: torch.zeros(3)], []), (1, [boom], [])], bridge
     )
     assert set(failed) == {0, 1}
-    assert "shape (3,), expected (4,)" in failed[0] and "KeyError: 'boom'" in failed[1]
+    assert "shape (3,), expected a float tensor of shape (4,)" in failed[0] and "KeyError: 'boom'" in failed[1]
+    # anything but a float tensor of the row's shape fails its row, even one sharing its memory
+    wrong = {
+        "returned shape (3,)": lambda ids, row: row[:3],
+        "returned dtype torch.int32": lambda ids, row: row.to(torch.int32),
+        "returned list": lambda ids, row: row.tolist(),
+        "returned shape (1, 4)": lambda ids, row: row[None],
+    }
+    for words, processor in wrong.items():
+        failed = apply_torch_logits_processors(logits, [(0, [processor], []), (1, [lambda ids, row: row], [])], bridge)
+        assert list(failed) == [0] and words in failed[0], (words, failed)
+
+    def mask_in_place(ids, row):  # None: the row was edited in place, the zero-copy way
+        row[1] = -5.0
+
+    assert apply_torch_logits_processors(logits, [(0, [mask_in_place], [])], bridge) == {}
+    assert bridge.to_torch(logits)[0, 1].item() == -5.0
     with pytest.raises(BridgeError, match="2-D"):
         apply_torch_logits_processors(evaluated(mx.zeros((4,))), [(0, [], [])], bridge)
     shared = evaluated(mx.broadcast_to(mx.zeros((1, 4)), (2, 4)))

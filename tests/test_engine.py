@@ -185,6 +185,7 @@ async def test_torch_logits_processor_applies_to_its_request_only(tiny_llama):
         def ban(token_ids, logits):
             seen_histories.append(list(token_ids))
             logits[banned] = -float("inf")
+            return logits
 
         results = {}
 

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from unikern.errors import ConfigError
 from unikern.testing import modelgen
 
-TINY_PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+TINY_PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama-spm"]
 MULTIBYTE_TEXT = "héllo 世界 🙂"
 
 
@@ -74,6 +74,20 @@ def test_every_family_tokenizes_like_tokenizer_json(preset: str) -> None:
     text = "def f(x):\n\treturn x**2 + 10_000  # naïve 世界 🙂\r\n"
     assert tokenizer.encode(text) == raw.encode(text).ids
     assert len(tokenizer.get_vocab()) == raw.get_vocab_size() == 1024
+
+
+def test_sentencepiece_tokenizer_has_llamas_layout() -> None:
+    tokenizer = mlx_lm.tokenizer_utils.load(modelgen.cached_model("tiny-llama-spm"))
+    assert type(tokenizer._detokenizer).__name__ == "SPMStreamingDetokenizer"
+    ids = tokenizer.encode("x é", add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens(ids) == ["▁x", "▁", "<0xC3>", "<0xA9>"]  # byte fallback
+    assert tokenizer.convert_ids_to_tokens(list(range(6, 8))) == ["<0x00>", "<0x01>"]
+    assert tokenizer.decode(ids) == "x é"  # the first space is stripped
+    assert tokenizer.decode(tokenizer.encode(MULTIBYTE_TEXT), skip_special_tokens=True) == MULTIBYTE_TEXT
+    # specs without the optional `tokenizer` key keep the hashes they had before it
+    assert "tokenizer" not in modelgen.normalize_spec("tiny-llama")
+    assert modelgen.spec_hash({**modelgen.PRESETS["tiny-llama"], "tokenizer": "spm"}) == \
+        modelgen.spec_hash("tiny-llama-spm")
 
 
 def test_chat_template_renders_roles_and_generation_prompt(tiny_llama_tokenizer) -> None:
@@ -151,6 +165,7 @@ def test_different_seed_gives_different_weights(tmp_path: Path) -> None:
         ({**modelgen.PRESETS["tiny-llama"], "dtype": "int8"}, "unknown dtype"),
         ({**modelgen.PRESETS["tiny-llama"], "num_kv_heads": 3}, "not a multiple"),
         ({**modelgen.PRESETS["tiny-llama"], "layers": 3}, "unknown model spec keys"),
+        ({**modelgen.PRESETS["tiny-llama"], "tokenizer": "wordpiece"}, "unknown tokenizer"),
         ("tiny-gpt", "unknown model preset"),
     ],
 )

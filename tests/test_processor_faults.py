@@ -1,7 +1,9 @@
 """One request's fault stays its own (issue 16): a logits processor that raises, returns
-the wrong shape or leaves no possible token, and a grammar matcher that fails, end that
-request with an `error` event (code processor_failed, naming the exception) while the
-requests sharing its steps go on with mlx-lm's tokens, and the engine keeps serving."""
+anything but a float tensor of its row's shape (a slice of the row, a smaller tensor,
+integers, a list), NaN everywhere, or leaves no possible token, and a grammar
+matcher that fails, end that request with an `error` event (code processor_failed,
+naming what was wrong) while the requests sharing its steps go on with the tokens they
+give alone (mlx-lm's), and the engine keeps serving."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def after(calls: int, fail):
         seen.append(len(token_ids))
         if len(seen) > calls:
             return fail(logits)
-        return None
+        return logits
 
     return processor
 
@@ -46,12 +48,16 @@ def wrong_shape(logits):
 
 
 def mask_everything(logits):
-    logits.fill_(-float("inf"))
+    return logits.fill_(-float("inf"))
 
 
 FAULTY = {
     "raises": (raise_value_error, "ValueError: the user's bug"),
-    "wrong_shape": (wrong_shape, "returned shape"),
+    "wrong_shape": (wrong_shape, "returned shape (1023,)"),
+    "slice_of_the_row": (lambda logits: logits[:3], "returned shape (3,)"),  # shares the row's memory
+    "integers": (lambda logits: logits.to(torch.int64), "returned dtype torch.int64"),
+    "list": (lambda logits: logits.tolist(), "returned list"),
+    "nan_only": (lambda logits: torch.full_like(logits, float("nan")), "NaN"),
     "no_token_left": (mask_everything, "no token is possible"),
 }
 
@@ -75,7 +81,7 @@ async def test_a_failing_processor_fails_its_request_only(tiny_llama):
                                                          logits_processors=[after(3, f)]))
             for k, prompt in enumerate(PLAIN_PROMPTS):
                 tg.start_soon(lambda k=k, p=prompt: one(k, prompt_tokens=p, max_tokens=16))
-        again = await eng.complete(prompt_tokens=PLAIN_PROMPTS[0], max_tokens=16)
+        alone = [await eng.complete(prompt_tokens=p, max_tokens=16) for p in PLAIN_PROMPTS]
     for name, (_, words) in FAULTY.items():
         error = outcomes[name]
         assert isinstance(error, RequestError) and error.code == "processor_failed", (name, error)
@@ -83,7 +89,26 @@ async def test_a_failing_processor_fails_its_request_only(tiny_llama):
     for k, prompt in enumerate(PLAIN_PROMPTS):
         ok, note = compare_greedy(outcomes[k].token_ids, reference_greedy(tiny_llama, prompt, 16))
         assert ok, note
-    assert eng.fault is None and again.token_ids == outcomes[0].token_ids
+        assert outcomes[k].finish_reason == "length" and outcomes[k].token_ids == alone[k].token_ids
+    assert eng.fault is None
+
+
+async def test_a_processor_that_returns_its_row_or_new_values_goes_on(tiny_llama):
+    def ban_first(token_ids, logits):  # masked in place: the row itself comes back
+        logits[0] = -float("inf")
+        return logits
+
+    def halve(token_ids, logits):  # new values, another dtype: copied into the row
+        return (logits / 2).to(torch.float16)
+
+    def ban_second(token_ids, logits):  # masked in place, nothing returned: kept as it is
+        logits[1] = -float("inf")
+
+    async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=SMALL_KV) as eng:
+        plain = await eng.complete(prompt_tokens=PLAIN_PROMPTS[0], max_tokens=8)
+        kept = await eng.complete(prompt_tokens=PLAIN_PROMPTS[0], max_tokens=8, logits_processors=[ban_first, halve, ban_second])
+    assert kept.finish_reason == "length" and len(kept.token_ids) == 8 and not {0, 1} & set(kept.token_ids)
+    assert plain.token_ids and eng.fault is None
 
 
 class ExplodingMatcher:

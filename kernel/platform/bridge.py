@@ -29,8 +29,9 @@ __all__ = [
 
 log = structlog.get_logger()
 
-# proc(token_ids, logits_row) masks logits_row in place, or returns new values for it.
-LogitsProcessor = Callable[[list[int], "torch.Tensor"], "torch.Tensor | None"]
+# proc(token_ids, logits_row) returns the row's new values: the row itself (masked in
+# place, no copy) or a float tensor of its shape (copied into it).
+LogitsProcessor = Callable[[list[int], "torch.Tensor"], "torch.Tensor"]
 
 
 class BridgeError(UnikernError):
@@ -229,13 +230,14 @@ def apply_torch_logits_processors(
 ) -> dict[int, str]:
     """Run torch logits processors on rows of `logits` [batch, vocab], in place.
 
-    One zero-copy view serves every row. A processor masks its row in place or returns
-    new values, which are written back into the row (the shared buffer, no copy of
-    the batch). MLX ops evaluated afterwards see the new values.
+    One zero-copy view serves every row. A processor returns its row, or None, after
+    masking it in place, or new values, which are written back into the row (the shared
+    buffer, no copy of the batch). MLX ops evaluated afterwards see the new values.
 
-    A processor that raises or returns the wrong shape fails its own row only: the
-    result maps each such row to a message naming the processor and the exception,
-    and that row's later processors are skipped. Misuse by the caller still raises.
+    A processor that raises or returns anything else than None or a float tensor of the
+    row's shape (a list, integers, a slice of the row) fails its own row only: the result maps
+    each such row to a message naming the processor and what was wrong, and that row's
+    later processors are skipped. Misuse by the caller still raises.
     """
     if not rows:
         return {}
@@ -256,12 +258,26 @@ def apply_torch_logits_processors(
             name = getattr(processor, "__qualname__", None) or repr(processor)
             try:
                 result: Any = processor(token_ids, row)
-                if result is None or result.data_ptr() == row.data_ptr():
+                if result is None:  # masked in place, the zero-copy way
                     continue
-                if tuple(result.shape) != (vocab,):
-                    raise ValueError(f"returned shape {tuple(result.shape)}, expected ({vocab},)")
-                row.copy_(result)
+                _check_processor_output(result, row)
+                if result.data_ptr() != row.data_ptr() or result.stride() != row.stride():
+                    row.copy_(result)
             except Exception as exc:  # the user's code: its failure is its request's
                 failed[row_index] = f"logits processor {name} failed: {type(exc).__name__}: {exc}"
                 break
     return failed
+
+
+def _check_processor_output(result: Any, row: torch.Tensor) -> None:
+    """Raise unless `result` is a float tensor of the row's shape: host-side metadata
+    only (a NaN-only row is caught with the others on the device, `row_is_usable`)."""
+    import torch
+
+    expected = f"a float tensor of shape {tuple(row.shape)}"
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(f"returned {type(result).__name__}, expected {expected} (or None when masked in place)")
+    if tuple(result.shape) != tuple(row.shape):
+        raise ValueError(f"returned shape {tuple(result.shape)}, expected {expected}")
+    if not result.is_floating_point():
+        raise TypeError(f"returned dtype {result.dtype}, expected {expected}")

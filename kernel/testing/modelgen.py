@@ -2,8 +2,9 @@
 
 No machine here reaches a model hub, so this module makes models that `mlx_lm.load`
 reads through exactly the code path a real checkpoint takes: a `transformers` config,
-seeded torch weights saved with `save_pretrained`, and a byte-level BPE tokenizer
-trained with `tokenizers` on the Python standard library's own source files.
+seeded torch weights saved with `save_pretrained`, and a BPE tokenizer (byte-level, or
+SentencePiece-style with byte fallback) trained with `tokenizers` on the Python standard
+library's own source files.
 
 Build once and reuse through `cached_model(spec)`; a spec is a dict of `build_model`'s
 keyword arguments, and `PRESETS` names the usual ones. Heavy imports (torch,
@@ -51,7 +52,10 @@ CHAT_TEMPLATE = (
 # "qwen2": Qwen's split (digits one by one, punctuation glued to the newlines after it) and
 # NFC, exactly what transformers' Qwen2Tokenizer rebuilds around the vocab whatever
 # tokenizer.json says, so qwen2 models must be trained with it to tokenize consistently.
-PRETOKENIZERS = ("gpt2", "qwen2")
+# "spm": SentencePiece-style as Llama 2 ships it: spaces are '▁' and a word's first
+# piece carries one, decode strips the text's first space, characters outside ASCII are
+# <0xNN> byte tokens (byte fallback), so one of them always spans several tokens.
+PRETOKENIZERS = ("gpt2", "qwen2", "spm")
 FAMILY_PRETOKENIZER = {"llama": "gpt2", "qwen2": "qwen2", "qwen3": "qwen2"}
 QWEN2_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                      r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -74,6 +78,8 @@ _BUILD_KEYS = (
     "family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
     "vocab_size", "max_position_embeddings", "dtype", "tie_word_embeddings", "seed",
 )
+# Spec keys that may be left out; a spec without one hashes as before it existed.
+_OPTIONAL_KEYS = ("tokenizer",)  # a PRETOKENIZERS entry; default: the family's
 _SPEC_DEFAULTS: dict[str, Any] = {"max_position_embeddings": 2048, "dtype": "float32",
                                   "tie_word_embeddings": False, "seed": 0}
 
@@ -82,6 +88,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(family="llama", hidden_size=128, num_layers=4, num_heads=4,
                        num_kv_heads=2, intermediate_size=384, vocab_size=1024,
                        dtype="float32", tie_word_embeddings=False, seed=0),
+    # tiny-llama's shape with a SentencePiece-style tokenizer (Llama 2's layout).
+    "tiny-llama-spm": dict(family="llama", hidden_size=128, num_layers=4, num_heads=4,
+                           num_kv_heads=2, intermediate_size=384, vocab_size=1024,
+                           dtype="float32", tie_word_embeddings=False, seed=0,
+                           tokenizer="spm"),
     # Plain multi-head attention, q/k/v biases, tied embeddings, bfloat16 weights.
     "tiny-qwen2": dict(family="qwen2", hidden_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=4, intermediate_size=192, vocab_size=1024,
@@ -153,20 +164,11 @@ def tokenizer_config(model_max_length: int = 2048) -> dict[str, Any]:
 
 def train_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = 1024, seed: int = 0,
                     *, pretokenizer: str = "gpt2") -> None:
-    """Train a byte-level BPE tokenizer on stdlib source; write tokenizer(_config).json.
+    """Train a BPE tokenizer on stdlib source; write tokenizer(_config).json.
 
     Deterministic: the same arguments on the same interpreter write identical files.
     """
-    from tokenizers import (
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
+    from tokenizers import processors
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ConfigError(f"vocab_size={vocab_size} is below the 256 bytes + "
@@ -174,6 +176,25 @@ def train_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = 1024, see
     if pretokenizer not in PRETOKENIZERS:
         raise ConfigError(f"unknown pretokenizer {pretokenizer!r}; choose one of "
                           f"{list(PRETOKENIZERS)}")
+    if pretokenizer == "spm":
+        tokenizer = _train_spm(vocab_size, seed)
+    else:
+        tokenizer = _train_byte_level(vocab_size, seed, pretokenizer)
+    # Every encoded prompt starts with <|bos|>, like a training document does.
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        special_tokens=[(BOS_TOKEN, bos_id)],
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", tokenizer_config())
+
+
+def _train_byte_level(vocab_size: int, seed: int, pretokenizer: str) -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
     tokenizer = Tokenizer(models.BPE())
     if pretokenizer == "qwen2":
         tokenizer.normalizer = normalizers.NFC()
@@ -191,16 +212,37 @@ def train_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = 1024, see
         show_progress=False,
     )
     tokenizer.train_from_iterator(stdlib_corpus(seed=seed), trainer=trainer)
-    # Every encoded prompt starts with <|bos|>, like a training document does.
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
-        special_tokens=[(BOS_TOKEN, bos_id)],
+    return tokenizer
+
+
+def _train_spm(vocab_size: int, seed: int) -> Any:
+    """Llama 2's tokenizer.json layout: '▁' normalizer, no pre-tokenizer, byte fallback
+    to <0xNN> tokens (ids right after the special tokens), and a decoder that mlx-lm
+    recognises as SentencePiece's."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True, fuse_unk=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                                 normalizers.Replace(" ", "▁")])
+    # training only: pieces start at a '▁', so no merge spans one and encoding the
+    # whole text as one word (no pre-tokenizer, as Llama 2) gives the same pieces
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    alphabet = [chr(c) for c in range(0x21, 0x7F)] + ["\t", "\n", "\r", "▁"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 256, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False,
     )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", tokenizer_config())
+    tokenizer.train_from_iterator(stdlib_corpus(seed=seed), trainer=trainer)
+    data = json.loads(tokenizer.to_str())
+    data["pre_tokenizer"] = None
+    learned = sorted(data["model"]["vocab"].items(), key=lambda item: item[1])[len(SPECIAL_TOKENS):]
+    pieces = [f"<0x{b:02X}>" for b in range(256)] + [piece for piece, _ in learned]
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    vocab.update((piece, len(SPECIAL_TOKENS) + i) for i, piece in enumerate(pieces))
+    data["model"]["vocab"] = vocab
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def cached_tokenizer(vocab_size: int = 1024, seed: int = 0, *, pretokenizer: str = "gpt2") -> Path:
@@ -227,12 +269,14 @@ def build_model(
     dtype: str = "float32",
     tie_word_embeddings: bool = False,
     seed: int = 0,
+    tokenizer: str | None = None,
     tokenizer_dir: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Write a seeded random checkpoint plus tokenizer to `out_dir`; returns the dir.
 
-    Without `tokenizer_dir`, a tokenizer of `vocab_size` entries with the family's
-    pretokenizer (`FAMILY_PRETOKENIZER`) is trained and cached.
+    Without `tokenizer_dir`, a tokenizer of `vocab_size` entries is trained and cached,
+    of the kind `tokenizer` names (a PRETOKENIZERS entry; by default the family's,
+    `FAMILY_PRETOKENIZER`).
     """
     import torch
     import transformers
@@ -240,7 +284,7 @@ def build_model(
     _validate(family=family, hidden_size=hidden_size, num_heads=num_heads,
               num_kv_heads=num_kv_heads, dtype=dtype)
     if tokenizer_dir is None:
-        tok_dir = cached_tokenizer(vocab_size, pretokenizer=FAMILY_PRETOKENIZER[family])
+        tok_dir = cached_tokenizer(vocab_size, pretokenizer=tokenizer or FAMILY_PRETOKENIZER[family])
     else:
         tok_dir = Path(tokenizer_dir)
     tokenizer_vocab = _tokenizer_vocab_size(tok_dir)
@@ -292,16 +336,21 @@ def normalize_spec(spec: Mapping[str, Any] | str) -> dict[str, Any]:
         if spec not in PRESETS:
             raise ConfigError(f"unknown model preset {spec!r}; choose one of {sorted(PRESETS)}")
         spec = PRESETS[spec]
-    unknown = sorted(set(spec) - set(_BUILD_KEYS))
+    unknown = sorted(set(spec) - set(_BUILD_KEYS) - set(_OPTIONAL_KEYS))
     if unknown:
-        raise ConfigError(f"unknown model spec keys {unknown}; valid keys: {list(_BUILD_KEYS)}")
+        raise ConfigError(f"unknown model spec keys {unknown}; valid keys: "
+                          f"{list(_BUILD_KEYS + _OPTIONAL_KEYS)}")
     full = {**_SPEC_DEFAULTS, **spec}
     missing = [k for k in _BUILD_KEYS if k not in full]
     if missing:
         raise ConfigError(f"model spec lacks {missing}")
     _validate(family=full["family"], hidden_size=full["hidden_size"],
               num_heads=full["num_heads"], num_kv_heads=full["num_kv_heads"], dtype=full["dtype"])
-    return {k: full[k] for k in _BUILD_KEYS}
+    if full.get("tokenizer") not in (None, *PRETOKENIZERS):
+        raise ConfigError(f"unknown tokenizer {full['tokenizer']!r}; choose one of "
+                          f"{list(PRETOKENIZERS)}")
+    optional = {k: full[k] for k in _OPTIONAL_KEYS if full.get(k) is not None}
+    return {k: full[k] for k in _BUILD_KEYS} | optional
 
 
 def spec_hash(spec: Mapping[str, Any] | str) -> str:

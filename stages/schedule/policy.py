@@ -449,8 +449,8 @@ class Scheduler:
     @staticmethod
     def _token_outs(seq: Sequence, tokens: list[int], reports: list[m.Logprobs] | None, first: bool,
                     reason: m.FinishReason | None) -> list[m.TokenOut]:
-        """A row's TokenOuts: its stop strings ride on its first token, `last` on the one
-        it finishes at."""
+        """A row's TokenOuts: its stop strings and the prompt's last tokens ride on its
+        first token, `last` on the one it finishes at."""
         rid = seq.request_id
         if reports:
             top = bool(seq.params.top_logprobs)
@@ -458,8 +458,10 @@ class Scheduler:
                     for t, r in zip(tokens, reports, strict=False)]
         else:
             outs = [m.TokenOut(rid, t) for t in tokens]
-        if first and seq.params.stop:
-            outs[0] = msgspec.structs.replace(outs[0], stop=seq.params.stop)
+        if first:
+            prompt_end = seq.num_prompt_tokens
+            context = tuple(seq.tokens[max(prompt_end - m.DETOKENIZE_CONTEXT, 0) : prompt_end])
+            outs[0] = msgspec.structs.replace(outs[0], stop=seq.params.stop, context=context)
         if reason is not None:
             outs[-1] = msgspec.structs.replace(outs[-1], last=True)
         return outs

@@ -34,11 +34,12 @@ class RaisingProcessor:
         self.calls = 0
         self.raised = False  # a request may end (stop string, EOS) before the failing call
 
-    def __call__(self, token_ids: list[int], logits: Any) -> None:
+    def __call__(self, token_ids: list[int], logits: Any) -> Any:
         self.calls += 1
         if self.calls >= self.fail_at:
             self.raised = True
             raise RuntimeError(f"load.py: injected logits processor fault (call {self.calls})")
+        return logits
 
 
 def greedy_requests(n: int, model: str, rng: random.Random) -> list[dict[str, Any]]:
