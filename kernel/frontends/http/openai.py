@@ -242,10 +242,16 @@ class Shaper:
         return {
             "tokens": texts,
             "token_logprobs": [None if r is None else r.logprob for r in reports],
-            "top_logprobs": [None if r is None else {self._token_text(x.token_id): x.logprob for x in r.top_logprobs}
-                             for r in reports],
+            "top_logprobs": [None if r is None else self._top_by_text(r.top_logprobs) for r in reports],
             "text_offset": offsets,
         }
+
+    def _top_by_text(self, top: tuple[m.TopLogprob, ...]) -> dict[str, float]:
+        """{text: logprob}, best first; where two ids read the same, the better one stays."""
+        out: dict[str, float] = {}
+        for x in top:
+            out.setdefault(self._token_text(x.token_id), x.logprob)
+        return out
 
     def _echo_logprobs(self, tokens: list[m.TokenEvent]) -> dict[str, Any] | None:
         """An echoed completion's `logprobs`: the prompt's tokens, then the generated ones
