@@ -71,14 +71,6 @@ class PromptEncoder:
     def _encode_text(self, text: str) -> list[int]:
         return text_prompt_tokens(self.tokenizer, text)
 
-
-def text_prompt_tokens(tokenizer: Any, text: str) -> list[int]:
-    """A text prompt's token ids, with the same BOS rule mlx_lm.generate applies (the HTTP
-    door's echo names the tokens the engine will see)."""
-    bos = tokenizer.bos_token
-    add_special = bos is None or not text.startswith(bos)
-    return [int(t) for t in tokenizer.encode(text, add_special_tokens=add_special)]
-
     def _encode_chat(self, chat: tuple[dict[str, Any], ...]) -> list[int]:
         for i, turn in enumerate(chat):
             if not isinstance(turn.get("role"), str) or not isinstance(turn.get("content"), str):
@@ -88,6 +80,14 @@ def text_prompt_tokens(tokenizer: Any, text: str) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise RequestError("this model has no chat template: send `prompt` instead of `messages`")
         return chat_prompt_tokens(self.tokenizer, list(chat))
+
+
+def text_prompt_tokens(tokenizer: Any, text: str) -> list[int]:
+    """A text prompt's token ids, with the same BOS rule mlx_lm.generate applies (the HTTP
+    door's echo names the tokens the engine will see)."""
+    bos = tokenizer.bos_token
+    add_special = bos is None or not text.startswith(bos)
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=add_special)]
 
 
 def chat_prompt_tokens(tokenizer: Any, turns: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
