@@ -128,6 +128,22 @@ async def test_families_with_state_checkpoints_and_windows(family):
 
 
 @pytest.mark.anyio
+async def test_tiered_pipeline_after_a_restart(tiny_llama, tmp_path):
+    """generate-offload: a second engine finds the prompt's blocks on disk alone; a request
+    that asks loads none of them (it reads no cached prefix)."""
+    overrides = {"kv": {**OVERRIDES["kv"], "host_bytes": 0}, "schedule": OVERRIDES["schedule"],
+                 "disk": {"path": str(tmp_path / "kv")}}
+    async with unikern.Engine.from_pipeline("generate-offload", model=tiny_llama, overrides=overrides) as eng:
+        await eng.complete(prompt_tokens=PROMPT, max_tokens=1)
+    async with unikern.Engine.from_pipeline("generate-offload", model=tiny_llama, overrides=overrides) as eng:
+        on_disk = eng.stats()["tiers"]["disk"]["files"]
+        asked = await eng.complete(prompt_tokens=PROMPT, max_tokens=1, prompt_logprobs=1)
+        loads = eng.stats()["offload"]["loads_requested"]
+    assert on_disk == 4 and loads == 0 and asked.usage.cached_tokens == 0
+    check(list(asked.prompt_logprobs), PROMPT, reference(tiny_llama, PROMPT), top=1)
+
+
+@pytest.mark.anyio
 async def test_prompt_logprobs_are_checked(tiny_llama):
     async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=OVERRIDES) as eng:
         with pytest.raises(unikern.RequestError, match="prompt_logprobs"):
