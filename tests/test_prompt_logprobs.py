@@ -155,6 +155,35 @@ async def test_prompt_logprobs_are_checked(tiny_llama):
     assert "prompt_logprobs" not in json.loads(msgspec.json.encode(events[-1]))  # the done event as it was
 
 
+def test_runner_paths_of_a_gpu_take_the_asking_rows_op_by_op(tiny_llama):
+    """The runner with the prefill options a GPU turns on (traced prefills, prompts by rows
+    through the paged attention, here in its reference ops): an asking prompt's chunks run
+    op by op (every position's logits), a plain one still by rows; the first chunk's last
+    position reports the second chunk's first token, the second chunk samples."""
+    from mlx_lm import load
+
+    from unikern.stages.execute.model import ModelGeometry
+    from unikern.stages.execute.runner import ModelRunner
+    from unikern.stages.kv.pool import KVPool
+
+    model, _ = load(tiny_llama)
+    geo = ModelGeometry(model)
+    pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, dtype=geo.dtype,
+                  block_size=16, kernel_block_size=16, num_blocks=64, slab_blocks=64)
+    runner = ModelRunner(model, pool, compile_decode=True, paged_attention=True, prefill_rows=64, compile_prefill=True)
+    assert runner.compiled_prefill is not None and runner.prefill_rows == 64
+    asks, table = m.SamplingParams(max_tokens=4, prompt_logprobs=2), tuple(range(2, 7))
+    first = runner.execute(m.Step(1, (m.SeqWork("a", tuple(PROMPT[:30]), 0, table, False, asks,
+                                                prompt_targets=tuple(PROMPT[1:31])),), 1), {})
+    plain = m.SeqWork("b", tuple(PROMPT[:30]), 0, tuple(range(7, 12)), True, m.SamplingParams(max_tokens=4))
+    assert runner.execute(m.Step(2, (plain,), 1), {}).sampled["b"]
+    second = runner.execute(m.Step(3, (m.SeqWork("a", tuple(PROMPT[30:40]), 30, table, True, asks,
+                                                 prompt_targets=tuple(PROMPT[31:40])),), 1), {})
+    assert runner.row_prefills == 1 and runner.compiled_prefill.forwards == 0 and second.sampled["a"]
+    reports = [None, *first.prompt_logprobs["a"], *second.prompt_logprobs["a"]]
+    check(reports, PROMPT[:40], reference(tiny_llama, PROMPT[:40]), top=2)
+
+
 # ---- worker -------------------------------------------------------------------------------
 
 
