@@ -37,7 +37,7 @@ def prompt_forward(runner: Any, group: list[m.SeqWork], rows: list, window_rows:
                    ) -> tuple[mx.array, list[Pending]]:
     """The group's forward (ModelRunner._logits' op-by-op path) with the logits of every
     position of the rows that ask: (logits [B, vocab] at each row's last token, what each
-    asking row reports, lazily). The head runs over an asking row's target positions
+    asking row reports, evaluated). The head runs over an asking row's target positions
     only; the other rows' over their last position, as without prompt log-probabilities."""
     layout = BatchLayout.build(runner.pool, rows)
     window_layout = BatchLayout.build(runner.window_pool, window_rows) if window_rows else None
@@ -65,6 +65,8 @@ def prompt_forward(runner: Any, group: list[m.SeqWork], rows: list, window_rows:
             n = len(w.prompt_targets)
             top = w.params.prompt_logprobs or 0
             arrays = position_logprobs(head(i, n), mx.array(w.prompt_targets), top)
+            # one row's [n, vocab] float32 at a time (512 x 152k is 311 MB), not the group's
+            mx.eval(*arrays)
             pending.append((w.request_id, w.prompt_targets, top, arrays))
     return logits, pending
 
