@@ -28,6 +28,8 @@ class Completion(msgspec.Struct, frozen=True):
     text: str
     finish_reason: str
     usage: m.Usage
+    # prompt_logprobs=N asked: None for the first prompt token, then one report per token
+    prompt_logprobs: tuple[m.PromptLogprob | None, ...] | None = None
 
 
 _NO_ROUTE = object()
@@ -141,7 +143,8 @@ class Engine:
         is checked here, at the call; it starts when iteration starts. Close the
         iterator (or leave the scope) to cancel it. `sampling` takes the fields of
         `SamplingParams` (temperature, top_p, top_k, min_p, seed, stop, penalties,
-        logit_bias, logprobs, top_logprobs, response_format)."""
+        logit_bias, logprobs, top_logprobs, response_format, prompt_logprobs: the done
+        event then carries the prompt's log-probabilities, and max_tokens may be 0)."""
         request = self._make_request(
             prompt, prompt_tokens, messages, max_tokens, sampling, logits_processors, request_id
         )
@@ -186,7 +189,8 @@ class Engine:
                     token_ids.append(event.token_id)
                     pieces.append(event.text)
                 elif isinstance(event, m.DoneEvent):
-                    return Completion(token_ids, "".join(pieces), event.finish_reason, event.usage)
+                    return Completion(token_ids, "".join(pieces), event.finish_reason, event.usage,
+                                      event.prompt_logprobs)
                 else:
                     raise RequestError(event.message, event.code)
         raise UnikernError("request ended without a done event")

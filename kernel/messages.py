@@ -34,6 +34,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_logprobs: int = 0  # and this many alternatives (0-20)
     # {"type": "json_object" | "json_schema" | "regex" | "grammar", ...}; None: free text
     response_format: dict[str, Any] | None = None
+    # report each prompt token's log-probability and this many alternatives (0-20),
+    # computed in the prefill (the prefix cache is not read); None: off
+    prompt_logprobs: int | None = None
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -116,6 +119,10 @@ class SeqWork(msgspec.Struct, frozen=True):
     # overlap_windows): the row's input is the token the previous step sampled last,
     # still on the device; token_ids holds a placeholder of the same length (1)
     continues: bool = False
+    # SamplingParams.prompt_logprobs: the prompt tokens that follow the fed positions, from
+    # the first one on (at most len(token_ids)); each one's log-probability under its
+    # position's logits comes back in StepDone.prompt_logprobs. (): none asked
+    prompt_targets: tuple[int, ...] = ()
 
 
 class Step(Message, frozen=True):
@@ -129,6 +136,15 @@ class Step(Message, frozen=True):
 class TopLogprob(msgspec.Struct, frozen=True):
     token_id: int
     logprob: float
+
+
+class PromptLogprob(msgspec.Struct, frozen=True):
+    """A prompt token's log-probability given the tokens before it, and the most likely
+    tokens at its position, best first (SamplingParams.prompt_logprobs of them)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[TopLogprob, ...] = ()
 
 
 class Logprobs(msgspec.Struct, frozen=True):
@@ -150,6 +166,8 @@ class StepDone(Message, frozen=True):
     failed: dict[str, str] = {}
     # requests whose grammar completed with their last sampled token
     stopped: tuple[str, ...] = ()
+    # request_id -> one report per SeqWork.prompt_targets entry, in order
+    prompt_logprobs: dict[str, list[PromptLogprob]] = {}
 
 
 # ---- schedule <-> offload: moving blocks between tiers -------------------------------
@@ -239,6 +257,8 @@ class Finished(Message, frozen=True):
     usage: Usage
     # reason "error": why the request failed alone (an `error` event, code processor_failed)
     error: str | None = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one per token
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
 
 
 class StepOutput(Message, frozen=True):
@@ -265,10 +285,13 @@ class TokenEvent(EventBase, frozen=True, tag="token", omit_defaults=True):
     top_logprobs: tuple[TopLogprob, ...] | None = None
 
 
-class DoneEvent(EventBase, frozen=True, tag="done"):
+class DoneEvent(EventBase, frozen=True, tag="done", omit_defaults=True):
     id: str
     finish_reason: FinishReason
     usage: Usage
+    # only for requests that asked (SamplingParams.prompt_logprobs): null for the first
+    # prompt token, then {token_id, logprob, top_logprobs} for each one after it
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
 
 
 class ErrorEvent(EventBase, frozen=True, tag="error"):

@@ -81,10 +81,15 @@ def sampling_params(
     logprobs: bool = False,
     top_logprobs: int = 0,
     response_format: Mapping[str, Any] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """Validated SamplingParams; RequestError (code bad_request) names the first bad field."""
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise RequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    """Validated SamplingParams; RequestError (code bad_request) names the first bad field.
+    max_tokens may be 0 (the prompt's log-probabilities alone) only with prompt_logprobs."""
+    if prompt_logprobs is not None:
+        prompt_logprobs = _integer("prompt_logprobs", prompt_logprobs, 0, MAX_TOP_LOGPROBS)
+    least = 0 if prompt_logprobs is not None else 1
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < least:
+        raise RequestError(f"max_tokens must be an integer >= 1 (or 0 with prompt_logprobs), got {max_tokens!r}")
     if seed is not None:
         _integer("seed", seed, 0, 2**63 - 1)
     if stop is None:
@@ -111,4 +116,5 @@ def sampling_params(
         logprobs=logprobs or top_logprobs > 0,
         top_logprobs=top_logprobs,
         response_format=_response_format(response_format),
+        prompt_logprobs=prompt_logprobs,
     )

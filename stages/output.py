@@ -172,7 +172,8 @@ class OutputStage(StageBase):
                     stopped.discard(rid)
                     reason = "stop"
                     usage = m.Usage(usage.prompt_tokens, stream.emitted_tokens, usage.cached_tokens)
-                events.append(m.DoneEvent(id=rid, finish_reason=reason, usage=usage))
+                events.append(m.DoneEvent(id=rid, finish_reason=reason, usage=usage,
+                                          prompt_logprobs=done.prompt_logprobs))
             if events:
                 await ctx.send(m.EventBatch(tuple(events)))
             for rid in aborts:

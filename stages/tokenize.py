@@ -72,10 +72,7 @@ class PromptEncoder:
         return tuple(int(t) for t in tokens)
 
     def _encode_text(self, text: str) -> list[int]:
-        # the same BOS rule mlx_lm.generate applies
-        bos = self.tokenizer.bos_token
-        add_special = bos is None or not text.startswith(bos)
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special))
+        return text_prompt_tokens(self.tokenizer, text)
 
     def _encode_chat(self, chat: tuple[dict[str, Any], ...]) -> list[int]:
         for i, turn in enumerate(chat):
@@ -86,6 +83,14 @@ class PromptEncoder:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise RequestError("this model has no chat template: send `prompt` instead of `messages`")
         return chat_prompt_tokens(self.tokenizer, list(chat))
+
+
+def text_prompt_tokens(tokenizer: Any, text: str) -> list[int]:
+    """A text prompt's token ids, with the same BOS rule mlx_lm.generate applies (the HTTP
+    door's echo names the tokens the engine will see)."""
+    bos = tokenizer.bos_token
+    add_special = bos is None or not text.startswith(bos)
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=add_special)]
 
 
 def chat_prompt_tokens(tokenizer: Any, turns: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:

@@ -19,7 +19,7 @@ class GenerateOp(msgspec.Struct, tag="generate", tag_field="op", forbid_unknown_
     prompt: str | None = None
     prompt_tokens: list[Annotated[int, Meta(ge=0, lt=2**31)]] | None = None
     messages: list[ChatMessage] | None = None
-    max_tokens: Annotated[int, Meta(ge=1, le=1_000_000)] = 256
+    max_tokens: Annotated[int, Meta(ge=0, le=1_000_000)] = 256  # 0: with prompt_logprobs only
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
@@ -33,6 +33,8 @@ class GenerateOp(msgspec.Struct, tag="generate", tag_field="op", forbid_unknown_
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
     response_format: dict[str, Any] | None = None
+    # the prompt's log-probabilities with this many alternatives each, on the done event
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
 
     def sampling(self) -> dict[str, Any]:
         """The fields Engine.generate takes as sampling keywords."""
@@ -42,6 +44,7 @@ class GenerateOp(msgspec.Struct, tag="generate", tag_field="op", forbid_unknown_
 SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "seed", "stop", "top_k", "min_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "response_format",
+    "prompt_logprobs",
 )
 
 

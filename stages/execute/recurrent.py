@@ -74,4 +74,6 @@ def prepare_states(pool: StatePool, step: m.Step, run_unsampled: Callable[[m.Ste
 
 
 def _piece(w: m.SeqWork, tokens: tuple[int, ...], start: int, sample: bool) -> m.SeqWork:
-    return msgspec.structs.replace(w, token_ids=tokens, start_pos=start, sample=sample, state_from=-1, state_saves=())
+    at = start - w.start_pos  # the prompt targets of the piece's own positions
+    return msgspec.structs.replace(w, token_ids=tokens, start_pos=start, sample=sample, state_from=-1, state_saves=(),
+                                   prompt_targets=w.prompt_targets[at : at + len(tokens)])

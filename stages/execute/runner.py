@@ -16,6 +16,12 @@ from unikern.platform.bridge import Bridge, apply_torch_logits_processors
 from unikern.stages.execute.compiled import CompiledDecode, CompiledPrefill
 from unikern.stages.execute.model import ModelGeometry
 from unikern.stages.execute.paged_cache import BatchLayout, DecodeWindow, PagedLayerCache
+from unikern.stages.execute.prompt_logprobs import (
+    pending_arrays,
+    prompt_forward,
+    prompt_reports,
+    with_prompt_reports,
+)
 from unikern.stages.execute.recurrent import StateLayerCache, prepare_states
 from unikern.stages.execute.sampling import SamplingBatch, row_is_usable
 from unikern.stages.execute.structured import GrammarStep
@@ -232,11 +238,12 @@ class ModelRunner:
             if self.states is None:
                 return self._run_lookahead(step, seeds) if step.num_steps > 1 else self._run_once(step, seeds)
             # restore slots and save checkpoints inside chunks before, the chunks' ends after
-            step, after = prepare_states(self.states, step, lambda piece: self._run_once(piece, seeds))
+            pieces: list[m.StepDone] = []
+            step, after = prepare_states(self.states, step, lambda piece: pieces.append(self._run_once(piece, seeds)))
             done = self._run_lookahead(step, seeds) if step.num_steps > 1 else self._run_once(step, seeds)
             self.states.copy(after)
             mx.eval(self.states.arrays)
-            return done
+            return with_prompt_reports(done, {}, pieces) if any(p.prompt_logprobs for p in pieces) else done
         finally:
             if previous is not None:
                 blas.set_num_threads(previous)
@@ -257,16 +264,22 @@ class ModelRunner:
             groups.append([w])
         logits_rows: list[mx.array] = []
         order: list[m.SeqWork] = []
+        prompts = []  # the prompt log-probabilities asked for (prompt_logprobs.Pending)
         for group in groups:
             rows = [(w.block_table, w.start_pos, len(w.token_ids)) for w in group]
             window_rows = None
             if self.window_pool is not None:
                 window_rows = [(w.window_table, w.start_pos, len(w.token_ids)) for w in group]
-            if len(group[0].token_ids) > 1 and sum(len(w.token_ids) for w in group) <= self.prefill_rows:
+            if any(w.prompt_targets for w in group):  # every position's logits, op by op
+                logits, pending = prompt_forward(self, group, rows, window_rows)
+                prompts += pending
+            elif len(group[0].token_ids) > 1 and sum(len(w.token_ids) for w in group) <= self.prefill_rows:
                 logits = self._logits_by_rows(group)
             else:
                 logits = self._logits(rows, [list(w.token_ids) for w in group], [w.state_slot for w in group],
                                       window_rows)
+            if prompts:  # their small results now, before the next group or the sampling
+                mx.eval(logits, *pending_arrays(prompts))
             if group is not groups[-1]:
                 # the next group writes the pool: this one's reads must be done first, or MLX
                 # copies every layer's whole array to keep them for it (the budget, on cpu)
@@ -282,9 +295,11 @@ class ModelRunner:
         self._carried = None
         if not order:  # the state slots are this forward's only output: they read the pool
             mx.eval(*self._written())
-            return m.StepDone(step.step_id, {})
-        stacked = logits_rows[0] if len(logits_rows) == 1 else mx.concatenate(logits_rows)
-        return self._sample(step.step_id, order, stacked, seeds)
+            done = m.StepDone(step.step_id, {})
+        else:
+            stacked = logits_rows[0] if len(logits_rows) == 1 else mx.concatenate(logits_rows)
+            done = self._sample(step.step_id, order, stacked, seeds)
+        return with_prompt_reports(done, prompt_reports(prompts)) if prompts else done
 
     def _sample(self, step_id: int, order: list[m.SeqWork], logits: mx.array, seeds: dict[str, int]) -> m.StepDone:
         """Every row in one pass: its PyTorch processors, bias and penalties, grammar mask,

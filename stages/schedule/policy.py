@@ -13,7 +13,13 @@ import msgspec
 from unikern import messages as m
 from unikern.stages.kv.blocks import BlockManager, OutOfBlocks, block_hash
 from unikern.stages.schedule.groups import WindowGroup, allocate_windowed, never_fits
-from unikern.stages.schedule.sequence import Refusal, Sequence, StepOutcome, needs_history
+from unikern.stages.schedule.sequence import (
+    Refusal,
+    Sequence,
+    StepOutcome,
+    needs_history,
+    prompt_targets,
+)
 from unikern.stages.schedule.states import StateTracker
 from unikern.stages.schedule.windows import release_out_of_window, released_window, split_window
 
@@ -301,12 +307,15 @@ class Scheduler:
         fields = self.states.fields(seq, start, chunk) if self.states is not None else {}
         if self.window_group is not None:
             fields["window_table"] = tuple(seq.window_blocks)
+        if seq.params.prompt_logprobs is not None:
+            fields["prompt_targets"] = prompt_targets(seq, start, chunk)
         return m.SeqWork(
             request_id=seq.request_id,
             token_ids=tuple(seq.tokens[start : start + chunk]),
             start_pos=start,
             block_table=tuple(seq.blocks),
-            sample=start + chunk == len(seq.tokens),
+            # max_tokens 0 (prompt log-probabilities alone): the prompt's end samples nothing
+            sample=start + chunk == len(seq.tokens) and seq.params.max_tokens > 0,
             params=seq.params,
             num_generated=seq.num_generated,
             processors=seq.processors,
@@ -316,8 +325,9 @@ class Scheduler:
         )
 
     def _admit(self, seq: Sequence) -> bool:
-        # always compute at least the last token: its logits give the next one
-        max_cached = len(seq.tokens) - 1
+        # always compute at least the last token: its logits give the next one; a request
+        # for the prompt's log-probabilities computes every position (the cache keeps no logits)
+        max_cached = len(seq.tokens) - 1 if seq.params.prompt_logprobs is None else 0
         if self.states is not None:  # only as far as a state checkpoint reaches
             max_cached = self.states.limit_cached(seq.tokens, max_cached)
         try:
@@ -376,6 +386,7 @@ class Scheduler:
             self.window_group.free(seq)
         seq.block_hashes = []
         seq.num_computed = 0
+        seq.prompt_reports = []  # the recompute reports them again
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -389,19 +400,24 @@ class Scheduler:
         logprobs: dict[str, list[m.Logprobs]] | None = None,
         failed: dict[str, str] | None = None,
         stopped: Iterable[str] = (),
+        prompt_logprobs: dict[str, list[m.PromptLogprob]] | None = None,
     ) -> StepOutcome:
         """Apply a step's results (StepDone's fields): tokens with their log-probabilities,
-        requests that failed alone (finished with their error, blocks freed) and requests
-        whose grammar completed (finished with "stop")."""
+        requests that failed alone (finished with their error, blocks freed), requests
+        whose grammar completed (finished with "stop") and prompt log-probabilities."""
         outcome = StepOutcome()
         logprobs, failed, stopped = logprobs or {}, failed or {}, frozenset(stopped)
         for work in step.work:
             seq = self.by_id.get(work.request_id)
             if seq is None or seq.num_computed != work.start_pos or seq not in self.running:
                 continue  # aborted or preempted while the step ran
+            if work.prompt_targets and prompt_logprobs:
+                seq.prompt_reports.extend(prompt_logprobs.get(work.request_id, ()))
             if not work.sample:
                 seq.num_computed += len(work.token_ids)
                 self._commit_full_blocks(seq)
+                if seq.params.max_tokens == 0 and seq.num_computed == len(seq.tokens):
+                    outcome.finished.append(self._finish(seq, "length"))  # the prompt was all it asked
                 continue
             if work.request_id in failed:
                 outcome.finished.append(self._finish(seq, "error", failed[work.request_id]))
@@ -491,4 +507,5 @@ class Scheduler:
         self.blocks.free(seq.pinned)
         seq.pinned = []
         seq.blocks = []
-        return m.Finished(seq.request_id, reason, seq.usage, error)
+        return m.Finished(seq.request_id, reason, seq.usage, error,
+                          prompt_logprobs=seq.prompt_logprobs if error is None else None)

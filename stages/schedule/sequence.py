@@ -16,6 +16,14 @@ def needs_history(seq: Sequence) -> bool:
     return bool(seq.processors) or penalized
 
 
+def prompt_targets(seq: Sequence, start: int, num_tokens: int) -> tuple[int, ...]:
+    """SeqWork.prompt_targets of a chunk: the prompt tokens after each of its positions, for
+    a request that asked for the prompt's log-probabilities (none past the prompt's end)."""
+    if seq.params.prompt_logprobs is None:
+        return ()
+    return tuple(seq.tokens[start + 1 : min(start + num_tokens + 1, seq.num_prompt_tokens)])
+
+
 @dataclass(eq=False)  # an entity: compared by identity (membership tests run per row per step)
 class Sequence:
     request_id: str
@@ -34,10 +42,20 @@ class Sequence:
     # from a lower tier), so nothing evicts them while it waits
     pinned: list[int] = field(default_factory=list)
     held: bool = False  # not admissible yet: its prefix is still loading
+    # SamplingParams.prompt_logprobs: the reports of prompt tokens 1.. so far, in order
+    prompt_reports: list[m.PromptLogprob] = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def prompt_logprobs(self) -> tuple[m.PromptLogprob | None, ...] | None:
+        """What the done event carries: None for the first token (nothing comes before it);
+        None in all when not asked, or not all computed (cancelled during the prefill)."""
+        if self.params.prompt_logprobs is None or len(self.prompt_reports) != self.num_prompt_tokens - 1:
+            return None
+        return (None, *self.prompt_reports)
 
     @property
     def usage(self) -> m.Usage:

@@ -156,7 +156,8 @@ class ScheduleStage(StageBase):
                 step = self.in_flight.popleft() if self.in_flight else None
                 if step is None or step.step_id != step_id:
                     raise RuntimeError(f"step {step_id} came back, but step {step and step.step_id} was in flight")
-                outcome = sched.on_step_done(step, sampled, message.logprobs, message.failed, message.stopped)
+                outcome = sched.on_step_done(step, sampled, message.logprobs, message.failed, message.stopped,
+                                             message.prompt_logprobs)
                 return m.StepOutput(tuple(outcome.tokens), tuple(outcome.finished))
         return None
 

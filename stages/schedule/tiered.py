@@ -30,6 +30,8 @@ class TieredScheduleStage(ScheduleStage):
     async def on_tokenized(self, ctx: StageContext, request: m.Tokenized) -> bool:
         if not await super().on_tokenized(ctx, request):
             return False
+        if request.params.prompt_logprobs is not None:
+            return True  # it reads no cached prefix (Scheduler._admit): nothing to load for it
         hold, load = self.planner.plan_load(request)
         if hold:
             self.scheduler.hold(request.request_id)

@@ -95,7 +95,7 @@ def build_app(state: ServerState) -> Starlette:
         body_type = openai.ChatRequest if chat else openai.CompletionRequest
         body = await _read(request, body_type, params.max_body_bytes)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        prepared = openai.prepare_chat(state, body) if chat else openai.prepare_completion(body)
+        prepared = openai.prepare_chat(state, body) if chat else openai.prepare_completion(body, state.tokenizer)
         gen = Generation(state, prepared, rid)
         shaper = openai.Shaper(state, gen, rid, chat=chat, token_ids=body.return_token_ids)
         return await respond(request, gen, body.stream, lambda: shaper.stream(body.include_usage), shaper.collect)

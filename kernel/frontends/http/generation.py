@@ -71,6 +71,8 @@ class Prepared:
     # parse tool calls out of the text (the request offered tools, the model has a parser)
     tools: list[dict[str, Any]] | None = None
     parse_tools: bool = False
+    # /v1/completions' echo: the prompt text the response's text starts with
+    echo: str | None = None
 
 
 @dataclass
@@ -90,6 +92,8 @@ class Outcome:
     stop_sequence: str | None = None
     num_tool_calls: int = 0
     token_ids: list[int] = field(default_factory=list)
+    # the done event's, for requests that asked (prompt_logprobs)
+    prompt_logprobs: tuple[m.PromptLogprob | None, ...] | None = None
 
 
 class Generation:
@@ -237,6 +241,7 @@ class Generation:
             stop_sequence=self._matched_stop(done),
             num_tool_calls=self._splitter.num_calls if self._splitter else 0,
             token_ids=self._token_ids,
+            prompt_logprobs=done.prompt_logprobs,
         )
 
     def _matched_stop(self, done: m.DoneEvent) -> str | None:

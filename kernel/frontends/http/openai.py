@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,6 +16,7 @@ from unikern.frontends.http.chat import ToolCall, openai_messages, render_chat
 from unikern.frontends.http.errors import APIError
 from unikern.frontends.http.generation import Generation, Outcome, Prepared, ServerState
 from unikern.frontends.http.responses import sse_event
+from unikern.stages.tokenize import text_prompt_tokens
 
 # without max_tokens a chat reply runs to end of sequence or of the context
 UNTIL_CONTEXT_END = 1 << 20
@@ -103,9 +105,32 @@ def _checked_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def prepare_completion(body: CompletionRequest) -> Prepared:
-    if body.echo or (body.best_of or 1) > 1 or body.suffix:
-        raise APIError(400, "echo, best_of > 1 and suffix are not supported", param="echo")
+def prepare_completion(body: CompletionRequest, tokenizer: Any = None) -> Prepared:
+    prepared = _completion(body)
+    return _echoed(prepared, body.logprobs, tokenizer) if body.echo else prepared
+
+
+def _echoed(prepared: Prepared, logprobs: int | None, tokenizer: Any) -> Prepared:
+    """echo: the text starts with the prompt. With logprobs (or max_tokens 0: the prompt
+    alone, as vLLM allows) the prompt's tokens come with their log-probabilities
+    (prompt_logprobs), so the prompt goes in as the token ids the response names."""
+    tokens = prepared.prompt_tokens
+    try:
+        text = prepared.prompt if tokens is None else tokenizer.decode(tokens)
+    except Exception as exc:  # ids outside the vocabulary (the engine would refuse them too)
+        raise APIError(400, f"prompt: the token ids cannot be decoded ({exc})", param="prompt") from None
+    if logprobs is None and prepared.max_tokens > 0:
+        return dataclasses.replace(prepared, echo=text)
+    if tokens is None:
+        tokens = text_prompt_tokens(tokenizer, prepared.prompt)
+    sampling = prepared.sampling | {"prompt_logprobs": logprobs or 0}
+    return Prepared(prepared.max_tokens, sampling, prompt_tokens=list(tokens), echo=text)
+
+
+def _completion(body: CompletionRequest) -> Prepared:
+    if (body.best_of or 1) > 1 or body.suffix:
+        raise APIError(400, "best_of > 1 and suffix are not supported",
+                       param="suffix" if body.suffix else "best_of")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETIONS_LOGPROBS:
         raise APIError(400, f"logprobs must be an integer in [0, {MAX_COMPLETIONS_LOGPROBS}]", param="logprobs")
     prompt = body.prompt
@@ -202,6 +227,41 @@ class Shaper:
             "text_offset": offsets,
         }
 
+    def _prompt_logprobs(self) -> dict[str, Any] | None:
+        """An echoed prompt's part of the `logprobs` object (its first token has none), when
+        the request asked for logprobs; offsets count each token's text from 0, as vLLM's."""
+        prepared, outcome = self.gen.prepared, self.gen.outcome
+        reports = outcome.prompt_logprobs if outcome is not None else None
+        if reports is None or not prepared.sampling.get("logprobs"):
+            return None
+        texts = [self._token_text(t) for t in prepared.prompt_tokens]
+        offsets, at = [], 0
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [None if r is None else r.logprob for r in reports],
+            "top_logprobs": [None if r is None else self._top_by_text(r.top_logprobs) for r in reports],
+            "text_offset": offsets,
+        }
+
+    def _top_by_text(self, top: tuple[m.TopLogprob, ...]) -> dict[str, float]:
+        """{text: logprob}, best first; where two ids read the same, the better one stays."""
+        out: dict[str, float] = {}
+        for x in top:
+            out.setdefault(self._token_text(x.token_id), x.logprob)
+        return out
+
+    def _echo_logprobs(self, tokens: list[m.TokenEvent]) -> dict[str, Any] | None:
+        """An echoed completion's `logprobs`: the prompt's tokens, then the generated ones
+        (their offsets in the text, which starts with the prompt)."""
+        generated = self.logprobs(tokens, len(self.gen.prepared.echo))
+        prompt = self._prompt_logprobs()
+        if prompt is None or generated is None:
+            return prompt or generated
+        return {key: prompt[key] + generated[key] for key in prompt}
+
     # ---- whole responses -------------------------------------------------------------
 
     async def collect(self) -> dict[str, Any]:
@@ -215,7 +275,11 @@ class Shaper:
             raise self.gen.error
         outcome = self.gen.outcome
         content = "".join(text)
-        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(tokens), "finish_reason": finish_reason(outcome)}
+        logprobs = self.logprobs(tokens)
+        if not self.chat and self.gen.prepared.echo is not None:
+            content = self.gen.prepared.echo + content
+            logprobs = self._echo_logprobs(tokens)
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason(outcome)}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
             if calls:
@@ -234,7 +298,20 @@ class Shaper:
         if self.chat:
             start = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             yield sse_event(self._envelope([start], chunk=True) | extra)
-        async with contextlib.aclosing(self.gen.pieces()) as pieces:
+        source = self.gen.pieces()
+        echo = None if self.chat else self.gen.prepared.echo
+        if echo is not None:
+            if self.gen.prepared.sampling.get("prompt_logprobs") is not None:
+                # the prompt's log-probabilities come with the done event: its chunk waits for it
+                async with contextlib.aclosing(source) as pieces:
+                    held = [piece async for piece in pieces]
+                source = _replay(held)
+            first = {"index": 0, "logprobs": self._prompt_logprobs(), "finish_reason": None, "text": echo}
+            if self.token_ids:
+                first["token_ids"] = []
+            yield sse_event(self._envelope([first], chunk=True) | extra)
+            offset = len(echo)
+        async with contextlib.aclosing(source) as pieces:
             async for piece in pieces:
                 choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(piece.tokens, offset), "finish_reason": None}
                 offset += len(piece.text)
@@ -262,3 +339,8 @@ class Shaper:
         if include_usage:
             yield sse_event(self._envelope([], chunk=True) | {"usage": usage(outcome)})
         yield sse_event("[DONE]")
+
+
+async def _replay(pieces: list[Any]) -> AsyncIterator[Any]:
+    for piece in pieces:
+        yield piece
