@@ -229,19 +229,20 @@ VARIANTS = {
 
 
 # features "name=value" set these module constants (module under unikern.stages.execute, name)
-SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("paged_attention", "SPLIT_BLOCKS"),
-            "split-min": ("paged_attention", "SPLIT_MIN_POSITIONS"),
-            "in-flight": ("paged_attention", "POSITIONS_IN_FLIGHT"),
-            "blocks-unroll": ("block_gemv", "UNROLL"), "blocks-target": ("block_gemv", "TARGET_BLOCKS"),
+SETTINGS = {"few-blocks": ("cuda.paged_attention", "FEW_BLOCKS"),
+            "split-blocks": ("cuda.paged_attention", "SPLIT_BLOCKS"),
+            "split-min": ("cuda.paged_attention", "SPLIT_MIN_POSITIONS"),
+            "in-flight": ("cuda.paged_attention", "POSITIONS_IN_FLIGHT"),
+            "blocks-unroll": ("cuda.block_gemv", "UNROLL"), "blocks-target": ("cuda.block_gemv", "TARGET_BLOCKS"),
             "blocks-norm": ("blocks", "KERNEL_NORM"), "blocks-rope": ("blocks", "KERNEL_ROPE"),
-            "pool-write": ("paged_attention", "WRITE_IN_PLACE"), "q-res": ("quantized", "GEMV_RESIDUAL"),
+            "pool-write": ("paged_cache", "WRITE_IN_PLACE"), "q-res": ("quantized", "GEMV_RESIDUAL"),
             "q-rope": ("quantized", "GEMV_ROPE"), "q-swiglu": ("quantized", "GEMV_SWIGLU"),
             "step-pad": ("paged_cache", "PAD_STEP_ROWS"), "ops-rw": ("blocks", "OPS_ROPE_WRITE"),
-            "q-magic": ("quantized", "GEMV_MAGIC_NIBBLES"), "q-features": ("quantized", "GEMV_FEATURES"),
-            "q-warps": ("quantized", "GEMV_WARPS"), "q-unroll": ("quantized", "GEMV_UNROLL"),
-            "block-unroll": ("block_kernel", "UNROLL"),
-            "block-grid": ("block_kernel", "GRID_BLOCKS"), "block-warps": ("block_kernel", "WARPS"),
-            "block-attn-split": ("block_kernel", "ATTN_SPLIT"), "block-preload": ("block_kernel", "PRELOAD")}
+            "q-magic": ("cuda.q4_gemv", "GEMV_MAGIC_NIBBLES"), "q-features": ("cuda.q4_gemv", "GEMV_FEATURES"),
+            "q-warps": ("cuda.q4_gemv", "GEMV_WARPS"), "q-unroll": ("cuda.q4_gemv", "GEMV_UNROLL"),
+            "block-unroll": ("cuda.block_kernel", "UNROLL"),
+            "block-grid": ("cuda.block_kernel", "GRID_BLOCKS"), "block-warps": ("cuda.block_kernel", "WARPS"),
+            "block-attn-split": ("cuda.block_kernel", "ATTN_SPLIT"), "block-preload": ("cuda.block_kernel", "PRELOAD")}
 
 
 def compile_mlp_halves(model) -> int:
@@ -306,11 +307,11 @@ def child(args) -> None:
 
         PagedLayerCache._kernel_reads = lambda *_: False
     if "qgemv" in features:  # as execute.quantized_gemv does, with dequantize_rows' 8 (or 65)
-        from unikern.stages.execute import quantized
+        from unikern.stages.execute.cuda import q4_gemv, q4_mma
         from unikern.stages.execute.quantized import route_quantized_layers
 
-        quantized.GEMV_WIDE_LOADS = "wide" in features
-        quantized.MMA_SHAPE = "wide" if "mma-wide" in features else "narrow"
+        q4_gemv.GEMV_WIDE_LOADS = "wide" in features
+        q4_mma.MMA_SHAPE = "wide" if "mma-wide" in features else "narrow"
 
         notes["qgemv_layers"] = route_quantized_layers(model, 65 if "gemv-to-64" in features else 8, gemv=True,
                                                        mma="qmma" in features, mma_split="split" in features)
@@ -368,7 +369,7 @@ def engine_run(model, args, features: list[str], notes: dict):
     import mlx.core as mx
 
     from unikern import messages as m
-    from unikern.stages.execute import paged_attention
+    from unikern.stages.execute.cuda import paged_attention
     from unikern.stages.execute.model import ModelGeometry
     from unikern.stages.execute.runner import ModelRunner
     from unikern.stages.kv.pool import KVPool
