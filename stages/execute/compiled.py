@@ -39,7 +39,7 @@ class CompiledDecode:
     the returned arrays, the old ones are referenced by the graph alone and donated.
     Used for windows of several rows; one row keeps the unmasked slice path, whose SDPA
     stays on MLX's fused decode kernel (tools/results/H200.md, round R7), unless the
-    decode attention reads the pool itself (paged_attention.py: no mask) and
+    decode attention reads the pool itself (cuda/paged_attention.py: no mask) and
     execute.compile_one_row says so."""
 
     # MLX keeps every traced shape until the compiled function is dropped, and a server

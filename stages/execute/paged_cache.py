@@ -211,7 +211,7 @@ class PagedLayerCache:
         self.layout = layout
         self.window = window
         self.head_major = False  # update_and_fetch returned [H, B, L, D] gathers, transposed
-        # decode steps read straight from the pool (paged_attention.py): "kernel" (CUDA)
+        # decode steps read straight from the pool (cuda/paged_attention.py): "kernel" (CUDA)
         # or "reference" (MLX ops); None: the gathered SDPA
         self.paged = paged
         self._paged_inputs: tuple | None = None
@@ -328,7 +328,7 @@ class PagedLayerCache:
     def paged_table(self) -> tuple[mx.array, mx.array]:
         """The rows' slot tables [B, L] and lengths [B] of this decode step, once its keys
         and values are in the pool (`written_in_place`), for a kernel that reads them back
-        itself (block_kernel.py)."""
+        itself (cuda/block_kernel.py)."""
         if self._paged_inputs is None:
             raise RuntimeError("the slot table is known once the step's keys and values are in the pool "
                                "(written_in_place)")
