@@ -36,9 +36,9 @@ Variants:
   engine-paged-qmma-split  the same, the tensor-core kernel's weights as two bf16 halves
                (execute.quantized_mma_weights=split)
   qgemv-wide, engine-paged-qgemv-wide  qgemv and engine-paged-qgemv with the GEMV's
-               16-byte weight loads (quantized.GEMV_WIDE_LOADS)
+               16-byte weight loads (q4_gemv.GEMV_WIDE_LOADS)
   engine-paged-qmma-wide  engine-paged-qmma with the tensor-core kernel's wide blocks
-               (quantized.MMA_SHAPE = "wide": 8 warps, 16 features per warp)
+               (q4_mma.MMA_SHAPE = "wide": 8 warps, 16 features per warp)
   engine-paged-q  4-bit models as the engine runs them on CUDA since session 9: the GEMV
                (16-byte loads) to 8 rows, the wide tensor-core kernel to 64, quantized
                q/k/v and gate/up fused (execute.fuse_projections=auto with those kernels)
@@ -60,7 +60,7 @@ Variants:
   engine-paged-blocks  engine-paged with each block's decode steps of up to 4 rows as four
                GEMV kernels (execute.fuse_blocks: stages/execute/blocks.py)
   engine-paged-blocks-one  the same, a one-row step's block as one kernel (execute.block_kernel:
-               stages/execute/block_kernel.py); -u2: 2 chunks per lane and weight row in flight
+               stages/execute/cuda/block_kernel.py); -u2: 2 chunks per lane and weight row in flight
                (block_kernel.UNROLL, 4 by default); -g264: 264 blocks of 8 warps (two per SM)
                instead of 132 of 16; -split: the attention phase over several blocks per KV
                head (ATTN_SPLIT = 1, the default since session 22, so the same as the plain
@@ -93,12 +93,12 @@ Variants:
                place by the q/k/v kernel (PagedLayerCache._kernel_reads off)
   engine-paged-write  engine-paged with steps the blocks do not take (more than 4 rows)
                writing the pool through one in-place kernel instead of two scatters per
-               layer (paged_attention.WRITE_IN_PLACE = 1; the default since session 17)
+               layer (paged_cache.WRITE_IN_PLACE = 1; the default since session 17)
   engine-paged-q-blocks  engine-paged-q with the 4-bit blocks' steps of up to 4 rows through
                the fused block's MLX ops (the default since session 16)
   engine-paged-q-blocks-res, -write, -res-write  engine-paged-q-blocks with the residual
                adds inside the 4-bit GEMV (quantized.GEMV_RESIDUAL = 1), the pool writes
-               through one in-place kernel (paged_attention.WRITE_IN_PLACE = 1), or both
+               through one in-place kernel (paged_cache.WRITE_IN_PLACE = 1), or both
                (both are the defaults since session 17)
   engine-paged-q-blocks-s16  engine-paged-q-blocks as session 16 left it: the residual
                adds and the pool's scatters outside the GEMV (q-res=0, pool-write=0)
@@ -110,9 +110,9 @@ Variants:
   engine-paged-q-blocks-s17  engine-paged-q-blocks as session 17 left it: RoPE, the pool
                write and SwiGLU outside the 4-bit GEMVs (q-rope=0, q-swiglu=0)
   engine-paged-q-blocks-magic  engine-paged-q-blocks with the 4-bit GEMV's nibbles made
-               floats by the bits of 2^23 + q, not I2F (quantized.GEMV_MAGIC_NIBBLES = 1)
+               floats by the bits of 2^23 + q, not I2F (q4_gemv.GEMV_MAGIC_NIBBLES = 1)
   engine-paged-q-blocks-magic-f8, -magic-w8  that with 8 output features per block
-               (quantized.GEMV_FEATURES = 8: each thread 8 weight loads in flight), or 8
+               (q4_gemv.GEMV_FEATURES = 8: each thread 8 weight loads in flight), or 8
                warps per block (GEMV_WARPS = 8)
   engine-paged-q-blocks-w1, -w2, -f2, -w2-f8  the 4-bit GEMV's blocks of 1 or 2 warps
                (each thread then loops over 4 or 2 of a K = 4096 row's 16-byte loads per
