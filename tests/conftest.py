@@ -121,7 +121,7 @@ async def generate_sampled(engine, prompt: list[int], max_tokens: int, sample) -
 def paged_decode_calls(monkeypatch) -> list[tuple[int, ...]]:
     """The query shape of every call to paged_attention.decode (decode attention read
     straight from the pool) while the test runs; the calls still compute."""
-    from unikern.stages.execute import paged_attention
+    from unikern.stages.execute.cuda import paged_attention
 
     calls: list[tuple[int, ...]] = []
     decode = paged_attention.decode

@@ -2,7 +2,10 @@
 thread per CUDA thread of a block (kept from block to block), warp shuffles through a
 per-warp exchange buffer and barrier, `__syncthreads` through a block barrier, blocks one
 after another. Slow, float32 only, but it executes the kernel's own source, so a wrong
-index or softmax merge shows up on a machine without a GPU (tests/test_paged_attention.py)."""
+index or softmax merge shows up on a machine without a GPU (tests/test_paged_attention.py).
+The CUDA built-ins are stood in for here; a kernel's own header (its helpers written in
+CUDA) has a C++ stand-in beside the kernel, as its module's EMULATED_HEADER
+(stages/execute/cuda/*_emulation.h), handed to `run_kernel` or `emulated_cuda_kernels`."""
 
 from __future__ import annotations
 
@@ -70,50 +73,6 @@ static unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsi
 static unsigned atomicExch(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).exchange(v); }
 static float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 static void __nanosleep(unsigned) {}
-static std::atomic<unsigned> clock_ticks{1};
-static unsigned unikern_clock() { return clock_ticks++; }  // a clock that only moves on
-"""
-
-
-# The tensor-core primitives that stages/execute/quantized.py's MMA_HEADER gives the CUDA
-# kernel, for the emulation: bfloat16 pairs packed in 32-bit registers (rounded to
-# nearest even, the low half first) and mma.sync m16n8k16 computed by the warp's lanes
-# from each other's fragments, with the fragment layouts of PTX's documentation.
-TENSOR_CORE_HEADER = r"""
-static unsigned mma_a[64][32][4];
-static unsigned mma_b[64][32][2];
-static unsigned bf16_bits(float f) { unsigned u; std::memcpy(&u, &f, 4); u += 0x7fffu + ((u >> 16) & 1u); return u >> 16; }
-static float bf16_half(unsigned reg, int high) {
-    const unsigned u = (high ? reg >> 16 : reg & 0xffffu) << 16; float f; std::memcpy(&f, &u, 4); return f;
-}
-static unsigned unikern_pack(float lo, float hi) { return bf16_bits(lo) | (bf16_bits(hi) << 16); }
-static float unikern_half(unsigned p, int high) { return bf16_half(p, high); }
-static void unikern_load8(const float* p, unsigned r[4]) { for (int i = 0; i < 4; ++i) r[i] = unikern_pack(p[2 * i], p[2 * i + 1]); }
-static void unikern_mma(float d[4], const unsigned a[4], const unsigned b[2]) {
-    const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int i = 0; i < 4; ++i) mma_a[w][lane][i] = a[i];
-    for (int i = 0; i < 2; ++i) mma_b[w][lane][i] = b[i];
-    warp_bars[w]->arrive_and_wait();
-    const int g = lane / 4, t = lane % 4;
-    for (int i = 0; i < 4; ++i) {  // d[i]: row g (+8 for i >= 2), column 2t + i % 2
-        const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + i % 2;
-        float sum = 0.f;
-        for (int k = 0; k < 16; ++k) {  // A[row][k] and B[k][col] from the lanes that hold them
-            const int owner = (k % 8) / 2;
-            sum += bf16_half(mma_a[w][(row % 8) * 4 + owner][(row >= 8) + 2 * (k >= 8)], k % 2)
-                 * bf16_half(mma_b[w][col * 4 + owner][k >= 8], k % 2);
-        }
-        d[i] += sum;
-    }
-    warp_bars[w]->arrive_and_wait();
-}
-"""
-
-
-# stages/execute/blocks.py's helper for the emulation: 16 bytes of float32 as 4 floats
-UNPACK_HEADER = r"""
-#define __align__(n) __attribute__((aligned(n)))
-template <typename U> static void unikern_unpack(const uint4& v, float* o) { std::memcpy(o, &v, 16); }
 """
 
 
@@ -140,7 +99,7 @@ def run_kernel(source: str, inputs: dict[str, np.ndarray], constants: dict[str, 
     or uint32 arrays, each with its `<name>_shape`), `constants` as the kernel's
     template parameters (T is float), one float32 output `out` of `output_shape` (or,
     with `outputs`, one per name and shape, returned by name), and `header` (C++
-    helpers, e.g. TENSOR_CORE_HEADER) before the kernel. Inputs the source writes in
+    helpers, e.g. q4_mma.EMULATED_HEADER) before the kernel. Inputs the source writes in
     place (`written_inputs`) are written back into the given numpy arrays, bit for bit.
     `initial`: outputs' contents before the kernel runs (zeros otherwise)."""
     assert threads % 32 == 0 and threads // 32 <= 64
@@ -240,7 +199,7 @@ def emulated_cuda_kernels(launched: list[str] | None = None, header: str | None 
     kernels run in this emulation (float32 arrays; the launch's grid, threads, template
     integers and output shape as the caller gives them); each launch's base name is
     appended to `launched`. `header`: the emulation's own version of the kernels' CUDA
-    header (e.g. UNPACK_HEADER), in its place."""
+    header (e.g. block_gemv.EMULATED_HEADER), in its place."""
     import mlx.core as mx
 
     own_header = header
@@ -259,7 +218,7 @@ def emulated_cuda_kernels(launched: list[str] | None = None, header: str | None 
             arrays = {n: np.array(a, copy=n not in written) for n, a in zip(input_names, inputs, strict=True)}
             constants = {k: v for k, v in template if k != "T"}
             shapes = dict(zip(outputs, output_shapes, strict=True))
-            # phases FIRST..LAST that meet at grid-wide barriers (block_kernel.py): one
+            # phases FIRST..LAST that meet at grid-wide barriers (cuda/block_kernel.py): one
             # launch per phase, the outputs carried over (the blocks here run one after
             # another, so a block waiting at such a barrier would wait forever), unless
             # the grid is one block (its barriers pass at once)

@@ -1,8 +1,9 @@
-"""A decoder block's decode step as four GEMV kernels (stages/execute/blocks.py, block_gemv.py): the
-kernel's CUDA source in the thread-per-lane emulation against numpy for each epilogue,
-RoPE's angles against mlx-lm's RoPE modules, whole fused blocks (kernels emulated, and
-MLX's ops) against the family's own block, and mlx-lm's code still what the fused steps
-repeat. Greedy parity through the engine: tests/test_families.py (variant "blocks")."""
+"""A decoder block's decode step as four GEMV kernels (stages/execute/blocks.py,
+stages/execute/cuda/block_gemv.py): the kernel's CUDA source in the thread-per-lane
+emulation against numpy for each epilogue, RoPE's angles against mlx-lm's RoPE modules,
+whole fused blocks (kernels emulated, and MLX's ops) against the family's own block, and
+mlx-lm's code still what the fused steps repeat. Greedy parity through the engine:
+tests/test_families.py (variant "blocks")."""
 
 import importlib
 import inspect
@@ -18,7 +19,8 @@ from mlx_lm.models.rope_utils import initialize_rope
 from tests import cuda_emulation
 from unikern.platform import cuda_is_default
 from unikern.platform.kernel_cache import float_bits
-from unikern.stages.execute import block_gemv, block_kernel, blocks
+from unikern.stages.execute import blocks
+from unikern.stages.execute.cuda import block_gemv, block_kernel
 from unikern.stages.execute.fused import fuse_projections
 
 emulation = pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
@@ -46,8 +48,8 @@ def run_source(x, w, mode, bias=None, norm=None, res=None, pos=None, freq_pi=Non
     grid = -(-(N // 2) // (block_gemv.WARPS // split))
     outputs = {"out": (rows, nout), "out_k": (rows, kv) if kv else (1,), "out_v": (rows, kv) if kv else (1,),
                "out_ss": (rows,) if hand_ss else (1,), "out_part": (rows, grid) if hand_ss else (1,)}
-    got = cuda_emulation.run_kernel(block_gemv._SOURCE, inputs, constants, grid, block_gemv.WARPS * 32, (rows, nout),
-                                    cuda_emulation.UNPACK_HEADER, outputs)
+    got = cuda_emulation.run_kernel(block_gemv.SOURCE, inputs, constants, grid, block_gemv.WARPS * 32, (rows, nout),
+                                    block_gemv.EMULATED_HEADER, outputs)
     if hand_ss:
         return got["out"], got["out_ss"]
     return [got["out"], got["out_k"], got["out_v"]] if mode == block_gemv.ROPE else got["out"]
@@ -101,7 +103,7 @@ def test_what_a_kernel_counts_on_or_hands_over_lies_outside_mlxs_small_pool(monk
     there took 600 us instead of 10. The counter, the handed sums of one row and the
     pool write's marker are larger than that; eps goes in as a template argument."""
     from unikern.platform.kernel_cache import SMALL_POOL_BYTES
-    from unikern.stages.execute import paged_attention
+    from unikern.stages.execute.cuda import pool_write
 
     launches = []
 
@@ -112,12 +114,12 @@ def test_what_a_kernel_counts_on_or_hands_over_lies_outside_mlxs_small_pool(monk
         return launch
 
     monkeypatch.setattr(block_gemv, "cuda_kernel", recorder)
-    monkeypatch.setattr(paged_attention, "cuda_kernel", recorder)
+    monkeypatch.setattr(pool_write, "cuda_kernel", recorder)
     x, w = mx.zeros((1, 256), mx.bfloat16), mx.zeros((64, 256), mx.bfloat16)
     count = block_gemv.counter()
     _, ss = block_gemv.gemv(x, w, block_gemv.RESIDUAL, res=mx.zeros((1, 64), mx.bfloat16), hand_ss=count)
     block_gemv.gemv(x, w, block_gemv.PLAIN, norm=(mx.ones((256,), mx.bfloat16), 1e-5), ss=ss)
-    done = paged_attention.write(mx.zeros((1, 2, 1, 32), mx.bfloat16), mx.zeros((1, 2, 1, 32), mx.bfloat16),
+    done = pool_write.write(mx.zeros((1, 2, 1, 32), mx.bfloat16), mx.zeros((1, 2, 1, 32), mx.bfloat16),
                                  mx.zeros((2, 16, 32), mx.bfloat16), mx.zeros((2, 16, 32), mx.bfloat16),
                                  mx.array([3], dtype=mx.int32))
     assert min(count.nbytes, ss.nbytes, done.nbytes) > SMALL_POOL_BYTES
@@ -318,6 +320,7 @@ def test_quantized_blocks_rotate_inside_the_gemv_without_a_pool(monkeypatch):
     KVCache): the q/k/v GEMV returns q, k rotated and v, which the blocks slice for the
     cache; the kernels in the emulation give the family's logits."""
     from unikern.stages.execute import quantized
+    from unikern.stages.execute.cuda import q4_gemv, weight_kernels
 
     ropes = []
     model = tiny("llama", hidden_size=64, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
@@ -325,10 +328,10 @@ def test_quantized_blocks_rotate_inside_the_gemv_without_a_pool(monkeypatch):
     want = decode_logits(model, [5, 9, 11], 2)
     fuse_projections(model, quantized=True)
     quantized.route_quantized_layers(model, 8, gemv=True)
-    monkeypatch.setattr(quantized, "GEMV_WARPS", 2)  # (each emulated CUDA thread is an OS thread)
-    monkeypatch.setattr(quantized, "cuda_kernel", cuda_emulation.emulated_cuda_kernels())
+    monkeypatch.setattr(q4_gemv, "GEMV_WARPS", 2)  # (each emulated CUDA thread is an OS thread)
+    monkeypatch.setattr(weight_kernels, "cuda_kernel", cuda_emulation.emulated_cuda_kernels())
     monkeypatch.setattr(quantized, "GEMV_ROPE", True)
-    monkeypatch.setattr(blocks, "gemv_rope", lambda *a: ropes.append(a[-1]) or quantized.gemv_rope(*a))
+    monkeypatch.setattr(blocks, "gemv_rope", lambda *a: ropes.append(a[-1]) or q4_gemv.gemv_rope(*a))
     assert blocks.fuse_decode_blocks(model, use_kernel=True) == 2
     got = decode_logits(model, [5, 9, 11], 2)
     assert ropes == [None] * 2 * 2  # every block's decode steps, no pool
@@ -347,7 +350,7 @@ def test_fused_blocks_through_the_kernels_give_the_familys_logits(family, kernel
     (the first block's input norm stays MLX's)."""
     launched, calls = [], []
     monkeypatch.setattr(block_gemv, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched,
-                                                                                     cuda_emulation.UNPACK_HEADER))
+                                                                                     block_gemv.EMULATED_HEADER))
     monkeypatch.setattr(blocks, "KERNEL_NORM", kernel_norm)
     monkeypatch.setattr(blocks, "KERNEL_ROPE", kernel_rope)
 
@@ -394,7 +397,7 @@ def test_decode_steps_write_the_pool_in_place_where_the_paged_kernel_reads_it(fu
     """Where the paged attention kernel reads the pool (CUDA), a decode step's keys and
     values go into the pool in place of the cache's two scatters per layer: from the
     fused block's q/k/v kernel itself, or (the family's own block, with
-    paged_attention.WRITE_IN_PLACE) through one write kernel for both, which the attention
+    paged_cache.WRITE_IN_PLACE) through one write kernel for both, which the attention
     kernel takes as its `after` input. The kernels in the emulation: a runner's prefill and
     decode window of two rows give the family's greedy tokens, and no decode step
     scatters."""
@@ -415,7 +418,7 @@ def test_quantized_blocks_rotate_and_write_the_pool_inside_the_gemv_when_asked(m
 def test_ops_steps_rotate_and_write_the_pool_in_one_kernel_when_asked(monkeypatch):
     """Steps of more rows than the kernels take, through the fused block's MLX ops
     (ops_rows) with blocks.OPS_ROPE_WRITE: one kernel after the q/k/v matmul rotates q
-    and k and writes k and v into the pool (paged_attention.rope_write), no RoPE, no pool
+    and k and writes k and v into the pool (pool_write.rope_write), no RoPE, no pool
     write kernel, no scatter; the kernels in the emulation: the family's greedy tokens."""
     pool_writes_case(monkeypatch, emulate=True, ops=True)
 
@@ -455,7 +458,7 @@ def test_the_block_kernel_is_the_block_in_an_emulation(bias, trad, split, attn_s
     monkeypatch.setattr(block_kernel, "FLIP_BARRIER", flip)
     monkeypatch.setattr(block_kernel, "SPIN_LIMIT", 1 << 12)  # (a block that would wait forever gives up soon)
     monkeypatch.setattr(block_kernel, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(
-        None, cuda_emulation.UNPACK_HEADER))
+        None, block_kernel.EMULATED_HEADER))
     monkeypatch.setattr(block_kernel, "SPLITS", None if split == 1 else (split,) * 4)
     monkeypatch.setattr(block_kernel, "WARPS", 2)
     monkeypatch.setattr(block_kernel, "GRID_BLOCKS", grid)
@@ -553,26 +556,28 @@ def test_one_row_steps_run_as_one_kernel_per_block_when_asked(monkeypatch):
 def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int = 0, ops: bool = False,
                      one_kernel: bool = False) -> None:
     from unikern import messages as m
-    from unikern.stages.execute import paged_attention, quantized
+    from unikern.stages.execute import paged_cache, quantized
     from unikern.stages.execute import runner as runner_module
+    from unikern.stages.execute.cuda import paged_attention, pool_write, q4_gemv, weight_kernels
     from unikern.stages.execute.model import ModelGeometry
     from unikern.stages.kv.pool import KVPool
 
     launched, swiglus = [], []
-    monkeypatch.setattr(paged_attention, "WRITE_IN_PLACE", True)  # (the default: pinned for the test)
+    monkeypatch.setattr(paged_cache, "WRITE_IN_PLACE", True)  # (the default: pinned for the test)
     if emulate:
         # fewer warps per block: each emulated CUDA thread is an OS thread (the kernels take any count)
         monkeypatch.setattr(block_gemv, "WARPS", 2)
-        monkeypatch.setattr(quantized, "GEMV_WARPS", 2)
+        monkeypatch.setattr(q4_gemv, "GEMV_WARPS", 2)
         monkeypatch.setattr(block_gemv, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(
-            launched, cuda_emulation.UNPACK_HEADER))
+            launched, block_gemv.EMULATED_HEADER))
         monkeypatch.setattr(block_kernel, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(
-            launched, cuda_emulation.UNPACK_HEADER))
+            launched, block_kernel.EMULATED_HEADER))
         monkeypatch.setattr(block_kernel, "WARPS", 2)
         monkeypatch.setattr(block_kernel, "GRID_BLOCKS", 3)
         monkeypatch.setattr(paged_attention, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
+        monkeypatch.setattr(pool_write, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
         monkeypatch.setattr(runner_module, "cuda_is_default", lambda: True)  # the paged attention's kernel mode
-        monkeypatch.setattr(quantized, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
+        monkeypatch.setattr(weight_kernels, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
     # head_dim 32; the 4-bit case smaller (each emulated CUDA thread is an OS thread)
     heads = (2, 1) if bits else (4, 2)
     model = tiny("llama", hidden_size=32 * heads[0], num_attention_heads=heads[0], num_key_value_heads=heads[1],
@@ -584,13 +589,13 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int =
         prompts.update({"c": [3, 4], "d": [30, 31, 32, 33], "e": [12]})
         monkeypatch.setattr(blocks, "OPS_ROPE_WRITE", True)
         roped = []
-        monkeypatch.setattr(blocks, "rope_write", lambda *a: roped.append(1) or paged_attention.rope_write(*a))
+        monkeypatch.setattr(blocks, "rope_write", lambda *a: roped.append(1) or pool_write.rope_write(*a))
     want = {r: greedy(model, p, steps + 1) for r, p in prompts.items()}
     fuse_projections(model, quantized=bool(bits))
     if bits:
         monkeypatch.setattr(quantized, "GEMV_ROPE", True)
         monkeypatch.setattr(quantized, "GEMV_SWIGLU", True)
-        monkeypatch.setattr(blocks, "gemv_swiglu", lambda *a: swiglus.append(1) or quantized.gemv_swiglu(*a))
+        monkeypatch.setattr(blocks, "gemv_swiglu", lambda *a: swiglus.append(1) or q4_gemv.gemv_swiglu(*a))
         quantized.route_quantized_layers(model, 8, gemv=True)
     if one_kernel:  # one row (the kernel's), then two rows again
         prompts = {"a": prompts["a"]}
@@ -754,9 +759,9 @@ def test_one_row_steps_through_the_block_kernel_on_cuda(attn_split, preload, mon
 @pytest.mark.parametrize("fused", [True, False])
 def test_decode_steps_write_the_pool_in_place_on_cuda(fused, monkeypatch):
     """The same on a CUDA GPU, where MLX orders the attention after the write only
-    through q (fused) or `after` (run with MLX_ENABLE_TF32=0). An H200 run (2026-12-01) of the
-    unfused case, with the attention ordered through `mx.depends` instead, failed: the
-    tokens one step late."""
+    through q (fused) or `after` (run with MLX_ENABLE_TF32=0). On an H200 the unfused case
+    with the attention ordered through `mx.depends` instead failed: the tokens one step
+    late."""
     pool_writes_case(monkeypatch, emulate=False, fused=fused)
 
 

@@ -1,5 +1,5 @@
 """Plain bfloat16 linear layers' steps of 5-64 rows through unikern's tensor-core kernel
-(stages/execute/dense_mma.py, execute.dense_mma): the kernel's CUDA source in the
+(stages/execute/dense_mma.py, cuda/bf16_mma.py; execute.dense_mma): the kernel's CUDA source in the
 thread-per-lane emulation against numpy, the routing by rows and dtype, and the kernel
 against MLX's matmul on a CUDA machine."""
 
@@ -10,7 +10,8 @@ import pytest
 
 from tests import cuda_emulation
 from unikern.platform import cuda_is_default
-from unikern.stages.execute import dense_mma, quantized
+from unikern.stages.execute import dense_mma
+from unikern.stages.execute.cuda import bf16_mma, q4_mma, weight_kernels
 from unikern.stages.execute.dense_mma import MMALinear, route_dense_layers
 
 emulation = pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
@@ -21,19 +22,19 @@ def as_bf16(a: mx.array) -> np.ndarray:
 
 
 @emulation
-@pytest.mark.parametrize("shape", list(quantized.MMA_SHAPES))
+@pytest.mark.parametrize("shape", list(q4_mma.MMA_SHAPES))
 @pytest.mark.parametrize("rows,n,k", [(5, 32, 256), (21, 16, 512), (64, 32, 128), (70, 16, 128)])
 def test_the_source_computes_the_matmul_in_an_emulation(rows, n, k, shape, monkeypatch):
     """The kernel's CUDA source on the CPU, mma.sync emulated from its fragment layouts:
     one partial row tile (5), two tiles (21), four (64), and two passes with warps left
     without a k-chunk (70 rows, k 128), in both block shapes."""
-    monkeypatch.setattr(quantized, "MMA_SHAPE", shape)
+    monkeypatch.setattr(q4_mma, "MMA_SHAPE", shape)
     mx.random.seed(rows)
     w, x = mx.random.normal((n, k)), mx.random.normal((rows, k))
-    constants, blocks = dense_mma.launch(rows, n, k)
+    constants, blocks = bf16_mma.launch(rows, n, k)
     assert "GS" not in constants and constants["SPLIT"] == 0
-    got = cuda_emulation.run_kernel(dense_mma.SOURCE, {"x": np.array(x), "w": np.array(w)}, constants, blocks,
-                                    constants["MMA_W"] * 32, (rows, n), header=cuda_emulation.TENSOR_CORE_HEADER)
+    got = cuda_emulation.run_kernel(bf16_mma.SOURCE, {"x": np.array(x), "w": np.array(w)}, constants, blocks,
+                                    constants["MMA_W"] * 32, (rows, n), header=q4_mma.EMULATED_HEADER)
     want = as_bf16(x) @ as_bf16(w).T
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
@@ -43,17 +44,17 @@ def test_matmul_launches_the_kernel_over_the_rows_of_any_leading_shape(monkeypat
     """`matmul` as a layer calls it, bfloat16 in and out: the emulated kernel (its inputs
     handed over as float32) gives x @ W.T for rows spread over two leading axes."""
     launched = []
-    emulated = cuda_emulation.emulated_cuda_kernels(launched, header=cuda_emulation.TENSOR_CORE_HEADER)
+    emulated = cuda_emulation.emulated_cuda_kernels(launched, header=q4_mma.EMULATED_HEADER)
 
     def build(*args, **kwargs):
         launch = emulated(*args, **kwargs)
         return lambda inputs, **kw: launch([a.astype(mx.float32) for a in inputs], **kw)
 
-    monkeypatch.setattr(quantized, "cuda_kernel", build)
+    monkeypatch.setattr(weight_kernels, "cuda_kernel", build)
     mx.random.seed(3)
     w = mx.random.normal((48, 128)).astype(mx.bfloat16)
     x = mx.random.normal((3, 4, 128)).astype(mx.bfloat16)
-    got = dense_mma.matmul(x, w)
+    got = bf16_mma.matmul(x, w)
     assert got.shape == (3, 4, 48) and got.dtype == mx.bfloat16 and launched == ["unikern_bf16_mma"]
     want = as_bf16(x) @ as_bf16(w).T
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
@@ -87,14 +88,14 @@ def test_steps_of_5_to_64_bf16_rows_take_the_kernel(monkeypatch):
 
 
 @pytest.mark.skipif(not cuda_is_default(), reason="the kernel runs on a CUDA GPU")
-@pytest.mark.parametrize("shape", list(quantized.MMA_SHAPES))
+@pytest.mark.parametrize("shape", list(q4_mma.MMA_SHAPES))
 @pytest.mark.parametrize("rows", [5, 16, 33, 64])
 @pytest.mark.parametrize("n,k", [(3072, 2048), (16384, 2048), (2048, 8192)])
 def test_the_kernel_gives_mlxs_matmul(rows, n, k, shape, monkeypatch):
-    monkeypatch.setattr(quantized, "MMA_SHAPE", shape)
+    monkeypatch.setattr(q4_mma, "MMA_SHAPE", shape)
     mx.random.seed(rows)
     w = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
     x = mx.random.normal((rows, k)).astype(mx.bfloat16)
-    got = dense_mma.matmul(x, w).astype(mx.float32)
+    got = bf16_mma.matmul(x, w).astype(mx.float32)
     want = (x @ w.T).astype(mx.float32)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-2, atol=2e-2 * float(mx.abs(want).max()))

@@ -112,7 +112,7 @@ def test_lookahead_window_restarts_when_the_batch_changes():
 
 
 def test_a_window_runs_past_rows_that_end_inside_it_while_little_is_wasted():
-    from unikern.stages.schedule.policy import window_steps
+    from unikern.stages.schedule.lookahead import window_steps
 
     # one row a token ahead of 63 others (it was prefilled alone): one window for all,
     # not a window and then a one-step tail

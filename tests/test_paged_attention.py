@@ -1,4 +1,4 @@
-"""Decode attention read straight from the paged pool (stages/execute/paged_attention.py):
+"""Decode attention read straight from the paged pool (stages/execute/cuda/paged_attention.py):
 the MLX-ops reference against a softmax written out here, the CUDA kernels' own source
 against it in a thread-per-lane emulation on the CPU (tests/cuda_emulation.py) and on a
 CUDA machine against the reference, and a one-row request through a traced step."""
@@ -12,7 +12,7 @@ from tests import cuda_emulation
 from tests.conftest import compare_greedy, reference_greedy
 from unikern.platform import cuda_is_default
 from unikern.platform.kernel_cache import float_bits
-from unikern.stages.execute import paged_attention
+from unikern.stages.execute.cuda import paged_attention, pool_write
 
 
 def case(B, H, Hk, D, S, L, dtype, seed=0):
@@ -198,7 +198,7 @@ def test_rope_write_rotates_q_and_k_and_writes_the_pool(trad, dtype, monkeypatch
     if not cuda_is_default():
         if dtype != mx.float32 or not cuda_emulation.available():
             pytest.skip("the emulation takes float32 and needs g++ (C++20)")
-        monkeypatch.setattr(paged_attention, "cuda_kernel", cuda_emulation.emulated_cuda_kernels())
+        monkeypatch.setattr(pool_write, "cuda_kernel", cuda_emulation.emulated_cuda_kernels())
     B, H, Hk, D = 5, 4, 2, 32
     rng = np.random.default_rng(int(trad))
     y = rng.standard_normal((B, (H + 2 * Hk) * D)).astype(np.float32)
@@ -208,8 +208,8 @@ def test_rope_write_rotates_q_and_k_and_writes_the_pool(trad, dtype, monkeypatch
     k_pool, v_pool = mx.zeros((Hk, 16, D), dtype), mx.zeros((Hk, 16, D), dtype)
     mx.eval(k_pool, v_pool)
     ya = mx.array(y).astype(dtype)
-    q = paged_attention.rope_write(ya, mx.array(pos), mx.array(inv_freq / np.pi), H, D, trad,
-                                   (k_pool, v_pool, mx.array(slots)))
+    q = pool_write.rope_write(ya, mx.array(pos), mx.array(inv_freq / np.pi), H, D, trad,
+                              (k_pool, v_pool, mx.array(slots)))
     mx.eval(q, k_pool, v_pool)
     want = rope_reference(np.array(ya.astype(mx.float32)), pos, inv_freq, H, Hk, D, trad)
     close = dict(rtol=2e-2, atol=2e-2) if dtype == mx.bfloat16 else dict(rtol=1e-4, atol=1e-4)

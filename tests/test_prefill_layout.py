@@ -157,7 +157,7 @@ def test_a_prefill_rows_setting_that_is_no_count_is_refused():
 @pytest.mark.parametrize("prefill_rows, compile_prefill, steps", [(0, False, 3), (64, False, 4), (0, True, 4)])
 def test_warm_up_runs_the_prefill_by_rows_or_traced_too_where_it_is_on(tiny_llama, prefill_rows, compile_prefill,
                                                                         steps):
-    from unikern.stages.execute.runner import warm_up
+    from unikern.stages.execute.warmup import warm_up
 
     model, _ = load(tiny_llama)
     report = warm_up(model, ModelGeometry(model), False, False, paged_attention=True, prefill_rows=prefill_rows,

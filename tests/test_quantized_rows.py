@@ -1,6 +1,6 @@
 """Quantized layers route many-row inputs through dequantized weights, and fewer rows of
 4-bit ones through the GEMV or the tensor-core kernel when asked
-(stages/execute/quantized.py): their CUDA sources in a thread-per-lane emulation here,
+(stages/execute/quantized.py, stages/execute/cuda/q4_gemv.py and q4_mma.py): their CUDA sources in a thread-per-lane emulation here,
 against MLX's kernel on a CUDA machine; the family parity test holds the tokens."""
 
 import functools
@@ -13,6 +13,7 @@ import pytest
 from tests import cuda_emulation
 from unikern.platform import cuda_is_default
 from unikern.stages.execute import quantized
+from unikern.stages.execute.cuda import q4_gemv, q4_mma
 from unikern.stages.execute.quantized import RowRoutedQuantizedLinear, route_quantized_layers
 
 
@@ -134,21 +135,21 @@ def test_the_gemv_source_computes_the_quantized_matmul_in_an_emulation(rows, n, 
     8192: several loads per thread, 16-byte ones too), and rows in two passes, the second
     partial (21); with 4- and 16-byte weight loads (GEMV_WIDE_LOADS); nibbles made floats
     by a conversion, or for odd rows by the bits of 2^23 + q (GEMV_MAGIC_NIBBLES)."""
-    monkeypatch.setattr(quantized, "GEMV_WIDE_LOADS", wide)
-    monkeypatch.setattr(quantized, "GEMV_MAGIC_NIBBLES", rows % 2 == 1)
+    monkeypatch.setattr(q4_gemv, "GEMV_WIDE_LOADS", wide)
+    monkeypatch.setattr(q4_gemv, "GEMV_MAGIC_NIBBLES", rows % 2 == 1)
     mx.random.seed(rows)
     w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=4)
     x = mx.random.normal((rows, k))
-    constants, blocks = quantized.gemv_launch(rows, n, k, group_size)
+    constants, blocks = q4_gemv.gemv_launch(rows, n, k, group_size)
     res = mx.random.normal((rows, n))
     inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases),
               "res": np.array(res)}
     assert constants["MT"] == {1: 1, 2: 2, 3: 4, 8: 8, 21: 16}[rows] and constants["GEMV_WPL"] == (4 if wide else 1)
     want = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T
     for with_res in (0, 1):  # and the residual added inside (RES: blocks.py's 4-bit blocks)
-        constants, blocks = quantized.gemv_launch(rows, n, k, group_size, res=bool(with_res))
-        got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, constants, blocks,
-                                        quantized.GEMV_WARPS * 32, (rows, n))
+        constants, blocks = q4_gemv.gemv_launch(rows, n, k, group_size, res=bool(with_res))
+        got = cuda_emulation.run_kernel(q4_gemv.SOURCE, inputs, constants, blocks,
+                                        q4_gemv.GEMV_WARPS * 32, (rows, n))
         np.testing.assert_allclose(got, np.array(want + res if with_res else want), rtol=1e-4, atol=1e-4)
 
 
@@ -161,18 +162,18 @@ def test_the_gemv_holds_for_other_block_shapes_in_an_emulation(warps, features, 
     more of K, a block more or fewer features, or a thread's loop several strides per pass
     (3: the last pass partial), with the residual added inside; still x times the
     dequantized weights."""
-    monkeypatch.setattr(quantized, "GEMV_WARPS", warps)
-    monkeypatch.setattr(quantized, "GEMV_FEATURES", features)
-    monkeypatch.setattr(quantized, "GEMV_UNROLL", unroll)
+    monkeypatch.setattr(q4_gemv, "GEMV_WARPS", warps)
+    monkeypatch.setattr(q4_gemv, "GEMV_FEATURES", features)
+    monkeypatch.setattr(q4_gemv, "GEMV_UNROLL", unroll)
     rows, n, k, group_size = 3, 16, 4096, 64  # the 8B shape's K: 128 16-byte loads per feature
     mx.random.seed(warps * 100 + features * 10 + unroll)
     w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=4)
     x, res = mx.random.normal((rows, k)), mx.random.normal((rows, n))
     inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases),
               "res": np.array(res)}
-    constants, blocks = quantized.gemv_launch(rows, n, k, group_size, res=True)
+    constants, blocks = q4_gemv.gemv_launch(rows, n, k, group_size, res=True)
     assert (constants["GEMV_W"], constants["GEMV_F"], blocks) == (warps, features, n // features)
-    got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, constants, blocks, warps * 32, (rows, n))
+    got = cuda_emulation.run_kernel(q4_gemv.SOURCE, inputs, constants, blocks, warps * 32, (rows, n))
     want = x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T + res
     np.testing.assert_allclose(got, np.array(want), rtol=1e-4, atol=1e-4)
 
@@ -188,11 +189,11 @@ def test_the_gemv_source_gives_swiglu_of_gate_and_up_in_an_emulation(rows):
     y = np.array(x @ mx.dequantize(w, scales, biases, group_size=64, bits=4).T)
     gate, up = y[:, : n // 2], y[:, n // 2 :]
     want = gate / (1 + np.exp(-gate)) * up
-    constants, blocks = quantized.gemv_launch(rows, n, k, 64)
+    constants, blocks = q4_gemv.gemv_launch(rows, n, k, 64)
     inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases),
               "res": np.zeros(1, np.float32)}
-    got = cuda_emulation.run_kernel(quantized._GEMV_SOURCE, inputs, {**constants, "SWIGLU": 1}, blocks,
-                                    quantized.GEMV_WARPS * 32, (rows, n // 2))
+    got = cuda_emulation.run_kernel(q4_gemv.SOURCE, inputs, {**constants, "SWIGLU": 1}, blocks,
+                                    q4_gemv.GEMV_WARPS * 32, (rows, n // 2))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -227,11 +228,11 @@ def test_the_gemv_source_rotates_q_and_k_and_writes_the_pool_in_an_emulation(row
     slots = np.array([3, 6, 1][:rows], dtype=np.int32)
     k_pool, v_pool = np.zeros((Hk, 8, D), np.float32), np.zeros((Hk, 8, D), np.float32)
     rope = {"ROPE": 1, "HD": D, "QN": H * D, "KN": Hk * D, "TRAD": int(trad), "POOL": int(pool)}
-    constants, blocks = quantized.gemv_launch(rows, n, k, 64, rope=rope)
+    constants, blocks = q4_gemv.gemv_launch(rows, n, k, 64, rope=rope)
     inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases),
               "res": np.zeros(1, np.float32), "pos": pos, "freq_pi": inv_freq / np.pi, "k_pool": k_pool,
               "v_pool": v_pool, "slots": slots}
-    got = cuda_emulation.run_kernel(quantized._GEMV_ROPE_SOURCE, inputs, constants, blocks, quantized.GEMV_WARPS * 32,
+    got = cuda_emulation.run_kernel(q4_gemv.ROPE_SOURCE, inputs, constants, blocks, q4_gemv.GEMV_WARPS * 32,
                                     (rows, H * D) if pool else (rows, n))
     close = dict(rtol=1e-4, atol=1e-3)  # (products of ~30: float32 sums in another order, then rotated)
     if not pool:
@@ -244,7 +245,7 @@ def test_the_gemv_source_rotates_q_and_k_and_writes_the_pool_in_an_emulation(row
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
-@pytest.mark.parametrize("shape", list(quantized.MMA_SHAPES))
+@pytest.mark.parametrize("shape", list(q4_mma.MMA_SHAPES))
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("rows,n,k,group_size", [(5, 32, 256, 64), (21, 16, 512, 32), (70, 16, 128, 128)])
 def test_the_mma_source_computes_the_quantized_matmul_in_an_emulation(rows, n, k, group_size, split, shape,
@@ -253,16 +254,16 @@ def test_the_mma_source_computes_the_quantized_matmul_in_an_emulation(rows, n, k
     layouts: bfloat16 x times the dequantized weights, rounded to bf16 or (split) as exact
     as float32's, for one partial row tile (5), two tiles (21), and two passes of four
     tiles with warps left without a k-chunk (70 rows, k 128); in both block shapes."""
-    monkeypatch.setattr(quantized, "MMA_SHAPE", shape)
+    monkeypatch.setattr(q4_mma, "MMA_SHAPE", shape)
     mx.random.seed(rows)
     w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=4)
     x = mx.random.normal((rows, k))
-    constants, blocks = quantized.mma_launch(rows, n, k, group_size, split=split)
+    constants, blocks = q4_mma.mma_launch(rows, n, k, group_size, split=split)
     assert constants["RT"] == {5: 1, 21: 2, 70: 4}[rows]
-    assert (constants["MMA_W"], constants["NT"]) == quantized.MMA_SHAPES[shape]
+    assert (constants["MMA_W"], constants["NT"]) == q4_mma.MMA_SHAPES[shape]
     inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases)}
-    got = cuda_emulation.run_kernel(quantized._MMA_SOURCE, inputs, constants, blocks, constants["MMA_W"] * 32,
-                                    (rows, n), header=cuda_emulation.TENSOR_CORE_HEADER)
+    got = cuda_emulation.run_kernel(q4_mma.SOURCE, inputs, constants, blocks, constants["MMA_W"] * 32,
+                                    (rows, n), header=q4_mma.EMULATED_HEADER)
     as_bf16 = lambda a: np.array(a.astype(mx.bfloat16).astype(mx.float32))  # noqa: E731
     weights = mx.dequantize(w, scales, biases, group_size=group_size, bits=4)
     want = as_bf16(x) @ (np.array(weights) if split else as_bf16(weights)).T
@@ -355,14 +356,14 @@ def test_steps_above_the_gemvs_rows_take_the_tensor_core_kernel_when_asked(monke
                          + [("mma-split", r) for r in (9, 64)] + [("mma-wide", r) for r in (9, 40, 100)])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_the_kernels_give_mlxs_quantized_matmul(kernel, rows, group_size, monkeypatch):
-    monkeypatch.setattr(quantized, "GEMV_WIDE_LOADS", kernel == "gemv-wide")
-    monkeypatch.setattr(quantized, "GEMV_MAGIC_NIBBLES", rows % 2 == 1)  # (the GEMV's two ways to make nibbles floats)
-    monkeypatch.setattr(quantized, "MMA_SHAPE", "wide" if kernel == "mma-wide" else "narrow")
+    monkeypatch.setattr(q4_gemv, "GEMV_WIDE_LOADS", kernel == "gemv-wide")
+    monkeypatch.setattr(q4_gemv, "GEMV_MAGIC_NIBBLES", rows % 2 == 1)  # (the GEMV's two ways to make nibbles floats)
+    monkeypatch.setattr(q4_mma, "MMA_SHAPE", "wide" if kernel == "mma-wide" else "narrow")
     mx.random.seed(rows)
     w, scales, biases = mx.quantize(mx.random.normal((4096, 2048)).astype(mx.bfloat16), group_size=group_size, bits=4)
     x = mx.random.normal((rows, 2048)).astype(mx.bfloat16)
-    run = {"gemv": quantized.gemv, "gemv-wide": quantized.gemv, "mma": quantized.mma, "mma-wide": quantized.mma,
-           "mma-split": functools.partial(quantized.mma, split=True)}
+    run = {"gemv": q4_gemv.gemv, "gemv-wide": q4_gemv.gemv, "mma": q4_mma.mma, "mma-wide": q4_mma.mma,
+           "mma-split": functools.partial(q4_mma.mma, split=True)}
     got = run[kernel](x, w, scales, biases, group_size).astype(mx.float32)
     want = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
                                bits=4).astype(mx.float32)
@@ -401,7 +402,7 @@ def test_the_epilogue_gemvs_on_cuda_give_mlxs_ops(rows, dtype):
 
     y = f32(gate_up(x).astype(mx.float32))
     gate, up = y[:, :512], y[:, 512:]
-    np.testing.assert_allclose(f32(quantized.gemv_swiglu(x, gate_up).astype(mx.float32)),
+    np.testing.assert_allclose(f32(q4_gemv.gemv_swiglu(x, gate_up).astype(mx.float32)),
                                gate / (1 + np.exp(-gate)) * up, **close)
 
     pos = mx.array([5, 900, 17][:rows], dtype=mx.int32)
@@ -409,7 +410,7 @@ def test_the_epilogue_gemvs_on_cuda_give_mlxs_ops(rows, dtype):
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, D, 2, dtype=np.float32) / D))
     k_pool, v_pool = mx.zeros((Hk, 8, D), dtype), mx.zeros((Hk, 8, D), dtype)
     mx.eval(k_pool, v_pool)  # (buffers of their own before the kernel writes into them)
-    q = quantized.gemv_rope(x, layer, pos, mx.array(inv_freq / np.pi), H * D, D, False, (k_pool, v_pool, slots))
+    q = q4_gemv.gemv_rope(x, layer, pos, mx.array(inv_freq / np.pi), H * D, D, False, (k_pool, v_pool, slots))
     mx.eval(q, k_pool, v_pool)
     want = rope_reference(f32(layer(x).astype(mx.float32)), np.array(pos), inv_freq, H, Hk, D, False)
     np.testing.assert_allclose(f32(q.astype(mx.float32)).reshape(rows, -1), want[:, : H * D], **close)

@@ -1,4 +1,5 @@
-"""A residual add and the RMS norm after it as one kernel (stages/execute/residual.py):
+"""A residual add and the RMS norm after it as one kernel (stages/execute/residual.py,
+stages/execute/cuda/residual_norm.py):
 the kernel's CUDA source in the thread-per-lane emulation against the two ops written
 out, add_rms_norm's launch against MLX's own ops, and mlx-lm's block code still the four
 lines the fused block repeats. Greedy parity through the engine: tests/test_families.py
@@ -15,6 +16,7 @@ import pytest
 from tests import cuda_emulation
 from unikern.platform.kernel_cache import float_bits
 from unikern.stages.execute import residual
+from unikern.stages.execute.cuda import residual_norm
 
 emulation = pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
 
@@ -30,31 +32,31 @@ def test_the_kernel_source_adds_and_normalizes_in_an_emulation(D):
     rows, eps = 3, 1e-5
     x, r = (rng.standard_normal((rows, D)).astype(np.float32) for _ in range(2))
     w = rng.standard_normal(D).astype(np.float32)
-    threads = residual.threads_for(D)
+    threads = residual_norm.threads_for(D)
     constants = {"D": D, "THREADS": threads, "PER": D // threads, "EPS": float_bits(eps)}
     inputs = {"x": x, "r": r, "weight": w}
-    out = cuda_emulation.run_kernel(residual._ADD_NORM_SOURCE, inputs, constants, rows, threads, (rows, D), "",
+    out = cuda_emulation.run_kernel(residual_norm.SOURCE, inputs, constants, rows, threads, (rows, D), "",
                                     {"out": (rows, D), "normed": (rows, D)})
     np.testing.assert_allclose(out["out"], x + r, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(out["normed"], rms_norm(x + r, w, eps), rtol=1e-4, atol=1e-5)
 
 
 def test_threads_per_row():
-    assert residual.threads_for(2048) == 256 and residual.threads_for(4096) == 256
-    assert residual.threads_for(16384) == 512 and residual.threads_for(64) == 64
-    assert residual.threads_for(100) is None
+    assert residual_norm.threads_for(2048) == 256 and residual_norm.threads_for(4096) == 256
+    assert residual_norm.threads_for(16384) == 512 and residual_norm.threads_for(64) == 64
+    assert residual_norm.threads_for(100) is None
 
 
 @emulation
 def test_the_launch_gives_mlxs_add_and_norm(monkeypatch):
     """add_rms_norm as a CUDA machine runs it, the launch run in the emulation: the
     rows of a [B, T, D] input flattened, the sum and the norm read back as two views."""
-    monkeypatch.setattr(residual, "cuda_kernel", cuda_emulation.emulated_cuda_kernels())
+    monkeypatch.setattr(residual_norm, "cuda_kernel", cuda_emulation.emulated_cuda_kernels())
     norm = nn.RMSNorm(128, eps=1e-6)
     norm.weight = mx.random.normal((128,), key=mx.random.key(1))
     x, r = mx.random.normal((2, 3, 128), key=mx.random.key(2)), mx.random.normal((2, 3, 128), key=mx.random.key(3))
-    h, n = residual.add_rms_norm(x, r, norm, use_kernel=True)
-    want_h, want_n = residual.add_rms_norm(x, r, norm, use_kernel=False)
+    h, n = residual_norm.add_rms_norm(x, r, norm, use_kernel=True)
+    want_h, want_n = residual_norm.add_rms_norm(x, r, norm, use_kernel=False)
     assert h.shape == n.shape == x.shape
     np.testing.assert_allclose(np.array(h), np.array(want_h), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.array(n), np.array(want_n), rtol=1e-4, atol=1e-5)

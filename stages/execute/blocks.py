@@ -5,7 +5,7 @@ q/k/v GEMV, RoPE twice, two pool writes, the attention, the output GEMV, the res
 add, the second norm, the gate/up GEMV, SwiGLU, the down GEMV and the second add. MLX's
 replay of the traced step costs the host about 7 us per kernel, so at one stream the
 host, not the GPU, paced the token (1.69 ms against 1.20 ms of GPU time;
-tools/results/gpu/H200-issue17.md, session 9). Here the block's steps of up to MAX_ROWS
+tools/probe_cuda.py). Here the block's steps of up to MAX_ROWS
 rows and one token each run as
 
   1. RMS norm -> q/k/v GEMV -> RoPE on q and k   (one kernel; v as it comes)
@@ -18,7 +18,7 @@ rows and one token each run as
 
 so 5 kernels per block instead of 14 where the q/k/v kernel writes the pool (7 by
 default: the RMS norms as MLX's kernels, see KERNEL_NORM; 2 more where the cache
-scatters). Each kernel (block_gemv.py) gives one warp (or SPLIT warps, each
+scatters). Each kernel (cuda/block_gemv.py) gives one warp (or SPLIT warps, each
 a share of the row) a pair of output features: two neighbours, or the two halves of a
 RoPE rotation (features i and i + D/2 of a head, or 2i and 2i + 1 for the traditional
 layout), or a gate feature and its up feature, so the epilogue has both values it
@@ -27,16 +27,16 @@ UNROLL at a time before any is used. Rounding follows MLX's ops: the matmul's ou
 rounded to the model's dtype before the epilogue, the norm's normalized value rounded
 before its weight, each SwiGLU op rounded as mlx-lm's compiled `swiglu` rounds it.
 
-Measured on an H200 (1B shape, one row; tools/results/gpu/session11/c-blocks-v2), the
+Measured on an H200 (1B shape, one row; tools/probe_cuda.py's engine-paged-blocks), the
 first version took a token from 242 kernels to 134 but its GPU time from 1.17 to 1.62
-ms: its GEMVs ran at half the speed of MLX's (see block_gemv._SOURCE). With MLX's norm
+ms: its GEMVs ran at half the speed of MLX's (see cuda/block_gemv.cu). With MLX's norm
 kernels before the q/k/v and gate/up GEMVs (KERNEL_NORM below) a token is 166 kernels and
 1.09 ms of GPU time against 242 and 1.18; in one process each, its wall time was 1.62
-against 1.43 ms. Session 15 measured the host's share of the token (1.81 against 2.26
-ms) and the engine at 4 requests (1.40x, 12 of 12 repeats): `auto` (CUDA) by default.
-Session 16 moved the pool writes into the q/k/v kernel where the paged attention
-kernel reads the pool (one 1B token: 133 primitives and 1.81-2.04 ms against 199 and
-2.36-2.45 with the cache's scatters; tools/results/gpu/session16/a-pool-writes).
+against 1.43 ms. The host's share of the token was 1.81 against 2.26 ms (tools/bench_ab.py)
+and the engine at 4 requests 1.40x faster (12 of 12 repeats): `auto` (CUDA) by default.
+With the pool writes in the q/k/v kernel where the paged attention kernel reads the pool,
+one 1B token is 133 primitives and 1.81-2.04 ms against 199 and 2.36-2.45 with the
+cache's scatters (tools/probe_cuda.py's engine-paged-blocks-scatter).
 
 Elsewhere (`use_kernel` False: MLX's CPU backend, the tests) the same five steps run as
 the family's own ops (`mx.fast.rms_norm`, matmuls through the fused projections'
@@ -52,8 +52,8 @@ to it), with q/k/v and gate/up fused (execute.fuse_projections), unquantized lay
 (quantized ones through MLX's ops only, their matmuls through the layers' own calls: on
 an H200 an 8B 4-bit token took 4.22 against 5.27 ms in the runner, 827 primitives against
 1,211, and the engine at one request was 1.16x faster, 6 of 6 repeats;
-tools/results/gpu/session16), RoPE over the whole head (nn.RoPE or Llama3RoPE), one
-rank."""
+tools/probe_cuda.py's engine-paged-q-blocks, tools/bench_ab.py), RoPE over the whole head
+(nn.RoPE or Llama3RoPE), one rank."""
 
 from __future__ import annotations
 
@@ -66,8 +66,9 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from unikern.platform import cuda_is_default
-from unikern.stages.execute import block_kernel, quantized
-from unikern.stages.execute.block_gemv import (
+from unikern.stages.execute import quantized
+from unikern.stages.execute.cuda import block_kernel
+from unikern.stages.execute.cuda.block_gemv import (
     ITEMSIZE,
     MAX_ROWS,
     PLAIN,
@@ -77,8 +78,9 @@ from unikern.stages.execute.block_gemv import (
     counter,
     gemv,
 )
-from unikern.stages.execute.paged_attention import rope_write
-from unikern.stages.execute.quantized import epilogue_gemv_applies, gemv_rope, gemv_swiglu
+from unikern.stages.execute.cuda.pool_write import rope_write
+from unikern.stages.execute.cuda.q4_gemv import gemv_rope, gemv_swiglu
+from unikern.stages.execute.quantized import epilogue_gemv_applies
 from unikern.stages.execute.routing import SDPA_NAME, layers_of, sdpa_module
 
 # block classes (module, name) whose attention and MLP run as the steps above
@@ -89,7 +91,7 @@ BLOCKS = {
 
 # which of the block's norms and RoPE the GEMV kernels take (1), or MLX's own kernels
 # run, around a plain GEMV (0): tools/probe_cuda.py's blocks-norm and blocks-rope. On an
-# H200, one 1B token's GPU time (CUPTI, tools/results/gpu/session13/b-blocks) was 1.431 ms
+# H200, one 1B token's GPU time (CUPTI, tools/probe_cuda.py) was 1.431 ms
 # with both in the kernels (134 kernels: the gate/up GEMV with its norm 520 us, q/k/v
 # 344), 1.089 with MLX's norms (166 kernels: gate/up 305 us, q/k/v with RoPE 138), 1.091
 # with MLX's norms and RoPE (194 kernels), against MLX's own path's 1.182 (242 kernels).
@@ -98,26 +100,24 @@ BLOCKS = {
 # rows' sums of squares handed over by the residual kernels that wrote the rows
 # (block_gemv's hand_ss: every block adds its share, the last block done adds those up),
 # so no warp reads the whole row first and 30 of a 1B token's 33 norm kernels go (the
-# first block's input norm and the model's last norm stay MLX's). On an H200 (session 17)
-# it held its CUDA tests but took 15.4 ms per 1B token: its counter and the sums lay in
-# MLX's pool of small arrays, across the bus (kernel_cache.SMALL_POOL_BYTES). In device
-# memory since (session 18, tools/results/gpu/session18/a-probe): its CUDA tests held, the
-# engine's runner gave the same 64 tokens as with MLX's norms, 99 kernels a 1B token
-# against 130, 2.56 ms against 3.54 (GPU 1.06 ms against 0.97: the host is the bound). The
-# default since.
+# first block's input norm and the model's last norm stay MLX's). With its counter and
+# the sums in MLX's pool of small arrays, across the bus, it took 15.4 ms per 1B token on
+# an H200 (kernel_cache.SMALL_POOL_BYTES); in device memory its CUDA tests hold and the
+# engine's runner gives the same 64 tokens as with MLX's norms, 99 kernels a 1B token
+# against 130, 2.56 ms against 3.54 (GPU 1.06 ms against 0.97: the host is the bound;
+# tools/probe_cuda.py's engine-paged-blocks-handnorm). The default.
 KERNEL_NORM = 2
 KERNEL_ROPE = 1
 # steps through MLX's ops (more rows than the kernels take, up to ops_rows) whose attention
 # reads the pool: RoPE and the pool write by one kernel after the q/k/v matmul
-# (paged_attention.rope_write) instead of MLX's RoPE, the write kernel and six views per
-# layer. On an H200 (tools/results/gpu/session19/b-probe) a 1B 64-row step went from 373
-# primitives and 243 kernels to 261 and 211, 2.31 / 2.41 ms to 1.63 / 1.80 in two rounds,
-# the same tokens; its CUDA test passed. The default since.
+# (cuda/pool_write.rope_write) instead of MLX's RoPE, the write kernel and six views per
+# layer. On an H200 (tools/probe_cuda.py's engine-paged-blocks-ops against -ops-rw) a 1B
+# 64-row step went from 373 primitives and 243 kernels to 261 and 211, 2.31 / 2.41 ms to
+# 1.63 / 1.80 in two rounds, the same tokens; its CUDA test passed. The default.
 OPS_ROPE_WRITE = True
 # ops_rows when the caller leaves it to the blocks (execute.fuse_blocks_ops_rows "auto"):
-# unquantized blocks through MLX's ops up to 64 rows (session 19: tools/results/gpu/
-# session19/d-bench); 4-bit blocks only up to the kernels' MAX_ROWS, as before (not
-# measured above it)
+# unquantized blocks through MLX's ops up to 64 rows (on an H200, tools/bench_gpu.py);
+# 4-bit blocks only up to the kernels' MAX_ROWS (not measured above it)
 AUTO_OPS_ROWS = 64
 
 
@@ -164,7 +164,7 @@ class BlockPlan:
     steps: int = 0  # fused steps built (a traced step counts once)
     ops_steps: int = 0  # of those, the steps ops_rows added (more than MAX_ROWS rows)
     pool_steps: int = 0  # of those, the steps whose q/k/v kernel wrote k and v into the pool
-    # one-row steps as one kernel (block_kernel.py; execute.block_kernel), its barrier
+    # one-row steps as one kernel (cuda/block_kernel.py; execute.block_kernel), its barrier
     one_kernel: bool = False
     bar: mx.array | None = None
     kernel_steps: int = 0  # of the steps, those that ran as one kernel
@@ -259,7 +259,7 @@ class FusedDecodeBlock:
 
     def _one_kernel(self, plan: BlockPlan, x: mx.array, offset: Any, cache: Any,
                     target: tuple[mx.array, mx.array, mx.array]) -> mx.array | None:
-        """The one-row step as one kernel (block_kernel.py) where the row's slot table is one
+        """The one-row step as one kernel (cuda/block_kernel.py) where the row's slot table is one
         it takes; None otherwise (nothing built)."""
         attn, mlp = self.self_attn, self.mlp
         H, Hk, D = plan.heads, plan.kv_heads, plan.head_dim
@@ -384,7 +384,7 @@ def fuse_decode_blocks(model: Any, use_kernel: bool | None = None, ops_rows: int
     MLX's default device is CUDA), for steps of up to MAX_ROWS rows. `ops_rows`: steps of
     more rows, up to this many, run the fused steps through MLX's ops (0: the family's
     own code; None: AUTO_OPS_ROWS for unquantized blocks, 0 for 4-bit ones). `one_kernel`:
-    one-row steps with the kernels as one kernel per block where they fit (block_kernel.py)."""
+    one-row steps with the kernels as one kernel per block where they fit (cuda/block_kernel.py)."""
     use_kernel = cuda_is_default() if use_kernel is None else use_kernel
     layers = layers_of(model)
     plans = [_plan(block, use_kernel, ops_rows) for block in layers]
@@ -418,5 +418,5 @@ def fused_steps(model: Any, field: str = "steps") -> int:
     """How many block steps took the fused path (a traced step counts once); `ops_steps`:
     how many of them only fuse_blocks_ops_rows sent there (more rows than the kernels
     take); `pool_steps`: how many wrote k and v into the pool from the q/k/v kernel;
-    `kernel_steps`: how many ran as one kernel (block_kernel.py)."""
+    `kernel_steps`: how many ran as one kernel (cuda/block_kernel.py)."""
     return sum(getattr(p, field) for b in layers_of(model) if (p := b.__dict__.get("_block_plan")) is not None)

@@ -39,7 +39,7 @@ class CompiledDecode:
     the returned arrays, the old ones are referenced by the graph alone and donated.
     Used for windows of several rows; one row keeps the unmasked slice path, whose SDPA
     stays on MLX's fused decode kernel (tools/results/H200.md, round R7), unless the
-    decode attention reads the pool itself (paged_attention.py: no mask) and
+    decode attention reads the pool itself (cuda/paged_attention.py: no mask) and
     execute.compile_one_row says so."""
 
     # MLX keeps every traced shape until the compiled function is dropped, and a server
@@ -83,8 +83,8 @@ class CompiledPrefill:
     length bucket (paged_cache.length_bucket: 16, 32, 48, 64, then four lengths per
     doubling), traced once per (rows, bucket, pool size) and replayed, instead of the
     model's graph built op by op in Python for every prompt. On an H200 the 64-token 1B
-    prefill's build was 1.5-2.4 ms of a 5-8 ms step in the engine
-    (tools/results/gpu/session23). The padded positions write the scratch block and the
+    prefill's build was 1.5-2.4 ms of a 5-8 ms step in the engine (tools/step_gaps.py).
+    The padded positions write the scratch block and the
     causal mask keeps them out of every real position; logits come from each row's last
     real token."""
 

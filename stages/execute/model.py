@@ -129,7 +129,7 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
     as one kernel (residual.py; one rank only). `fuse_blocks`: each block's decode steps of
     few rows as four GEMV kernels (blocks.py; one rank, needs `fuse`), and steps of up to
     `blocks_ops_rows` rows as the same steps through MLX's ops (None: blocks.AUTO_OPS_ROWS), and with
-    `block_kernel` one-row steps as one kernel per block (block_kernel.py). `dense_mma`: plain
+    `block_kernel` one-row steps as one kernel per block (cuda/block_kernel.py). `dense_mma`: plain
     bfloat16 linear layers' steps of 5-64 rows through unikern's tensor-core kernel
     (dense_mma.py; one rank)."""
     from mlx_lm.utils import load_model as mlx_lm_load_model

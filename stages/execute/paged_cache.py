@@ -9,15 +9,23 @@ import mlx.core as mx
 import numpy as np
 
 from unikern.platform.kernel_cache import off_small_pool
-from unikern.stages.execute import cpu_kernels, paged_attention
+from unikern.stages.execute import cpu_kernels
+from unikern.stages.execute.cuda import paged_attention, pool_write
 from unikern.stages.execute.windows import window_mask, window_start
 from unikern.stages.kv.pool import KVPool
 
 ZERO_BLOCK = 0  # reserved, all zeros: padded reads, and blocks a windowed table released
 SCRATCH_BLOCK = 1  # reserved: padded query positions write their keys/values here
 # a decode window's per-row arrays padded out of MLX's pool of small arrays (DecodeWindow);
-# built after session 18's H200 run, not yet measured in the engine
+# not yet measured in the engine on a GPU
 PAD_STEP_ROWS = True
+# decode steps' keys and values written into the pool in place by one kernel
+# (cuda/pool_write.py) where the paged attention kernel reads them back, instead of two
+# scatters. The attention kernel takes the write's marker (`after`), so MLX orders it after
+# the write; its CUDA test and the parity run hold on an H200 (tests/test_decode_blocks.py,
+# tools/parity_check.py): an 8B-shape 4-bit token 4.94 -> 3.47 ms in the runner, 1B 64-row
+# steps 711 -> 629 primitives (tools/probe_cuda.py's engine-paged-write)
+WRITE_IN_PLACE = True
 
 
 def block_slots(blocks: tuple[int, ...], block_size: int) -> np.ndarray:
@@ -73,7 +81,7 @@ class BatchLayout:
             # (padded keys sit after each row's real ones, so plain causal masking holds),
             # not the pool read back: for one 64-token row of the 1B shape on an H200 that
             # read was 32 gathers and their index kernels, 390 kernels a step against 262
-            # through slices, 6.5 ms against 5.1 (tools/results/gpu/session22/b-prefill)
+            # through slices, 6.5 ms against 5.1 (tools/probe_prefill.py)
             return cls(B, T, offsets, write_slots, None, "causal", last)
         if B == 1:
             return cls(1, T, offsets, write_slots, mx.array(read), "causal" if T > 1 else None, last)
@@ -129,7 +137,7 @@ class DecodeWindow:
         # than 8 bytes (window_layout): MLX's CUDA allocator keeps arrays of up to 8 bytes
         # in a pool of managed memory that kernels read across the bus (on an H200 a
         # kernel reading such an array took 12 us a launch against 2.5 from device memory,
-        # tools/results/gpu/session18/a-probe/probe-memory.log); a one-row step's q/k/v
+        # tools/probe_memory.py); a one-row step's q/k/v
         # and attention kernels read them in every layer
         padded = off_small_pool(B, 4) if PAD_STEP_ROWS else B
         read = np.zeros((B, L), dtype=np.int32)
@@ -203,7 +211,7 @@ class PagedLayerCache:
         self.layout = layout
         self.window = window
         self.head_major = False  # update_and_fetch returned [H, B, L, D] gathers, transposed
-        # decode steps read straight from the pool (paged_attention.py): "kernel" (CUDA)
+        # decode steps read straight from the pool (cuda/paged_attention.py): "kernel" (CUDA)
         # or "reference" (MLX ops); None: the gathered SDPA
         self.paged = paged
         self._paged_inputs: tuple | None = None
@@ -247,13 +255,13 @@ class PagedLayerCache:
                                    f"held block (position {lay.span_from})")
             return pool_k[None, :, base + lo : base + end], pool_v[None, :, base + lo : base + end]
         read = lay.read_slots
-        if (paged_attention.WRITE_IN_PLACE and T == 1 and self._kernel_reads(D, keys.dtype)
+        if (WRITE_IN_PLACE and T == 1 and self._kernel_reads(D, keys.dtype)
                 and lay.write_slots is not None):
             # a decode step the paged kernel reads back: one kernel writes both in place
-            # (paged_attention.write), the attention kernel takes its marker (`after`); the
+            # (pool_write.write), the attention kernel takes its marker (`after`); the
             # gathers below, for a call that falls back to them (attention sinks, a layer
             # whose SDPA is not routed), take it through their slots
-            done = paged_attention.write(keys, values, pool_k, pool_v, lay.write_slots)
+            done = pool_write.write(keys, values, pool_k, pool_v, lay.write_slots)
             self.written_in_place(after=done)
             read = read + (done[:1] * 0).astype(read.dtype)
         else:
@@ -309,7 +317,7 @@ class PagedLayerCache:
 
     def written_in_place(self, after: mx.array | None = None) -> None:
         """This decode step's keys and values are in the pool: the routed SDPA reads them
-        from there (paged_decode), its kernel after `after` (paged_attention.write's
+        from there (paged_decode), its kernel after `after` (pool_write.write's
         marker) where given."""
         offsets, lengths = self.layout.offsets, self.layout.lengths
         if lengths is None:
@@ -320,7 +328,7 @@ class PagedLayerCache:
     def paged_table(self) -> tuple[mx.array, mx.array]:
         """The rows' slot tables [B, L] and lengths [B] of this decode step, once its keys
         and values are in the pool (`written_in_place`), for a kernel that reads them back
-        itself (block_kernel.py)."""
+        itself (cuda/block_kernel.py)."""
         if self._paged_inputs is None:
             raise RuntimeError("the slot table is known once the step's keys and values are in the pool "
                                "(written_in_place)")

@@ -34,7 +34,8 @@ from unikern.stages.execute.quantized import (
     KERNEL_ROWS,
     route_quantized_layers,
 )
-from unikern.stages.execute.runner import ModelRunner, warm_up
+from unikern.stages.execute.runner import ModelRunner
+from unikern.stages.execute.warmup import warm_up
 from unikern.stages.kv.pool import KVPool
 
 REPORT_EVERY_S = 0.25  # per-rank stats are gathered after a step at most this often
@@ -72,9 +73,9 @@ class Prepared:
 def fuses_quantized(setting: str, own_kernels: bool) -> bool:
     """Whether execute.fuse_projections joins quantized projections too: "always", or
     "auto" where unikern's 4-bit kernels multiply them (`own_kernels`). Through MLX's
-    quantized kernels the 4-bit 8B shape lost 5% fused on an H200 (session 6); through
-    the GEMV, one 8B-shape token's GPU time went 4.40 -> 3.83 ms fused (575 -> 476
-    kernels; CUPTI on an H200, tools/results/gpu/session9/b-final): the k and v
+    quantized kernels the 4-bit 8B shape lost 5% fused on an H200 (tools/bench_gpu.py);
+    through the GEMV, one 8B-shape token's GPU time went 4.40 -> 3.83 ms fused (575 -> 476
+    kernels; CUPTI on an H200, tools/probe_cuda.py's engine-paged-q): the k and v
     projections (1024 features) were small launches of their own."""
     return setting == "always" or (setting == "auto" and own_kernels)
 

@@ -3,9 +3,9 @@
 A pre-norm decoder block adds each sublayer's output to the residual stream and
 normalizes the sum for the next sublayer: an add kernel and a norm kernel, twice per
 block. One decode token of the 1B shape on an H200 ran 33 adds and 34 norms among its
-242 kernels (CUPTI, tools/results/gpu/session9/b-final/probe-engine-1b-rows1.json), at a
-token that MLX's replay of the traced step, not the GPU, paces. Here one kernel gives
-both the sum (rounded to the model's dtype, as MLX's add rounds it) and its norm (as
+242 kernels (CUPTI, tools/probe_cuda.py's engine variants), at a token that MLX's
+replay of the traced step, not the GPU, paces. Here one kernel (cuda/residual_norm.py)
+gives both the sum (rounded to the model's dtype, as MLX's add rounds it) and its norm (as
 MLX's CUDA rms_norm computes it: float32 sum of squares, the normalized value rounded to
 the dtype, then times the weight in the dtype). Elsewhere the two are MLX's own ops, so
 on a CPU the fused blocks compute bit for bit what the family's code does.
@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from unikern.platform import cuda_is_default
-from unikern.platform.kernel_cache import cuda_kernel, float_bits
+from unikern.stages.execute.cuda.residual_norm import add_rms_norm
 
 # block classes (module, name) whose __call__ is the four lines fused below; a test holds
 # mlx-lm's source to that (tests/test_residual_norms.py)
@@ -36,67 +36,6 @@ BLOCKS = {
     ("mlx_lm.models.qwen3", "TransformerBlock"),
     ("mlx_lm.models.phi3", "TransformerBlock"),
 }
-
-# one block per row; each thread keeps PER elements of the row (D = THREADS * PER); the
-# sum in `out`, its norm in `normed` (two outputs: one output of [2, ...] read back as
-# out[0] and out[1] cost a gather kernel each in a traced step, 65 per 1B token on an
-# H200, tools/results/gpu/session11/a-next)
-_ADD_NORM_SOURCE = """
-    const size_t row = blockIdx.x;
-    const int t = threadIdx.x;
-    const size_t rows = x_shape[0];
-    float hv[PER];
-    float squares = 0.f;
-    for (int i = 0; i < PER; ++i) {
-        const size_t at = row * D + (size_t)i * THREADS + t;
-        const T h = static_cast<T>(static_cast<float>(x[at]) + static_cast<float>(r[at]));
-        out[at] = h;
-        hv[i] = static_cast<float>(h);
-        squares += hv[i] * hv[i];
-    }
-    for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffff, squares, o);
-    __shared__ float warp_sums[THREADS / 32];
-    if (t % 32 == 0) warp_sums[t / 32] = squares;
-    __syncthreads();
-    float total = 0.f;
-    for (int w = 0; w < THREADS / 32; ++w) total += warp_sums[w];
-    const float normalizer = rsqrtf(total / D + __int_as_float(EPS));
-    for (int i = 0; i < PER; ++i) {
-        const size_t at = row * D + (size_t)i * THREADS + t;
-        normed[at] = weight[(size_t)i * THREADS + t] * static_cast<T>(hv[i] * normalizer);
-    }
-"""
-
-
-def threads_for(D: int) -> int | None:
-    """Threads per row for a row of D elements (256 where they divide it, at most 32
-    elements each), or None where the kernel does not take D."""
-    for threads in (256, 512, 1024, 128, 64, 32):
-        if D % threads == 0 and D // threads <= 32:
-            return threads
-    return None
-
-
-def add_rms_norm(x: mx.array, r: mx.array, norm: nn.RMSNorm, use_kernel: bool) -> tuple[mx.array, mx.array]:
-    """(x + r, norm(x + r)), through one kernel where `use_kernel` and the shapes allow."""
-    D = x.shape[-1]
-    threads = threads_for(D)
-    weight = norm["weight"]
-    if not use_kernel or threads is None or r.shape != x.shape or r.dtype != x.dtype or weight.dtype != x.dtype:
-        h = x + r
-        return h, mx.fast.rms_norm(h, weight, norm.eps)
-    rows = x.size // D
-    kernel = cuda_kernel("unikern_add_rms_norm", ("x", "r", "weight"), _ADD_NORM_SOURCE, "", ("out", "normed"))
-    out, normed = kernel(
-        inputs=[x.reshape(rows, D), r.reshape(rows, D), weight],
-        template=[("T", x.dtype), ("D", D), ("THREADS", threads), ("PER", D // threads),
-                  ("EPS", float_bits(norm.eps))],
-        grid=(rows * threads, 1, 1),
-        threadgroup=(threads, 1, 1),
-        output_shapes=[x.shape, x.shape],
-        output_dtypes=[x.dtype, x.dtype],
-    )
-    return out, normed
 
 
 class HandedRMSNorm(nn.RMSNorm):

@@ -2,13 +2,15 @@
 GPU, so a kernel source changed since the last GPU run is known to build before device
 time is spent on it.
 
-Each kernel is launched as the engine launches it (paged attention whole, split and
-merged, at several positions in flight; the 4-bit GEMV and tensor-core kernels; the
-residual add and norm; a decoder block's GEMV kernels; the pool writes and RoPE) with `mx.fast.cuda_kernel` replaced by a stand-in that records
-the call. The recorded source is wrapped as MLX's CUDA backend wraps a custom kernel
-(a `__global__` function whose parameters are the inputs, their shapes where the source
-reads them, and the outputs; template arguments as constants in its body) over a small
-prelude standing in for MLX's device header, and compiled.
+Each kernel of stages/execute/cuda/ is launched as the engine launches it (paged
+attention whole, split and merged, at several positions in flight; the 4-bit GEMV and
+tensor-core kernels and the bfloat16 tensor-core kernel; the residual add and norm; a
+decoder block's GEMV kernels and its one-kernel step; the pool writes and RoPE) with
+`mx.fast.cuda_kernel` replaced by a stand-in that records the call. The recorded source
+(the kernel's .cu text, as its module fills it in) is wrapped as MLX's CUDA backend wraps
+a custom kernel (a `__global__` function whose parameters are the inputs, their shapes
+where the source reads them, and the outputs; template arguments as constants in its
+body) over a small prelude standing in for MLX's device header, and compiled.
 
     pip install nvidia-cuda-nvrtc nvidia-cuda-runtime   # NVRTC and CUDA's headers
     python -m tools.device.nvrtc_check [--arch sm_90] [--ptxas]
@@ -122,12 +124,15 @@ def record_launches() -> list[Build]:
     import mlx.nn as nn
 
     from unikern.platform import kernel_cache
-    from unikern.stages.execute import (
+    from unikern.stages.execute.cuda import (
+        bf16_mma,
         block_gemv,
         block_kernel,
         paged_attention,
-        quantized,
-        residual,
+        pool_write,
+        q4_gemv,
+        q4_mma,
+        residual_norm,
     )
 
     builds: list[Build] = []
@@ -146,8 +151,8 @@ def record_launches() -> list[Build]:
             return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
         return launch
 
-    saved = (mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE,
-             quantized.GEMV_MAGIC_NIBBLES)
+    saved = (mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, q4_gemv.GEMV_WIDE_LOADS, q4_mma.MMA_SHAPE,
+             q4_gemv.GEMV_MAGIC_NIBBLES)
     mx.fast.cuda_kernel = fake_cuda_kernel
     kernel_cache.cuda_kernel.cache_clear()
     try:
@@ -163,17 +168,17 @@ def record_launches() -> list[Build]:
                                                D**-0.5, use_kernel=True)
                 # the decode step's keys and values written into the pool in place
                 new = mx.zeros((3, Hk, 1, D), dtype=dtype)
-                paged_attention.write(new, new, pool, pool, mx.zeros((3,), dtype=mx.int32))
+                pool_write.write(new, new, pool, pool, mx.zeros((3,), dtype=mx.int32))
                 # a step of more rows' q/k/v rotated and written by one kernel (blocks.OPS_ROPE_WRITE)
                 for trad in (False, True):
-                    paged_attention.rope_write(mx.zeros((64, (H + 2 * Hk) * D), dtype=dtype),
+                    pool_write.rope_write(mx.zeros((64, (H + 2 * Hk) * D), dtype=dtype),
                                                mx.zeros((64,), dtype=mx.int32), mx.zeros((D // 2,), dtype=mx.float32),
                                                H, D, trad, (pool, pool, mx.zeros((64,), dtype=mx.int32)))
             for hidden in (2048, 4096):
                 norm = nn.RMSNorm(hidden)
                 norm.weight = norm.weight.astype(dtype)
                 x = mx.zeros((3, hidden), dtype=dtype)
-                residual.add_rms_norm(x, x, norm, use_kernel=True)
+                residual_norm.add_rms_norm(x, x, norm, use_kernel=True)
             # a decoder block's four GEMV kernels (block_gemv.py) at the 1B and 8B shapes
             for hidden, H, Hk, D, inter in ((2048, 32, 8, 64, 8192), (4096, 32, 8, 128, 14336)):
                 for rows in (1, 3):  # ROWS 1 and 4
@@ -218,31 +223,32 @@ def record_launches() -> list[Build]:
             block_kernel.ATTN_SPLIT, block_kernel.PRELOAD, block_kernel.GRID_BLOCKS = attn_split, preload, grid
         w, scales, biases = mx.quantize(mx.zeros((64, 4096), dtype=mx.bfloat16), group_size=64, bits=4)
         # the defaults, the nibbles made floats by their bits (GEMV_MAGIC_NIBBLES), then
-        # the first version's 4-byte loads and narrow blocks
+        # the 4-byte loads and narrow blocks (GEMV_WIDE_LOADS off, MMA_SHAPE "narrow")
         for wide, magic in ((True, False), (True, True), (False, False)):
-            quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE = wide, "wide" if wide else "narrow"
-            quantized.GEMV_MAGIC_NIBBLES = magic
+            q4_gemv.GEMV_WIDE_LOADS, q4_mma.MMA_SHAPE = wide, "wide" if wide else "narrow"
+            q4_gemv.GEMV_MAGIC_NIBBLES = magic
             kernel_cache.cuda_kernel.cache_clear()
             for rows in (1, 9, 64):
                 x = mx.zeros((rows, 4096), dtype=mx.bfloat16)
-                quantized.gemv(x, w, scales, biases, 64)
-                quantized.gemv(x, w, scales, biases, 64, res=mx.zeros((rows, 64), dtype=mx.bfloat16))
+                q4_gemv.gemv(x, w, scales, biases, 64)
+                q4_gemv.gemv(x, w, scales, biases, 64, res=mx.zeros((rows, 64), dtype=mx.bfloat16))
                 for split in (False, True):
-                    quantized.mma(x, w, scales, biases, 64, split=split)
+                    q4_mma.mma(x, w, scales, biases, 64, split=split)
+                bf16_mma.matmul(x, mx.zeros((64, 4096), dtype=mx.bfloat16))  # (execute.dense_mma)
         # the 8B shape's 4-bit q/k/v with RoPE (quantized.GEMV_ROPE), returned or into the
         # pool, and the gate/up GEMV's SwiGLU (GEMV_SWIGLU), with the default loads
-        quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE, quantized.GEMV_MAGIC_NIBBLES = saved[2], saved[3], saved[4]
+        q4_gemv.GEMV_WIDE_LOADS, q4_mma.MMA_SHAPE, q4_gemv.GEMV_MAGIC_NIBBLES = saved[2], saved[3], saved[4]
         qkv = nn.QuantizedLinear(4096, 48 * 128, bias=False, group_size=64, bits=4)
         qkv.set_dtype(mx.bfloat16)
         for rows in (1, 3):
             x, pos = mx.zeros((rows, 4096), dtype=mx.bfloat16), mx.zeros((rows,), dtype=mx.int32)
             freq_pi, pool = mx.zeros((64,), dtype=mx.float32), mx.zeros((8, 64, 128), dtype=mx.bfloat16)
             for target in (None, (pool, pool, pos)):
-                quantized.gemv_rope(x, qkv, pos, freq_pi, 32 * 128, 128, False, target)
-            quantized.gemv_swiglu(x, qkv)  # (the gate/up kernel: the same build for any N)
+                q4_gemv.gemv_rope(x, qkv, pos, freq_pi, 32 * 128, 128, False, target)
+            q4_gemv.gemv_swiglu(x, qkv)  # (the gate/up kernel: the same build for any N)
     finally:  # the stand-in and its kernels go: a test process goes on with the real ones
-        (mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, quantized.GEMV_WIDE_LOADS, quantized.MMA_SHAPE,
-         quantized.GEMV_MAGIC_NIBBLES) = saved
+        (mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, q4_gemv.GEMV_WIDE_LOADS, q4_mma.MMA_SHAPE,
+         q4_gemv.GEMV_MAGIC_NIBBLES) = saved
         kernel_cache.cuda_kernel.cache_clear()
     return builds
 

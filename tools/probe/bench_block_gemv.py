@@ -1,4 +1,4 @@
-"""The fused block's GEMV kernel (stages/execute/block_gemv.py) variant by variant, against
+"""The fused block's GEMV kernel (stages/execute/cuda/block_gemv.py) variant by variant, against
 MLX's own matmul of the same weights: which prologue or epilogue makes a kernel slow.
 Needs CUDA (PyTorch's profiler reads the kernels' GPU time through CUPTI).
 
@@ -46,7 +46,7 @@ def main() -> None:
 
     if not mx.cuda.is_available():
         sys.exit("bench_block_gemv: needs MLX's CUDA backend (the kernel is CUDA source)")
-    from unikern.stages.execute import block_gemv as bg
+    from unikern.stages.execute.cuda import block_gemv as bg
 
     for setting in args.settings:
         name, value = setting.split("=", 1)

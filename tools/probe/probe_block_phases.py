@@ -45,8 +45,8 @@ def main() -> None:
 
     if not mx.cuda.is_available():
         sys.exit("probe_block_phases: needs MLX's CUDA backend (the kernel is CUDA source)")
-    from unikern.stages.execute import block_kernel as bk
     from unikern.stages.execute import blocks
+    from unikern.stages.execute.cuda import block_kernel as bk
 
     H, Hk, E, F, L = args.heads, args.kv_heads, args.hidden, args.mlp, args.positions
     D = E // H

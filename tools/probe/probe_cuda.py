@@ -36,9 +36,9 @@ Variants:
   engine-paged-qmma-split  the same, the tensor-core kernel's weights as two bf16 halves
                (execute.quantized_mma_weights=split)
   qgemv-wide, engine-paged-qgemv-wide  qgemv and engine-paged-qgemv with the GEMV's
-               16-byte weight loads (quantized.GEMV_WIDE_LOADS)
+               16-byte weight loads (q4_gemv.GEMV_WIDE_LOADS)
   engine-paged-qmma-wide  engine-paged-qmma with the tensor-core kernel's wide blocks
-               (quantized.MMA_SHAPE = "wide": 8 warps, 16 features per warp)
+               (q4_mma.MMA_SHAPE = "wide": 8 warps, 16 features per warp)
   engine-paged-q  4-bit models as the engine runs them on CUDA: the GEMV
                (16-byte loads) to 8 rows, the wide tensor-core kernel to 64, quantized
                q/k/v and gate/up fused (execute.fuse_projections=auto with those kernels)
@@ -60,7 +60,7 @@ Variants:
   engine-paged-blocks  engine-paged with each block's decode steps of up to 4 rows as four
                GEMV kernels (execute.fuse_blocks: stages/execute/blocks.py)
   engine-paged-blocks-one  the same, a one-row step's block as one kernel (execute.block_kernel:
-               stages/execute/block_kernel.py); -u2: 2 chunks per lane and weight row in flight
+               stages/execute/cuda/block_kernel.py); -u2: 2 chunks per lane and weight row in flight
                (block_kernel.UNROLL, 4 by default); -g264: 264 blocks of 8 warps (two per SM)
                instead of 132 of 16; -split: the attention phase over several blocks per KV
                head (ATTN_SPLIT = 1, the default, so the same as the plain
@@ -93,12 +93,12 @@ Variants:
                place by the q/k/v kernel (PagedLayerCache._kernel_reads off)
   engine-paged-write  engine-paged with steps the blocks do not take (more than 4 rows)
                writing the pool through one in-place kernel instead of two scatters per
-               layer (paged_attention.WRITE_IN_PLACE = 1; the default)
+               layer (paged_cache.WRITE_IN_PLACE = 1; the default)
   engine-paged-q-blocks  engine-paged-q with the 4-bit blocks' steps of up to 4 rows through
                the fused block's MLX ops (the default)
   engine-paged-q-blocks-res, -write, -res-write  engine-paged-q-blocks with the residual
                adds inside the 4-bit GEMV (quantized.GEMV_RESIDUAL = 1), the pool writes
-               through one in-place kernel (paged_attention.WRITE_IN_PLACE = 1), or both
+               through one in-place kernel (paged_cache.WRITE_IN_PLACE = 1), or both
                (both are the defaults)
   engine-paged-q-blocks-s16  engine-paged-q-blocks as first written: the residual
                adds and the pool's scatters outside the GEMV (q-res=0, pool-write=0)
@@ -110,9 +110,9 @@ Variants:
   engine-paged-q-blocks-s17  engine-paged-q-blocks before the epilogues: RoPE, the pool
                write and SwiGLU outside the 4-bit GEMVs (q-rope=0, q-swiglu=0)
   engine-paged-q-blocks-magic  engine-paged-q-blocks with the 4-bit GEMV's nibbles made
-               floats by the bits of 2^23 + q, not I2F (quantized.GEMV_MAGIC_NIBBLES = 1)
+               floats by the bits of 2^23 + q, not I2F (q4_gemv.GEMV_MAGIC_NIBBLES = 1)
   engine-paged-q-blocks-magic-f8, -magic-w8  that with 8 output features per block
-               (quantized.GEMV_FEATURES = 8: each thread 8 weight loads in flight), or 8
+               (q4_gemv.GEMV_FEATURES = 8: each thread 8 weight loads in flight), or 8
                warps per block (GEMV_WARPS = 8)
   engine-paged-q-blocks-w1, -w2, -f2, -w2-f8  the 4-bit GEMV's blocks of 1 or 2 warps
                (each thread then loops over 4 or 2 of a K = 4096 row's 16-byte loads per
@@ -229,19 +229,20 @@ VARIANTS = {
 
 
 # features "name=value" set these module constants (module under unikern.stages.execute, name)
-SETTINGS = {"few-blocks": ("paged_attention", "FEW_BLOCKS"), "split-blocks": ("paged_attention", "SPLIT_BLOCKS"),
-            "split-min": ("paged_attention", "SPLIT_MIN_POSITIONS"),
-            "in-flight": ("paged_attention", "POSITIONS_IN_FLIGHT"),
-            "blocks-unroll": ("block_gemv", "UNROLL"), "blocks-target": ("block_gemv", "TARGET_BLOCKS"),
+SETTINGS = {"few-blocks": ("cuda.paged_attention", "FEW_BLOCKS"),
+            "split-blocks": ("cuda.paged_attention", "SPLIT_BLOCKS"),
+            "split-min": ("cuda.paged_attention", "SPLIT_MIN_POSITIONS"),
+            "in-flight": ("cuda.paged_attention", "POSITIONS_IN_FLIGHT"),
+            "blocks-unroll": ("cuda.block_gemv", "UNROLL"), "blocks-target": ("cuda.block_gemv", "TARGET_BLOCKS"),
             "blocks-norm": ("blocks", "KERNEL_NORM"), "blocks-rope": ("blocks", "KERNEL_ROPE"),
-            "pool-write": ("paged_attention", "WRITE_IN_PLACE"), "q-res": ("quantized", "GEMV_RESIDUAL"),
+            "pool-write": ("paged_cache", "WRITE_IN_PLACE"), "q-res": ("quantized", "GEMV_RESIDUAL"),
             "q-rope": ("quantized", "GEMV_ROPE"), "q-swiglu": ("quantized", "GEMV_SWIGLU"),
             "step-pad": ("paged_cache", "PAD_STEP_ROWS"), "ops-rw": ("blocks", "OPS_ROPE_WRITE"),
-            "q-magic": ("quantized", "GEMV_MAGIC_NIBBLES"), "q-features": ("quantized", "GEMV_FEATURES"),
-            "q-warps": ("quantized", "GEMV_WARPS"), "q-unroll": ("quantized", "GEMV_UNROLL"),
-            "block-unroll": ("block_kernel", "UNROLL"),
-            "block-grid": ("block_kernel", "GRID_BLOCKS"), "block-warps": ("block_kernel", "WARPS"),
-            "block-attn-split": ("block_kernel", "ATTN_SPLIT"), "block-preload": ("block_kernel", "PRELOAD")}
+            "q-magic": ("cuda.q4_gemv", "GEMV_MAGIC_NIBBLES"), "q-features": ("cuda.q4_gemv", "GEMV_FEATURES"),
+            "q-warps": ("cuda.q4_gemv", "GEMV_WARPS"), "q-unroll": ("cuda.q4_gemv", "GEMV_UNROLL"),
+            "block-unroll": ("cuda.block_kernel", "UNROLL"),
+            "block-grid": ("cuda.block_kernel", "GRID_BLOCKS"), "block-warps": ("cuda.block_kernel", "WARPS"),
+            "block-attn-split": ("cuda.block_kernel", "ATTN_SPLIT"), "block-preload": ("cuda.block_kernel", "PRELOAD")}
 
 
 def compile_mlp_halves(model) -> int:
@@ -306,11 +307,11 @@ def child(args) -> None:
 
         PagedLayerCache._kernel_reads = lambda *_: False
     if "qgemv" in features:  # as execute.quantized_gemv does, with dequantize_rows' 8 (or 65)
-        from unikern.stages.execute import quantized
+        from unikern.stages.execute.cuda import q4_gemv, q4_mma
         from unikern.stages.execute.quantized import route_quantized_layers
 
-        quantized.GEMV_WIDE_LOADS = "wide" in features
-        quantized.MMA_SHAPE = "wide" if "mma-wide" in features else "narrow"
+        q4_gemv.GEMV_WIDE_LOADS = "wide" in features
+        q4_mma.MMA_SHAPE = "wide" if "mma-wide" in features else "narrow"
 
         notes["qgemv_layers"] = route_quantized_layers(model, 65 if "gemv-to-64" in features else 8, gemv=True,
                                                        mma="qmma" in features, mma_split="split" in features)
@@ -368,7 +369,7 @@ def engine_run(model, args, features: list[str], notes: dict):
     import mlx.core as mx
 
     from unikern import messages as m
-    from unikern.stages.execute import paged_attention
+    from unikern.stages.execute.cuda import paged_attention
     from unikern.stages.execute.model import ModelGeometry
     from unikern.stages.execute.runner import ModelRunner
     from unikern.stages.kv.pool import KVPool

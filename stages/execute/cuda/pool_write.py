@@ -1,0 +1,60 @@
+"""A decode step's keys and values written into the paged pool in place by one kernel
+(`write`, pool_write.cu), or its q/k/v rows rotated and k and v written (`rope_write`,
+rope_write.cu): in place of MLX's scatters, RoPE and the slices around them."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from unikern.platform.kernel_cache import cuda_kernel, off_small_pool
+from unikern.stages.execute.cuda import sources
+
+WRITE_THREADS = 256
+# the RoPE store (rope_store.cu) with the pair's other value read from the row itself
+ROPE_WRITE_SOURCE = sources.fill(sources.text("rope_write.cu"), ROPE_STORE=sources.text("rope_store.cu").replace(
+    "PAIR", "static_cast<float>(qkv[i - d + (TRAD ? (d ^ 1) : (second ? d - HD / 2 : d + HD / 2))])"))
+
+
+def write(keys: mx.array, values: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array) -> mx.array:
+    """One decode step's keys and values [B, Hk, 1, D] into a layer's pool arrays [Hk, S,
+    D] at the rows' slots (int32 [B], contiguous), in place, by one kernel for both (on an
+    H200 each of MLX's two scatters it replaces cost the host about 9 us per layer and
+    token to encode: tools/probe_ops.py). Returns a small marker array (16 bytes: out of
+    MLX's pool of small arrays) that whatever reads the pool back takes as an input of
+    its kernel (paged_attention.decode's `after`: MLX orders a kernel after those that
+    wrote its inputs, nothing else; through `mx.depends` on the marker the attention ran
+    beside the write on an H200 and missed the step's own key). Keys and values may be
+    strided views (read through their strides, not copied); the pool arrays must be the
+    pool's own contiguous ones (the kernel indexes them as such)."""
+    B, Hk, T, D = keys.shape
+    if T != 1 or pool_k.dtype != keys.dtype or pool_k.shape[0] != Hk or pool_k.shape[2] != D:
+        raise ValueError(f"the pool write takes one token per row in the pool's dtype and heads: keys {keys.shape} "
+                         f"{keys.dtype}, pool {pool_k.shape} {pool_k.dtype}")
+    kernel = cuda_kernel("unikern_pool_write", ("keys", "values", "k_pool", "v_pool", "slots"),
+                         sources.text("pool_write.cu"), outputs=("done",), contiguous=False)
+    n = B * Hk * D
+    (done,) = kernel(inputs=[keys, values, pool_k, pool_v, slots.astype(mx.int32)], template=[("T", keys.dtype)],
+                     grid=(-(-n // WRITE_THREADS) * WRITE_THREADS, 1, 1), threadgroup=(WRITE_THREADS, 1, 1),
+                     output_shapes=[(off_small_pool(1, keys.dtype.size),)], output_dtypes=[keys.dtype])
+    return done
+
+
+def rope_write(y: mx.array, pos: mx.array, freq_pi: mx.array, heads: int, head_dim: int, traditional: bool,
+               pool: tuple[mx.array, mx.array, mx.array]) -> mx.array:
+    """A decode step's q/k/v rows y [B, (heads + 2 kv heads) * head_dim] through one
+    kernel: q and k rotated for the rows' positions (`pos`, int32 [B]; `freq_pi`: RoPE's
+    inverse frequencies over pi, float32 [head_dim / 2]), k and v written into the pool
+    (`pool`: a layer's pool arrays [kv heads, slots, head_dim] and each row's slot, as
+    PagedLayerCache.pool_target gives them); returns q [B, heads, 1, head_dim], which
+    whatever reads the pool back must take (the paged attention kernel does)."""
+    k_pool, v_pool, slots = pool
+    B, N = y.shape
+    q_features = heads * head_dim
+    kernel = cuda_kernel("unikern_rope_write", ("qkv", "pos", "freq_pi", "k_pool", "v_pool", "slots"),
+                         ROPE_WRITE_SOURCE)
+    constants = {"HD": head_dim, "QN": q_features, "KN": (N - q_features) // 2, "TRAD": int(traditional), "POOL": 1}
+    (q,) = kernel(inputs=[y, pos.astype(mx.int32), freq_pi, k_pool, v_pool, slots.astype(mx.int32)],
+                  template=[("T", y.dtype), *constants.items()],
+                  grid=(-(-B * N // WRITE_THREADS) * WRITE_THREADS, 1, 1), threadgroup=(WRITE_THREADS, 1, 1),
+                  output_shapes=[(B, heads, 1, head_dim)], output_dtypes=[y.dtype])
+    return q
