@@ -1,4 +1,4 @@
-"""The PyTorch kernels for MLX's CPU backend (stages/cpu_kernels.py): same numbers as
+"""The PyTorch kernels for MLX's CPU backend (stages/execute/cpu_kernels.py): same numbers as
 MLX's own ops, written in place through zero-copy views, installed on the engine's
 model instance only."""
 

@@ -4,7 +4,7 @@ By the time an engine serves, the process holds hundreds of thousands of objects
 live as long as it does: the modules mlx-lm and transformers import, the tokenizer's
 vocabulary, the model's parameter tree. Python's oldest-generation collection walks all
 of them, and one ran about once per 20 benchmark runs of 64 requests on the CPU machine,
-taking 171-187 ms inside a 60-70 ms run (`tools/host_bound.py`, the model's time ~0;
+taking 171-187 ms inside a 60-70 ms run (`tools/probe/host_bound.py`, the model's time ~0;
 tools/results/host-bound-gc/). `freeze()` collects the young generations and moves
 everything alive into the collector's permanent generation (`gc.freeze`), so later
 collections walk only what serving allocates; `thaw()` gives them back when the last

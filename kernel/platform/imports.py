@@ -4,7 +4,7 @@ mlx-lm's tokenizer utilities import transformers, and transformers 5 imports PyT
 wherever PyTorch is installed (`configuration_utils` through `modeling_rope_utils`); the
 tokenizer's load then reaches torchvision and `torch._dynamo` where those are installed.
 None of that serves a tokenizer. On the H200 image it was most of a warm start's 14-15 s
-(`python -X importtime`, tools/h200_gpu.sh's importtime step), and about half of the
+(`python -X importtime`, tools/device/h200_gpu.sh's importtime step), and about half of the
 process start on the CPU machine.
 
 `import_tokenizer_stack()` imports them while `import torch` fails, so transformers records

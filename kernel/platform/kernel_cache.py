@@ -68,7 +68,7 @@ def cuda_kernel(base: str, input_names: tuple[str, ...], source: str, header: st
 # memory that the host writes (its scalars) and the GPU reaches across the bus: there a
 # kernel's atomics, or every block's read, cost microseconds each. On an H200 a residual
 # kernel whose blocks counted on a one-element counter there took 600 us instead of 10
-# (tools/probe_cuda.py's engine-paged-blocks-handnorm; tools/probe_memory.py). Arrays a kernel
+# (tools/probe/probe_cuda.py's engine-paged-blocks-handnorm; tools/probe/probe_memory.py). Arrays a kernel
 # counts on or writes for the next kernel's every block are made larger than this; float
 # constants go in as template arguments (`float_bits`), not as one-element arrays.
 SMALL_POOL_BYTES = 8

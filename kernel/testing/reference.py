@@ -1,6 +1,6 @@
 """The correctness reference (DESIGN.md): mlx-lm's greedy `stream_generate`, with the
 margin between its own top two logits at every step, and the comparison rule the tests
-and tools/parity_check.py share: identical tokens, or a first difference at a step
+and tools/check/parity_check.py share: identical tokens, or a first difference at a step
 where mlx-lm's top two are within NEAR_TIE (reported, not failed)."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ q/k/v GEMV, RoPE twice, two pool writes, the attention, the output GEMV, the res
 add, the second norm, the gate/up GEMV, SwiGLU, the down GEMV and the second add. MLX's
 replay of the traced step costs the host about 7 us per kernel, so at one stream the
 host, not the GPU, paced the token (1.69 ms against 1.20 ms of GPU time;
-tools/probe_cuda.py). Here the block's steps of up to MAX_ROWS
+tools/probe/probe_cuda.py). Here the block's steps of up to MAX_ROWS
 rows and one token each run as
 
   1. RMS norm -> q/k/v GEMV -> RoPE on q and k   (one kernel; v as it comes)
@@ -27,16 +27,16 @@ UNROLL at a time before any is used. Rounding follows MLX's ops: the matmul's ou
 rounded to the model's dtype before the epilogue, the norm's normalized value rounded
 before its weight, each SwiGLU op rounded as mlx-lm's compiled `swiglu` rounds it.
 
-Measured on an H200 (1B shape, one row; tools/probe_cuda.py's engine-paged-blocks), the
+Measured on an H200 (1B shape, one row; tools/probe/probe_cuda.py's engine-paged-blocks), the
 first version took a token from 242 kernels to 134 but its GPU time from 1.17 to 1.62
 ms: its GEMVs ran at half the speed of MLX's (see cuda/block_gemv.cu). With MLX's norm
 kernels before the q/k/v and gate/up GEMVs (KERNEL_NORM below) a token is 166 kernels and
 1.09 ms of GPU time against 242 and 1.18; in one process each, its wall time was 1.62
-against 1.43 ms. The host's share of the token was 1.81 against 2.26 ms (tools/bench_ab.py)
+against 1.43 ms. The host's share of the token was 1.81 against 2.26 ms (tools/bench/bench_ab.py)
 and the engine at 4 requests 1.40x faster (12 of 12 repeats): `auto` (CUDA) by default.
 With the pool writes in the q/k/v kernel where the paged attention kernel reads the pool,
 one 1B token is 133 primitives and 1.81-2.04 ms against 199 and 2.36-2.45 with the
-cache's scatters (tools/probe_cuda.py's engine-paged-blocks-scatter).
+cache's scatters (tools/probe/probe_cuda.py's engine-paged-blocks-scatter).
 
 Elsewhere (`use_kernel` False: MLX's CPU backend, the tests) the same five steps run as
 the family's own ops (`mx.fast.rms_norm`, matmuls through the fused projections'
@@ -52,7 +52,7 @@ to it), with q/k/v and gate/up fused (execute.fuse_projections), unquantized lay
 (quantized ones through MLX's ops only, their matmuls through the layers' own calls: on
 an H200 an 8B 4-bit token took 4.22 against 5.27 ms in the runner, 827 primitives against
 1,211, and the engine at one request was 1.16x faster, 6 of 6 repeats;
-tools/probe_cuda.py's engine-paged-q-blocks, tools/bench_ab.py), RoPE over the whole head
+tools/probe/probe_cuda.py's engine-paged-q-blocks, tools/bench/bench_ab.py), RoPE over the whole head
 (nn.RoPE or Llama3RoPE), one rank."""
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ BLOCKS = {
 }
 
 # which of the block's norms and RoPE the GEMV kernels take (1), or MLX's own kernels
-# run, around a plain GEMV (0): tools/probe_cuda.py's blocks-norm and blocks-rope. On an
-# H200, one 1B token's GPU time (CUPTI, tools/probe_cuda.py) was 1.431 ms
+# run, around a plain GEMV (0): tools/probe/probe_cuda.py's blocks-norm and blocks-rope. On an
+# H200, one 1B token's GPU time (CUPTI, tools/probe/probe_cuda.py) was 1.431 ms
 # with both in the kernels (134 kernels: the gate/up GEMV with its norm 520 us, q/k/v
 # 344), 1.089 with MLX's norms (166 kernels: gate/up 305 us, q/k/v with RoPE 138), 1.091
 # with MLX's norms and RoPE (194 kernels), against MLX's own path's 1.182 (242 kernels).
@@ -105,18 +105,18 @@ BLOCKS = {
 # an H200 (kernel_cache.SMALL_POOL_BYTES); in device memory its CUDA tests hold and the
 # engine's runner gives the same 64 tokens as with MLX's norms, 99 kernels a 1B token
 # against 130, 2.56 ms against 3.54 (GPU 1.06 ms against 0.97: the host is the bound;
-# tools/probe_cuda.py's engine-paged-blocks-handnorm). The default.
+# tools/probe/probe_cuda.py's engine-paged-blocks-handnorm). The default.
 KERNEL_NORM = 2
 KERNEL_ROPE = 1
 # steps through MLX's ops (more rows than the kernels take, up to ops_rows) whose attention
 # reads the pool: RoPE and the pool write by one kernel after the q/k/v matmul
 # (cuda/pool_write.rope_write) instead of MLX's RoPE, the write kernel and six views per
-# layer. On an H200 (tools/probe_cuda.py's engine-paged-blocks-ops against -ops-rw) a 1B
+# layer. On an H200 (tools/probe/probe_cuda.py's engine-paged-blocks-ops against -ops-rw) a 1B
 # 64-row step went from 373 primitives and 243 kernels to 261 and 211, 2.31 / 2.41 ms to
 # 1.63 / 1.80 in two rounds, the same tokens; its CUDA test passed. The default.
 OPS_ROPE_WRITE = True
 # ops_rows when the caller leaves it to the blocks (execute.fuse_blocks_ops_rows "auto"):
-# unquantized blocks through MLX's ops up to 64 rows (on an H200, tools/bench_gpu.py);
+# unquantized blocks through MLX's ops up to 64 rows (on an H200, tools/bench/bench_gpu.py);
 # 4-bit blocks only up to the kernels' MAX_ROWS (not measured above it)
 AUTO_OPS_ROWS = 64
 

@@ -83,7 +83,7 @@ class CompiledPrefill:
     length bucket (paged_cache.length_bucket: 16, 32, 48, 64, then four lengths per
     doubling), traced once per (rows, bucket, pool size) and replayed, instead of the
     model's graph built op by op in Python for every prompt. On an H200 the 64-token 1B
-    prefill's build was 1.5-2.4 ms of a 5-8 ms step in the engine (tools/step_gaps.py).
+    prefill's build was 1.5-2.4 ms of a 5-8 ms step in the engine (tools/probe/step_gaps.py).
     The padded positions write the scratch block and the
     causal mask keeps them out of every real position; logits come from each row's last
     real token."""

@@ -3,9 +3,9 @@ few to 64 rows (execute.dense_mma).
 
 On an H200 MLX multiplies every matmul of more than one row through cuBLASLt, and
 encoding one costs the host 13-17 us, against 3-4 us for MLX's one-row GEMV and for a
-custom kernel (tools/probe_ops.py). A decode step of the 1B shape runs 65 of them, about
+custom kernel (tools/probe/probe_ops.py). A decode step of the 1B shape runs 65 of them, about
 1 ms of the host's time per step, where the step's GPU time at 64 rows is 2.3 ms and at
-16 rows less: the step is paced by the host (tools/step_gaps.py). The kernel
+16 rows less: the step is paced by the host (tools/probe/step_gaps.py). The kernel
 (cuda/bf16_mma.py) is the 4-bit tensor-core kernel's (mma.sync m16n8k16, float32 sums, up
 to 64 rows per pass) with its weights read as they are instead of dequantized. Steps of
 up to 4 rows keep the fused blocks' GEMVs (blocks.py) or MLX's GEMV; steps of more than

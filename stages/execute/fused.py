@@ -4,7 +4,7 @@ MLP's gate/up through one concatenated weight (execute.fuse_projections).
 A one-row decode step on an H200 spent 970 us per token of the 1B shape in MLX's GEMV
 kernel over 113 matrices, and 624 us over the 65 that fusing leaves: the narrow k/v
 projections (2048 -> 512) run far from the memory's speed, and every kernel costs a
-launch (CUPTI, tools/probe_cuda.py's fused variant). The engine
+launch (CUPTI, tools/probe/probe_cuda.py's fused variant). The engine
 at 16 and 64 requests gained 9-18% there; the 4-bit 8B shape did not gain through MLX's
 quantized kernels (-5%, one run), so "auto" joins quantized layers only where unikern's
 own 4-bit kernels multiply them (stages/execute/ranks.py, fuses_quantized).

@@ -23,8 +23,8 @@ PAD_STEP_ROWS = True
 # (cuda/pool_write.py) where the paged attention kernel reads them back, instead of two
 # scatters. The attention kernel takes the write's marker (`after`), so MLX orders it after
 # the write; its CUDA test and the parity run hold on an H200 (tests/test_decode_blocks.py,
-# tools/parity_check.py): an 8B-shape 4-bit token 4.94 -> 3.47 ms in the runner, 1B 64-row
-# steps 711 -> 629 primitives (tools/probe_cuda.py's engine-paged-write)
+# tools/check/parity_check.py): an 8B-shape 4-bit token 4.94 -> 3.47 ms in the runner, 1B 64-row
+# steps 711 -> 629 primitives (tools/probe/probe_cuda.py's engine-paged-write)
 WRITE_IN_PLACE = True
 
 
@@ -81,7 +81,7 @@ class BatchLayout:
             # (padded keys sit after each row's real ones, so plain causal masking holds),
             # not the pool read back: for one 64-token row of the 1B shape on an H200 that
             # read was 32 gathers and their index kernels, 390 kernels a step against 262
-            # through slices, 6.5 ms against 5.1 (tools/probe_prefill.py)
+            # through slices, 6.5 ms against 5.1 (tools/probe/probe_prefill.py)
             return cls(B, T, offsets, write_slots, None, "causal", last)
         if B == 1:
             return cls(1, T, offsets, write_slots, mx.array(read), "causal" if T > 1 else None, last)
@@ -137,7 +137,7 @@ class DecodeWindow:
         # than 8 bytes (window_layout): MLX's CUDA allocator keeps arrays of up to 8 bytes
         # in a pool of managed memory that kernels read across the bus (on an H200 a
         # kernel reading such an array took 12 us a launch against 2.5 from device memory,
-        # tools/probe_memory.py); a one-row step's q/k/v
+        # tools/probe/probe_memory.py); a one-row step's q/k/v
         # and attention kernels read them in every layer
         padded = off_small_pool(B, 4) if PAD_STEP_ROWS else B
         read = np.zeros((B, L), dtype=np.int32)
@@ -184,7 +184,7 @@ def window_layout(
 def _head_major(x: mx.array) -> mx.array:
     """[B, H, T, D] -> [H, B*T, D]. One row of one token is that order already: a reshape
     alone, one view node fewer per write (each costs the host ~1 us per token and layer
-    on an H200: tools/probe_ops.py)."""
+    on an H200: tools/probe/probe_ops.py)."""
     B, H, T, D = x.shape
     if B * T == 1:
         return x.reshape(H, 1, D)

@@ -30,15 +30,15 @@ AUTO_ROWS = {"cpu": 8, "cuda": 8, "metal": None}
 # one, as unquantized float32 layers' batched rows do.
 AUTO_DTYPES = {"cpu": ("float32",)}
 # The same with unikern's CUDA kernels below it (execute.quantized_gemv / quantized_mma).
-# The GEMV, measured at the 8B shape on an H200 (tools/bench_gpu.py, execute.quantized_gemv
+# The GEMV, measured at the 8B shape on an H200 (tools/bench/bench_gpu.py, execute.quantized_gemv
 # always against never): steps of 16 rows 728 -> 894 tok/s against dequantized weights, 64
 # rows 2,579 -> 1,074; so from 17 rows. The tensor-core kernel (a 64-row decode step 14.7
 # ms through it, 55.1 through the GEMV, 196.5 through MLX's quantized matmul:
-# tools/probe_cuda.py; against dequantized weights see execute.quantized_mma): from 65 rows.
+# tools/probe/probe_cuda.py; against dequantized weights see execute.quantized_mma): from 65 rows.
 KERNEL_ROWS = {"gemv": 17, "mma": 65}
 # blocks.py's 4-bit blocks add their residuals inside the GEMV (`res`): 2 of a block's
 # kernels fewer per one-row token (an 8B token's 64 adds: 827 -> 763 primitives, 4.94 ->
-# 4.34 ms in the runner on an H200, tools/probe_cuda.py's engine-paged-q-blocks-res).
+# 4.34 ms in the runner on an H200, tools/probe/probe_cuda.py's engine-paged-q-blocks-res).
 GEMV_RESIDUAL = True
 # blocks.py's 4-bit blocks rotate q and k inside the q/k/v GEMV and write k and v into the
 # pool from it (`gemv_rope`), where the paged kernel reads them back: an 8B one-row token's
@@ -46,7 +46,7 @@ GEMV_RESIDUAL = True
 GEMV_ROPE = True
 # and their gate/up GEMV gives silu(gate) * up itself (`gemv_swiglu`): 32 SwiGLU kernels
 # and 32 splits fewer per 8B one-row token. With GEMV_ROPE, 4.02 -> 3.30 ms per 8B one-row
-# token in the runner on an H200, 348 -> 252 kernels (tools/probe_cuda.py's
+# token in the runner on an H200, 348 -> 252 kernels (tools/probe/probe_cuda.py's
 # engine-paged-q-blocks-s17 against -epi).
 GEMV_SWIGLU = True
 

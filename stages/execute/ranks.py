@@ -73,9 +73,9 @@ class Prepared:
 def fuses_quantized(setting: str, own_kernels: bool) -> bool:
     """Whether execute.fuse_projections joins quantized projections too: "always", or
     "auto" where unikern's 4-bit kernels multiply them (`own_kernels`). Through MLX's
-    quantized kernels the 4-bit 8B shape lost 5% fused on an H200 (tools/bench_gpu.py);
+    quantized kernels the 4-bit 8B shape lost 5% fused on an H200 (tools/bench/bench_gpu.py);
     through the GEMV, one 8B-shape token's GPU time went 4.40 -> 3.83 ms fused (575 -> 476
-    kernels; CUPTI on an H200, tools/probe_cuda.py's engine-paged-q): the k and v
+    kernels; CUPTI on an H200, tools/probe/probe_cuda.py's engine-paged-q): the k and v
     projections (1024 features) were small launches of their own."""
     return setting == "always" or (setting == "auto" and own_kernels)
 

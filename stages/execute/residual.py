@@ -3,7 +3,7 @@
 A pre-norm decoder block adds each sublayer's output to the residual stream and
 normalizes the sum for the next sublayer: an add kernel and a norm kernel, twice per
 block. One decode token of the 1B shape on an H200 ran 33 adds and 34 norms among its
-242 kernels (CUPTI, tools/probe_cuda.py's engine variants), at a token that MLX's
+242 kernels (CUPTI, tools/probe/probe_cuda.py's engine variants), at a token that MLX's
 replay of the traced step, not the GPU, paces. Here one kernel (cuda/residual_norm.py)
 gives both the sum (rounded to the model's dtype, as MLX's add rounds it) and its norm (as
 MLX's CUDA rms_norm computes it: float32 sum of squares, the normalized value rounded to

@@ -205,7 +205,7 @@ class ModelRunner:
         blocks take the step through their decode paths (fuse_blocks: its kernels up to
         4 rows, MLX's ops up to 64) rather than the family's prefill code. On an H200 the
         family's 64-token prefill of the 1B shape was 262 kernels and 5.1 ms, 1.4 of them
-        on the GPU: the host's encoding paced it (tools/probe_prefill.py)."""
+        on the GPU: the host's encoding paced it (tools/probe/probe_prefill.py)."""
         self.row_prefills += 1
         rows = [(w.block_table, w.start_pos + t, 1) for w in group for t in range(len(w.token_ids))]
         caches = self._caches(BatchLayout.build(self.pool, rows))

@@ -99,7 +99,7 @@ class MLXExecuteParams(StageParams, frozen=True):
     a 64-row step took 1.63 ms against the family code's 3.30 (tools/probe/probe_cuda.py)."""
     block_kernel: Literal["auto", "always", "never"] = "auto"
     """With `fuse_blocks`' kernels, a block's one-row decode step as a single kernel whose phases meet at
-    grid-wide barriers (stages/execute/block_kernel.py). `auto`: on CUDA, where on an H200 (1B) the
+    grid-wide barriers (stages/execute/cuda/block_kernel.py). `auto`: on CUDA, where on an H200 (1B) the
     engine at one request gave 769 against 455 tok/s (tools/bench/bench_ab.py)."""
     dense_mma: Literal["auto", "always", "never"] = "never"
     """Plain bfloat16 linear layers, steps of 5 to 64 rows: unikern's tensor-core kernel instead of MLX's
@@ -107,7 +107,7 @@ class MLXExecuteParams(StageParams, frozen=True):
     64-row step took 3.04 ms of GPU time against 2.57, no host time saved (tools/probe/probe_cuda.py)."""
     paged_attention: Literal["auto", "always", "never"] = "auto"
     """Decode attention of full-attention layers reads keys and values straight from the pool by each
-    row's slot table (stages/execute/paged_attention.py): a CUDA kernel on CUDA, MLX's ops elsewhere.
+    row's slot table (stages/execute/cuda/paged_attention.py): a CUDA kernel on CUDA, MLX's ops elsewhere.
     `auto`: on CUDA, where on an H200 (1B) 64 requests went 10,093 -> 16,891 tok/s (tools/bench/bench_gpu.py)."""
     compile_one_row: Literal["auto", "always", "never"] = "auto"
     """With `paged_attention`, one-row decode windows are traced (`mx.compile`) too, as windows of

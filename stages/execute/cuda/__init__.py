@@ -16,4 +16,4 @@ This package imports only unikern.platform, MLX and numpy: the execute stage, th
 and the model glue (blocks.py, quantized.py, residual.py, dense_mma.py) import from here.
 Each kernel runs on the CPU in the tests' emulation (tests/cuda_emulation.py; the C++
 stand-ins for the CUDA headers are the *_emulation.h files here) and compiles for sm_90
-with NVRTC without a GPU (tools/nvrtc_check.py, tests/test_nvrtc.py)."""
+with NVRTC without a GPU (tools/device/nvrtc_check.py, tests/test_nvrtc.py)."""

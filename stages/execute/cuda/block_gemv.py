@@ -2,7 +2,7 @@
 block_gemv.cu): one output pair per warp (or SPLIT warps), with the RMS norm before it and
 the residual add, RoPE or SwiGLU after it, for steps of up to MAX_ROWS rows; its CUDA
 source runs in the tests' emulation (tests/test_decode_blocks.py) and compiles for sm_90
-with NVRTC (tools/nvrtc_check.py)."""
+with NVRTC (tools/device/nvrtc_check.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ MAX_ROWS = 4  # steps of more rows run the family's own code (MLX's GEMM)
 # warps per output pair (split_for): more while the grid has fewer blocks than this (two
 # per SM of an H200) and each lane keeps at least MIN_LOADS chunks per row. (MLX's own
 # GEMV gives a warp one row and keeps few loads in flight per lane, 8 bytes each, with
-# many warps per SM; UNROLL = 1 comes nearest that: tools/probe_cuda.py's
+# many warps per SM; UNROLL = 1 comes nearest that: tools/probe/probe_cuda.py's
 # engine-paged-blocks-u1.)
 TARGET_BLOCKS = 264
 MIN_LOADS = 4
@@ -34,7 +34,7 @@ EMULATED_HEADER = sources.text("unpack_emulation.h")
 # row itself and normalizes x as it multiplies: no block-wide barrier before the multiply.
 # (The first version staged the normalized rows in shared memory, with two barriers per
 # block: on an H200 its q/k/v GEMV ran at 0.55 TB/s and its gate/up at 1.8, against MLX's
-# GEMV's 3.2 over the token; CUPTI, tools/probe_cuda.py's engine-paged-blocks.)
+# GEMV's 3.2 over the token; CUPTI, tools/probe/probe_cuda.py's engine-paged-blocks.)
 SOURCE = sources.text("block_gemv.cu")
 _INPUTS = ("x", "w", "bias", "norm_w", "res", "pos", "freq_pi", "k_pool", "v_pool", "slots", "ss",
            "counter")
@@ -73,7 +73,7 @@ def gemv(x: mx.array, w: mx.array, mode: int, bias: mx.array | None = None,
     is given the shape the caller reads it in (`out_shape`; for ROPE, [rows, heads, 1,
     head_dim] each): the kernel reads and writes flat rows, so no reshape node is added on
     either side (each costs the host about 1 us per token and layer on an H200:
-    tools/probe_ops.py).
+    tools/probe/probe_ops.py).
     pool (ROPE): (k_pool, v_pool, slots), a layer's pool arrays [kv heads, slots, head_dim]
     and each row's slot (int32 [rows]): k and v are written there in place, not returned
     (their outputs are placeholders), in place of two scatters per layer. The arrays must be

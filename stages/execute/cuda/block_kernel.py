@@ -3,8 +3,8 @@ block_step.cu).
 
 At one stream the host paces a token, not the GPU: a 1B token on an H200 ran 99 kernels,
 5 per block (blocks.py), and MLX spent 0.89-1.56 ms encoding them plus 0.32-0.53 ms
-replaying the traced step, against 0.97 ms of GPU time (tools/step_gaps.py); llama.cpp's
-token took 1.2 ms (tools/bench_gpu.py). Here the block's five steps run in one kernel
+replaying the traced step, against 0.97 ms of GPU time (tools/probe/step_gaps.py); llama.cpp's
+token took 1.2 ms (tools/bench/bench_gpu.py). Here the block's five steps run in one kernel
 whose phases meet at grid-wide barriers:
 
   0. RMS norm -> q/k/v GEMV -> RoPE on q and k; k and v into the pool at the row's slot
@@ -35,14 +35,14 @@ over. One row, unquantized blocks (blocks.py's BlockPlan), a slot table the grou
 takes whole (paged_attention.partitions 1; any with ATTN_SPLIT) and shared memory within
 48 KB; other steps keep the five kernels.
 
-Measured on an H200 (1B shape, one row; tools/probe_cuda.py's engine-paged-blocks-one
+Measured on an H200 (1B shape, one row; tools/probe/probe_cuda.py's engine-paged-blocks-one
 against engine-paged-blocks): a token 34 kernels instead of 99, the runner's token
 1.08-1.15 ms against 1.33-1.34 (host: the traced step's replay 0.11-0.19 ms and
 mx.async_eval 0.38-0.48, against 0.39 and 0.93), the same 64 tokens; the 16 block kernels
 take 948 us of GPU time with UNROLL 4 (59 us a block for its 122 MB of weights, 2.1
 TB/s), 981 with 2, against 0.96-0.99 ms for the whole token before. The engine at one
-request: 769 against 455 tok/s (one-process A/B, 6 of 6; tools/bench_ab.py). The phases
-timed from the GPU's clock (TIMES; tools/probe_block_phases.py): of a 57.7 us block,
+request: 769 against 455 tok/s (one-process A/B, 6 of 6; tools/bench/bench_ab.py). The phases
+timed from the GPU's clock (TIMES; tools/probe/probe_block_phases.py): of a 57.7 us block,
 gate/up 20.4 us (3.3 TB/s), down 13.3, q/k/v 10.8, the attention 7.5, o 5.7, each
 barrier 1.7-2.0; with the input rows staged in 16-byte chunks and the one-atomic barrier,
 47.1 us."""
@@ -79,28 +79,28 @@ SPIN_SLEEP_NS = 32  # a waiting block's pause between polls (0: none)
 # generation, the last to arrive resetting the one and advancing the other (two more
 # atomics on the barrier's path). On an H200, 1B block, 16 chained: the kernel 46.0 us
 # against 47.9, and 47.1 against 49.5 in another machine start
-# (tools/probe_block_phases.py)
+# (tools/probe/probe_block_phases.py)
 FLIP_BARRIER = 1
 SHARED_BYTES = 48 << 10  # static shared memory a kernel may declare
 PHASES = 5
 # the attention phase split over several blocks per KV head, ATTN_MIN_POSITIONS each at least
 # (1), instead of one block per KV head while the others wait at the barrier (0). A 1B
 # token on an H200, one row at 64-128 positions: GPU 1.025 ms against 1.046, 1.070 ms per
-# step against 1.097-1.103 (tools/probe_cuda.py's engine-paged-blocks-one-split); it also
+# step against 1.097-1.103 (tools/probe/probe_cuda.py's engine-paged-blocks-one-split); it also
 # takes tables of 512 positions and more, which one block per KV head does not
 ATTN_SPLIT = 1
 ATTN_MIN_POSITIONS = 16
 # each warp's first weight loads of a phase issued before the barrier (or the norm) the
 # phase waits on (1), so each phase's start does not wait a full memory latency: measured
 # no faster on an H200 (GPU 1.048 ms a 1B token against 1.046; with the split 1.039
-# against 1.025; tools/probe_cuda.py's engine-paged-blocks-one-preload).
+# against 1.025; tools/probe/probe_cuda.py's engine-paged-blocks-one-preload).
 # Only where the block's threads' registers fit an SM's 65,536: with it a thread takes
 # these many (NVRTC, sm_90), by itemsize (float32: 16 warps do not fit)
 PRELOAD = 0
 PRELOAD_REGISTERS = {2: 127, 4: 136}
 # each block's clock (the GPU's globaltimer, ns, its low 32 bits) in the output `times`:
 # at its start, then per phase once its input row is staged, as its work ends and as it
-# leaves the barrier after it (tools/probe_block_phases.py reads them); off in the engine
+# leaves the barrier after it (tools/probe/probe_block_phases.py reads them); off in the engine
 TIMES = 0
 
 # The attention phase: paged_attention's group kernel for one row, its blocks walked by the
@@ -134,7 +134,7 @@ def split_for(K: int, pairs: int, itemsize: int, grid: int, warps: int) -> int:
     the passes of UNROLL loads per lane a warp's share of a row takes), then the one that
     leaves the fewest blocks idle (ties: the smaller), each warp keeping at least
     MIN_CHUNKS of its row's 16-byte chunks. A 1B block on an H200
-    (tools/probe_block_phases.py): q/k/v over 4 warps a pair took 3 rounds of one pass,
+    (tools/probe/probe_block_phases.py): q/k/v over 4 warps a pair took 3 rounds of one pass,
     its work done 6.8-9.0 us into the kernel; over 1 warp (1 round of 2 passes) 3.1-7.6
     us, the kernel 56.1 us against 57.7."""
     chunks, best, best_key = K * itemsize // 16, 1, None

@@ -54,7 +54,7 @@
     // (the normalized value rounded, times the weight, rounded). In 16-byte chunks (rows
     // and weights are 16-byte aligned, as MLX allocates them): at the 1B shape one or two
     // per thread, so staging waits on memory about once, where element by element it
-    // waited 4-16 times (on an H200, tools/probe_block_phases.py, each thread's chunks
+    // waited 4-16 times (on an H200, tools/probe/probe_block_phases.py, each thread's chunks
     // loaded at once in unrolled loops: the 1B kernel 47.9 us against 55.7). The loops
     // stay rolled: unrolled, the kernel took 128-136 registers a thread instead of
     // 96-108, and float32's 16 warps no longer fit an SM

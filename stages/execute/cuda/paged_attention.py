@@ -13,7 +13,7 @@ end; a long row at few rows is split over several blocks and merged by a second 
 (`partitions`, paged_merge.cu). (A version with a lane per position for q.k, one
 warp-wide max and sum per 32 positions, measured slower on an H200: 248 against 220 us
 per token over the 16 layers of the 1B shape at one row, 990 against 744 at 64 rows;
-tools/probe_cuda.py.) Elsewhere (and for head sizes the kernel does not take)
+tools/probe/probe_cuda.py.) Elsewhere (and for head sizes the kernel does not take)
 `reference` computes the same thing with MLX's own ops; the CPU tests run the routing
 through it, run the kernels' CUDA source in a thread-per-lane emulation
 (tests/cuda_emulation.py), and a GPU test holds the kernels to it."""
@@ -29,7 +29,7 @@ WARPS = 8  # per block: positions are dealt round-robin to the warps
 # With fewer blocks than this (a one-row step has one per KV head: 8 of an H200's 132
 # SMs busy), the group kernel's blocks take FEW_BLOCKS_WARPS warps where their partials
 # fit in shared memory: more positions in flight per block. A one-row token of the 1B
-# shape on an H200 (CUPTI, 16 layers, tools/probe_cuda.py): 170 us with 16 warps, 210
+# shape on an H200 (CUPTI, 16 layers, tools/probe/probe_cuda.py): 170 us with 16 warps, 210
 # with 8; the kernel before the slot prefetch (paged_group.cu) took 227. The 8B shape's
 # 32 layers: 376 us, 578 before.
 FEW_BLOCKS = 128
@@ -38,7 +38,7 @@ FEW_BLOCKS_WARPS = 16
 # A block still walks its share of a row's positions alone, so with few blocks one row's
 # time grows with its context: at 4,000 positions the unsplit kernel took 211 us per
 # layer of the 1B shape on an H200, where mlx-lm's attention took 12 (one row,
-# tools/probe_cuda.py --prompt 4000). So where few blocks would run and the slot table is
+# tools/probe/probe_cuda.py --prompt 4000). So where few blocks would run and the slot table is
 # long, the group kernel splits each row's positions over P blocks (`partitions`), each
 # writing its unnormalized partial softmax (its sum of exp-weighted values, its max and
 # its sum of weights) in float32, and a second kernel merges a row's P partials per query
@@ -47,19 +47,19 @@ FEW_BLOCKS_WARPS = 16
 # token 4.53 -> 1.93 ms against mlx-lm's 3.78; 16 rows at 1,000 tokens (2 blocks each):
 # 1.88 -> 1.21 ms per step. Aiming at 512 or 1,024 blocks gave 0.75 and 0.70 ms, the
 # merge growing as the partial kernel shrank: within 3% of the token's GPU time
-# (tools/probe_cuda.py).
+# (tools/probe/probe_cuda.py).
 SPLIT_BLOCKS = 256  # aim: about this many blocks of the partial kernel
 SPLIT_MIN_POSITIONS = 256  # table positions per partition at least: shorter rows stay whole
 
 # Positions whose keys and values a warp of the group kernel loads before using any: its
 # loads in flight (the partial kernel at one block per SM looks bound by their latency,
 # inferred from its 44-48 us per layer for 8 MB on an H200). 2 is measured; 4 and 8 are
-# written for the next measurement (tools/probe_cuda.py's engine-paged-u4 and -u8).
+# written for the next measurement (tools/probe/probe_cuda.py's engine-paged-u4 and -u8).
 POSITIONS_IN_FLIGHT = 2
 
 # The group kernel against the head kernel on an H200 at the 1B shape (8 KV heads of 4
 # query heads each): 227 / 587 / 598 us per step at 1 / 16 / 64 rows against 238 / 703 /
-# 616 (CUPTI, tools/probe_cuda.py's engine-paged-group and -head). The default (KERNEL).
+# 616 (CUPTI, tools/probe/probe_cuda.py's engine-paged-group and -head). The default (KERNEL).
 _HEAD_SOURCE = sources.text("paged_head.cu")
 _GROUP = sources.text("paged_group.cu")
 GROUP_SOURCE = sources.fill(_GROUP, STORE=sources.text("paged_group_out.cu"))
@@ -67,7 +67,7 @@ GROUP_PARTS_SOURCE = sources.fill(_GROUP, STORE=sources.text("paged_group_parts.
 MERGE_SOURCE = sources.text("paged_merge.cu")
 
 # which kernel decode() runs: "group" or "head" (a block per row and query head; tests and
-# tools/probe_cuda.py set it to compare the two)
+# tools/probe/probe_cuda.py set it to compare the two)
 KERNEL = "group"
 GROUP_SHARED_BYTES = 32 << 10  # the group kernel's per-warp partials live in shared memory
 

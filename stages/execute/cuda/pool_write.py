@@ -19,7 +19,7 @@ def write(keys: mx.array, values: mx.array, pool_k: mx.array, pool_v: mx.array, 
     """One decode step's keys and values [B, Hk, 1, D] into a layer's pool arrays [Hk, S,
     D] at the rows' slots (int32 [B], contiguous), in place, by one kernel for both (on an
     H200 each of MLX's two scatters it replaces cost the host about 9 us per layer and
-    token to encode: tools/probe_ops.py). Returns a small marker array (16 bytes: out of
+    token to encode: tools/probe/probe_ops.py). Returns a small marker array (16 bytes: out of
     MLX's pool of small arrays) that whatever reads the pool back takes as an input of
     its kernel (paged_attention.decode's `after`: MLX orders a kernel after those that
     wrote its inputs, nothing else; through `mx.depends` on the marker the attention ran

@@ -25,8 +25,8 @@ GEMV_WARPS = 4  # warps per block, splitting K between them
 # sm_90 runs at 16 per SM and clock against 128 FMAs: at one row each weight costs a
 # conversion and two FMAs, so an 8B token's ~7G conversions alone would take ~1.7 ms at
 # 1.98 GHz on 132 SMs, where its 4-bit GEMVs took 2.4 ms of GPU time on an H200 (CUPTI,
-# tools/probe_cuda.py's engine-paged-q-blocks). 76 registers against 63 at one row
-# (tools/nvrtc_check.py --ptxas). Slower on an H200 (engine-paged-q-blocks-magic): the 8B
+# tools/probe/probe_cuda.py's engine-paged-q-blocks). 76 registers against 63 at one row
+# (tools/device/nvrtc_check.py --ptxas). Slower on an H200 (engine-paged-q-blocks-magic): the 8B
 # gate/up GEMV 1,240 against 1,155 us per token, so the conversions are not what bounds
 # it: off.
 GEMV_MAGIC_NIBBLES = False
@@ -36,11 +36,11 @@ GEMV_PASS_ROWS = 16  # rows per pass at most (registers: a thread keeps rows x f
 # (GEMV_WARPS 1 or 2) a thread walks 4 or 2 of a K = 4096 row's 16-byte loads per
 # feature, and unrolled their loads can all be in flight at once, as with 4 warps, without
 # the block's shared-memory reduction after every few loads. 1: one iteration per pass
-# (the default; the others not yet run on a GPU: tools/probe_cuda.py's -w1-u4, -w2-u2)
+# (the default; the others not yet run on a GPU: tools/probe/probe_cuda.py's -w1-u4, -w2-u2)
 GEMV_UNROLL = 1
 # each thread's weight loads: 16 bytes (32 weights) per feature and load, or 4 (one word)
 # without GEMV_WIDE_LOADS. One 8B-shape 4-bit token on an H200 (CUPTI, the engine's
-# runner, tools/probe_cuda.py's engine-paged-qgemv against engine-paged-qgemv-wide): the
+# runner, tools/probe/probe_cuda.py's engine-paged-qgemv against engine-paged-qgemv-wide): the
 # GEMV's 4096-wide calls 2,490 -> 2,162 us, 14336-wide 749 -> 595 us, the token's GPU time
 # 5.43 -> 4.96 ms
 GEMV_WIDE_LOADS = True

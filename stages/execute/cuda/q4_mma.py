@@ -2,7 +2,7 @@
 rows than the GEMV's (execute.quantized_mma; mma.cu with q4_mma_load_b.cu): mma.sync
 m16n8k16 (bf16 in, float32 sums) on weights dequantized in registers, up to 64 rows per
 pass. On an H200 a 64-row decode step of the 8B 4-bit shape took 14.7 ms through it,
-55.1 through the GEMV and 196.5 through MLX's quantized matmul (tools/probe_cuda.py's
+55.1 through the GEMV and 196.5 through MLX's quantized matmul (tools/probe/probe_cuda.py's
 engine-paged-qmma). quantized.py routes a quantized layer's rows through it; bf16_mma.py
 runs the same kernel on bfloat16 weights."""
 
@@ -28,7 +28,7 @@ MMA_PASS_TILES = 4  # 16-row tiles per pass at most (64 rows), sharing each B fr
 # (4, 1): a 64-row step's 4096-wide calls took 65 us each, every block reading all of x
 # from L2 (512 KB at 64 rows; 512 blocks), ~270 MB per call. "wide" (8, 2) reads x once
 # per 16 features, with as many warps in flight: on an H200, a 64-row step of the 8B
-# shape 14.6 -> 11.3 ms, its 4096-wide calls 12.6 -> 8.1 ms (CUPTI, tools/probe_cuda.py's
+# shape 14.6 -> 11.3 ms, its 4096-wide calls 12.6 -> 8.1 ms (CUPTI, tools/probe/probe_cuda.py's
 # engine-paged-qmma against engine-paged-qmma-wide)
 MMA_SHAPES = {"narrow": (4, 1), "wide": (8, 2)}
 MMA_SHAPE = "wide"

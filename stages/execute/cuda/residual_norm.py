@@ -12,7 +12,7 @@ from unikern.stages.execute.cuda import sources
 
 # two outputs, the sum and its norm: one output of [2, ...] read back as out[0] and out[1]
 # cost a gather kernel each in a traced step, 65 per 1B token on an H200 (CUPTI,
-# tools/probe_cuda.py's engine variants)
+# tools/probe/probe_cuda.py's engine variants)
 SOURCE = sources.text("residual_norm.cu")
 
 
