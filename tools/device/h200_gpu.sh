@@ -20,13 +20,15 @@
 #   kernel-tests  the CUDA kernel tests against MLX's ops, TF32 off (PYTEST_GPU: which ones)
 # and only where GPU_STEPS names them: bench-1b-iso (bench-1b with mlx-lm in a process of
 # its own), startup-tf (startup with the transformers wheel of .whl/tf), parity-8b-q4,
-# importtime (the worker's import, -X importtime), and h200_x2.sh's two-GPU steps:
+# importtime (the worker's import, -X importtime), ab-tree (this tree's engine against
+# OLD_TREE's, interleaved), and h200_x2.sh's two-GPU steps:
 # nccl-tests, bench-tp-8b. The models a step needs are built first (bench_gpu.py models
 # and gguf; llama.cpp builds in the background from .whl/lc's source).
 #
 # Environment: OUT (results: $OUT/gpu/, one log per step and summary.txt; default
 # /tmp/h200-out), GPU_STEPS, GPU_BUDGET_S (seconds this call may use, 570), BENCH_ARGS
-# (more bench_gpu.py bench arguments), PYTEST_GPU, WARM_STARTS, MLX_MEMORY_LIMIT_GIB (60).
+# (more bench_gpu.py bench arguments), PYTEST_GPU, WARM_STARTS, OLD_TREE, AB_ROUNDS (2),
+# MLX_MEMORY_LIMIT_GIB (60).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/h200-out}
@@ -89,7 +91,7 @@ if any_wanted bench-1b bench-8b-q4 || named bench-1b-iso; then
 fi
 
 # ---- models: random Llama weights written by MLX, and as GGUF by llama.cpp's converter -----
-if any_wanted bench-1b parity-1b startup || named bench-1b-iso || named startup-tf; then
+if any_wanted bench-1b parity-1b startup || named bench-1b-iso || named startup-tf || named ab-tree; then
   run_step models-1b $M/llama-1b/config.json 60 python3 -m tools.bench.bench_gpu models --out $M --shapes 1b --quantize
 fi
 if any_wanted bench-1b || named bench-1b-iso; then
@@ -109,6 +111,23 @@ if named bench-1b-iso; then
   TAIL=9 run_step bench-1b-iso $RES/bench-gpu-1b-iso.json 120 python3 -m tools.bench.bench_gpu bench \
     --model $M/llama-1b --gguf $M/llama-1b-bf16.gguf --llama-bin $BIN --split --isolate ${BENCH_ARGS:-} \
     --label "llama 1B shape, bfloat16, mlx-lm in its own process" --json $RES/bench-gpu-1b-iso.json
+fi
+
+# ---- this tree's engine against another checkout's (OLD_TREE: its kernel/ stages/ pipelines/
+# tools/, e.g. `git archive COMMIT kernel stages pipelines tools`), unikern alone at 1B, the two
+# interleaved in fresh processes, AB_ROUNDS times: a change measured on one machine start ----
+if named ab-tree && [ -d "${OLD_TREE:-}" ]; then
+  old_src=/tmp/oldsrc; rm -rf $old_src; mkdir -p $old_src/unikern
+  ln -s "$OLD_TREE"/kernel/* $old_src/unikern/; ln -s "$OLD_TREE/stages" $old_src/unikern/stages
+  ln -s "$OLD_TREE/pipelines" $old_src/unikern/pipelines
+  old_bench=$([ -f "$OLD_TREE/tools/bench/bench_gpu.py" ] && echo "-m tools.bench.bench_gpu" || echo "$OLD_TREE/tools/bench_gpu.py")
+  ab=(bench --model $M/llama-1b --engines unikern --concurrency 1 16 64 --repeats 3 ${BENCH_ARGS:-})
+  for r in $(seq ${AB_ROUNDS:-2}); do
+    TAIL=5 run_step ab-this-$r $RES/ab-this-$r.json 60 python3 -m tools.bench.bench_gpu "${ab[@]}" \
+      --json $RES/ab-this-$r.json
+    TAIL=5 run_step ab-old-$r $RES/ab-old-$r.json 60 bash -c "cd $OLD_TREE && \
+      PYTHONPATH=/tmp/py:$old_src:$OLD_TREE python3 $old_bench ${ab[*]} --json $RES/ab-old-$r.json"
+  done
 fi
 
 # ---- greedy parity and start-up, 1B bf16 ----------------------------------------------------
@@ -157,7 +176,8 @@ fi
 
 # ---- the CUDA kernel tests: each kernel against MLX's own ops, float32 exact (TF32 off) -----
 if want kernel-tests; then
-  tests=${PYTEST_GPU:-tests/test_decode_blocks.py tests/test_quantized_rows.py tests/test_paged_attention.py \
+  tests=${PYTEST_GPU:--p no:benchmark -n 4 tests/test_decode_blocks.py tests/test_quantized_rows.py \
+tests/test_paged_attention.py tests/test_dense_mma.py tests/test_residual_norms.py tests/test_fused_projections.py \
 tests/test_decode_window.py -k cuda}
   TAIL=6 run_step kernel-tests $RES/kernel-tests.done 300 bash -c "MLX_ENABLE_TF32=0 python3 -m pytest \
     -p no:cacheprovider -q -rA $tests && touch $RES/kernel-tests.done"
