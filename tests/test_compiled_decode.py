@@ -10,7 +10,7 @@ import unikern
 from tests.conftest import SMALL_KV, compare_greedy, complete_all, reference_greedy
 from unikern import messages as m
 from unikern.stages.execute.model import ModelGeometry
-from unikern.stages.execute.paged_cache import length_bucket
+from unikern.stages.execute.paged_cache import length_bucket, row_bucket
 from unikern.stages.execute.runner import ModelRunner
 from unikern.stages.kv.pool import KVPool
 
@@ -112,10 +112,35 @@ def test_the_trace_cache_starts_over_past_its_bound(tiny_llama, monkeypatch):
                      for j in range(rows))
         return runner.run(m.Step(1, work, 4), {})
 
-    # three shapes fill the cache; the 4-row window's next step starts it over and traces
-    # its own shape again
-    first = [window(rows) for rows in (2, 3, 4)]
+    # three shapes (row buckets) fill the cache; the 8-row window's next step starts it
+    # over and traces its own shape again
+    first = [window(rows) for rows in (2, 4, 8)]
     assert runner.compiled.traces == 4 and runner.compiled.resets == 1
     assert window(2) == first[0] and runner.compiled.traces == 5  # dropped with the reset: traced again
     runner.compiled = None
-    assert [window(rows) for rows in (2, 3, 4)] == first  # the uncompiled path agrees
+    assert [window(rows) for rows in (2, 4, 8)] == first  # the uncompiled path agrees
+
+
+def test_row_buckets_are_few_and_tight():
+    buckets = [row_bucket(n) for n in range(1, 65)]
+    assert sorted(set(buckets)) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert all(n <= b and (b - n <= 7 if n <= 32 else b <= 1.25 * n) for n, b in zip(range(1, 65), buckets, strict=True))
+
+
+def test_row_counts_of_one_bucket_share_a_trace_and_keep_their_tokens(tiny_llama):
+    runner = compiled_runner(tiny_llama)
+    params = m.SamplingParams(max_tokens=64)
+
+    def window(rows: int, steps: int, runner=runner):
+        work = tuple(m.SeqWork(f"r{j}", (5 + j,), 50 + j, tuple(range(2 + 4 * j, 6 + 4 * j)), True, params,
+                               num_generated=1) for j in range(rows))
+        return runner.run(m.Step(1, work, steps), {})
+
+    # 5 to 8 rows run as 8, windows of 3 to 7 steps through one write table, all within
+    # the 64-position length bucket: one trace
+    shapes = ((5, 4), (6, 6), (7, 3), (8, 7))
+    traced = {rows: window(rows, steps) for rows, steps in shapes}
+    assert runner.compiled.traces == 1
+    assert set(runner.compiled.shapes) == {"8x64x32/1024"}
+    runner.compiled = None  # op by op, unpadded: the same tokens
+    assert {rows: window(rows, steps) for rows, steps in shapes} == traced
