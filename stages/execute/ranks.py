@@ -30,7 +30,8 @@ from unikern.stages.execute.distributed import (
 )
 from unikern.stages.execute.model import LoadedModel, load_model
 from unikern.stages.execute.quantized import AUTO_ROWS, KERNEL_ROWS, route_quantized_layers
-from unikern.stages.execute.runner import ModelRunner, warm_up
+from unikern.stages.execute.runner import ModelRunner
+from unikern.stages.execute.warmup import warm_up
 from unikern.stages.kv.pool import KVPool
 
 REPORT_EVERY_S = 0.25  # per-rank stats are gathered after a step at most this often
