@@ -52,6 +52,7 @@ CONVERT = (
     "runpy.run_path(sys.argv[0], run_name='__main__')"
 )
 LIBRARY = "library"  # the peer that runs unikern.Engine in a child process
+SERVE_CHILD = "--serve-child"  # argv[1] of `unikern serve` run through this file (a stand-in model)
 
 
 def free_port() -> int:
@@ -119,11 +120,14 @@ class Peer:
 def make_peers(args: argparse.Namespace, model: Path, gguf: Path | None, logs: Path) -> list[Peer]:
     sets = sum((["--set", s] for s in args.set), [])
     top = max(args.levels)
+    this = str(Path(__file__).resolve())
+    serve = [sys.executable, this, SERVE_CHILD, args.stand_in] if args.stand_in else [sys.executable, "-m", "unikern"]
+    stand_in = ["--stand-in", args.stand_in] if args.stand_in else []
     peers = [
-        Peer("unikern", [sys.executable, "-m", "unikern", "serve", "--model", str(model), "--port", "{port}",
-                         "--drain-seconds", "0", *sets], 0, logs / "unikern.log"),
-        Peer(LIBRARY, [sys.executable, str(Path(__file__).resolve()), "--library-child", "--model", str(model),
-                       *sum((["--set", s] for s in args.set), [])], 0, logs / "library.log"),
+        Peer("unikern", [*serve, "serve", "--model", str(model), "--port", "{port}", "--drain-seconds", "0", *sets],
+             0, logs / "unikern.log"),
+        Peer(LIBRARY, [sys.executable, this, "--library-child", "--model", str(model), *stand_in, *sets],
+             0, logs / "library.log"),
         Peer("mlx_lm", [sys.executable, "-c", MLX_LM_SERVER, "--model", str(model), "--port", "{port}",
                         "--decode-concurrency", str(top), "--prompt-concurrency", "8",
                         "--log-level", "WARNING"], 0, logs / "mlx_lm.log"),
@@ -133,7 +137,8 @@ def make_peers(args: argparse.Namespace, model: Path, gguf: Path | None, logs: P
         peers.append(Peer("llama.cpp", [args.llama_server, "-m", str(gguf), "--port", "{port}", "--host", "127.0.0.1",
                                         "-t", str(args.threads), "-np", str(top), "-c", str(context), "--no-webui",
                                         "--jinja"], 0, logs / "llama-server.log"))
-    peers = [p for p in peers if p.name in args.peers]
+    # a stand-in model makes no tokens of the model's own: the other servers have nothing to match
+    peers = [p for p in peers if p.name in args.peers and (not args.stand_in or p.name in ("unikern", LIBRARY))]
     for peer in peers:
         peer.port = free_port()
         peer.argv = [a.replace("{port}", str(peer.port)) for a in peer.argv]
@@ -178,7 +183,8 @@ def stream_starts(streams: int, stagger_ms: float, seed: int) -> list[float]:
 # ---- one batch: HTTP or library ----------------------------------------------------------
 
 
-async def one_http(client: httpx.AsyncClient, peer: Peer, messages: list[dict], max_tokens: int) -> dict:
+async def one_http(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int,
+                   retried: list[int]) -> dict:
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
@@ -186,26 +192,33 @@ async def one_http(client: httpx.AsyncClient, peer: Peer, messages: list[dict], 
     usage_tokens = None
     for attempt in range(MAX_ATTEMPTS):
         try:
-            async with client.stream("POST", f"{peer.url}/v1/chat/completions", json=body) as response:
+            async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
                 response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[5:])
-                    if chunk.get("usage"):
-                        usage_tokens = chunk["usage"].get("completion_tokens")
-                    choices = chunk.get("choices") or []
-                    if choices and (choices[0].get("delta") or {}).get("content"):
-                        arrivals.append(time.perf_counter())
+                pending = b""
+                # raw bytes split by hand: httpx's aiter_lines cost this client ~150 us of
+                # CPU per token at 64 streams, more than the server's own work
+                async for data in response.aiter_raw():
+                    now = time.perf_counter()
+                    *lines, pending = (pending + data).split(b"\n")
+                    for line in lines:
+                        line = line.strip()
+                        if not line.startswith(b"data:") or line.endswith(b"[DONE]"):
+                            continue
+                        chunk = json.loads(line[5:])
+                        if chunk.get("usage"):
+                            usage_tokens = chunk["usage"].get("completion_tokens")
+                        choices = chunk.get("choices") or []
+                        if choices and (choices[0].get("delta") or {}).get("content"):
+                            arrivals.append(now)
             break
         except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
             # a full listen backlog (http.server's is 5) drops connections: retry, the
             # clock keeps running from the first attempt
             if arrivals or attempt == MAX_ATTEMPTS - 1:
                 raise
-            peer.retries += 1
+            retried[0] += 1
     if not arrivals:
-        raise RuntimeError(f"{peer.name}: a request produced no text")
+        raise RuntimeError(f"{url}: a request produced no text")
     return timing(sent, arrivals, usage_tokens or len(arrivals))
 
 
@@ -215,37 +228,117 @@ def timing(sent: float, arrivals: list[float], tokens: int) -> dict:
             "end_s": arrivals[-1] - sent}
 
 
-async def run_streams(send, conversations_: list[list[dict]], streams: int, starts: list[float]) -> dict:
-    """`streams` streams, each sending its share of the conversations one after another,
-    stream i from starts[i] on; `send(messages)` runs one request and returns its timing."""
-    shares = [conversations_[i::streams] for i in range(streams)]
-    begin = time.perf_counter()
+async def run_streams(send, shares: list[list[list[dict]]], starts: list[float], begin: float) -> dict:
+    """One stream per share, each sending its conversations one after another, stream i
+    from `begin` + starts[i] on (`begin`: time.time(), shared by the client processes);
+    `send(messages)` runs one request and returns its timing."""
 
     async def stream(i: int) -> list[dict]:
-        await asyncio.sleep(max(0.0, begin + starts[i] - time.perf_counter()))
+        await asyncio.sleep(max(0.0, begin + starts[i] - time.time()))
         return [await send(messages) for messages in shares[i]]
 
-    results = [r for rs in await asyncio.gather(*(stream(i) for i in range(streams))) for r in rs]
-    wall = time.perf_counter() - begin
-    return {"wall_s": wall, "requests": results, "tokens": sum(r["tokens"] for r in results)}
+    results = [r for rs in await asyncio.gather(*(stream(i) for i in range(len(shares)))) for r in rs]
+    return {"requests": results, "end": time.time()}
 
 
-async def http_batch(peer: Peer, batch: dict) -> dict:
-    limits = httpx.Limits(max_connections=batch["streams"], max_keepalive_connections=batch["streams"])
-    async with httpx.AsyncClient(limits=limits, timeout=600) as client:
-        return await run_streams(lambda msgs: one_http(client, peer, msgs, batch["max_tokens"]),
-                                 batch["conversations"], batch["streams"], batch["starts"])
+def split_streams(batch: dict) -> tuple[list[list[list[dict]]], list[float]]:
+    streams = batch["streams"]
+    return [batch["conversations"][i::streams] for i in range(streams)], batch["starts"]
 
 
-def run_batch(peer: Peer, batch: dict) -> dict:
+def client_part(url: str, shares: list, starts: list[float], max_tokens: int, begin: float) -> dict:
+    """Some of a batch's streams, in a client process of their own."""
+
+    async def part() -> dict:
+        # a client (one connection) per stream: httpx's pool looks over every connection
+        # for every request it places, which at 64 streams was most of this client's CPU;
+        # no certificates to load (plain http), 25 ms a client on this machine
+        retried = [0]
+        clients = [httpx.AsyncClient(limits=httpx.Limits(max_connections=1), timeout=600, verify=False) for _ in shares]
+
+        async def stream(i: int) -> list[dict]:
+            await asyncio.sleep(max(0.0, begin + starts[i] - time.time()))
+            return [await one_http(clients[i], url, msgs, max_tokens, retried) for msgs in shares[i]]
+
+        try:
+            results = await asyncio.gather(*(stream(i) for i in range(len(shares))))
+        finally:
+            for client in clients:
+                await client.aclose()
+        return {"requests": [r for rs in results for r in rs], "end": time.time(), "retries": retried[0]}
+
+    return asyncio.run(part())
+
+
+class Clients:
+    """The HTTP client: processes that each run some of a batch's streams on an event loop
+    of their own, so that the client's parsing is not what paces a fast server."""
+
+    def __init__(self, processes: int) -> None:
+        import multiprocessing
+
+        self.processes = processes
+        self.pool = multiprocessing.get_context("spawn").Pool(processes) if processes > 1 else None
+
+    def run(self, peer: Peer, batch: dict) -> dict:
+        shares, starts = split_streams(batch)
+        n = min(self.processes, len(shares))
+        begin = time.time() + (0.3 if n > 1 else 0.0)  # every process under way before the first send
+        parts = [(peer.url, shares[k::n], starts[k::n], batch["max_tokens"], begin) for k in range(n)]
+        done = self.pool.starmap(client_part, parts) if n > 1 else [client_part(*parts[0])]
+        peer.retries += sum(d["retries"] for d in done)
+        requests = [r for d in done for r in d["requests"]]
+        return {"wall_s": max(d["end"] for d in done) - begin, "requests": requests,
+                "tokens": sum(r["tokens"] for r in requests)}
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+
+
+def run_batch(peer: Peer, batch: dict, clients: Clients) -> dict:
     if peer.name != LIBRARY:
-        return asyncio.run(http_batch(peer, batch))
+        return clients.run(peer, batch)
     peer.process.stdin.write(json.dumps(batch) + "\n")
     peer.process.stdin.flush()
     line = peer.process.stdout.readline()
     if not line:
         raise RuntimeError(f"the library child exited: {peer.log.read_text()[-800:]}")
     return json.loads(line)
+
+
+def install_stand_in(setting: str, model: str) -> None:
+    """Every step of the engine's runner replaced by a fixed cost: `GPU_MS,HOST_US` (a GIL-free
+    wait, Python holding the GIL), as tools/host_bound.py's, and a token per row and step that
+    is nobody's end of sequence. The rest (scheduler, detokenizer, delivery, HTTP) is real:
+    what the host does at a GPU's step rate, on this machine."""
+    from unikern import messages as m
+    from unikern.stages.execute.runner import ModelRunner
+    from unikern.stages.models import resolve_model_path
+
+    gpu_ms, host_us = (float(x) for x in setting.split(","))
+    vocab = json.loads((resolve_model_path(model) / "config.json").read_text())["vocab_size"]
+
+    def execute(self, step: m.Step, seeds: dict[str, int]) -> m.StepDone:
+        for _ in range(step.num_steps):
+            end = time.thread_time() + host_us / 1e6
+            while time.thread_time() < end:
+                pass
+            time.sleep(gpu_ms / 1e3)
+        return m.StepDone(step.step_id, {
+            w.request_id: [5 + (hash(w.request_id) + w.num_generated + i) % (vocab - 10) for i in range(step.num_steps)]
+            for w in step.work if w.sample})
+
+    ModelRunner.execute = execute
+
+
+def serve_child(argv: list[str]) -> int:
+    """`unikern serve` with a stand-in model: argv is [setting, "serve", ...]."""
+    from unikern.frontends.cli import leave, main
+
+    install_stand_in(argv[0], argv[argv.index("--model") + 1])
+    leave(main(argv[1:]))
+    return 0
 
 
 def library_child(args: argparse.Namespace) -> int:
@@ -256,6 +349,8 @@ def library_child(args: argparse.Namespace) -> int:
     from unikern.spec import load_pipeline, parse_overrides
 
     configure("warning")  # to stderr: stdout carries the results
+    if args.stand_in:
+        install_stand_in(args.stand_in, args.model)
     spec = load_pipeline("generate", model=args.model, overrides=parse_overrides(args.set))
 
     async def serve() -> None:
@@ -274,8 +369,12 @@ def library_child(args: argparse.Namespace) -> int:
                             tokens += 1
                     return timing(sent, arrivals, tokens)
 
-                result = await run_streams(send, batch["conversations"], batch["streams"], batch["starts"])
-                print(json.dumps(result), flush=True)
+                shares, starts = split_streams(batch)
+                begin = time.time()
+                result = await run_streams(send, shares, starts, begin)
+                requests = result["requests"]
+                print(json.dumps({"wall_s": result["end"] - begin, "requests": requests,
+                                  "tokens": sum(r["tokens"] for r in requests)}), flush=True)
 
     asyncio.run(serve())
     return 0
@@ -384,6 +483,8 @@ def plot(summary: dict, keys: list[str], path: Path, title: str) -> None:
 
 
 def main() -> int:
+    if sys.argv[1:2] == [SERVE_CHILD]:
+        return serve_child(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="llama-5m", help="a unikern.testing.modelgen preset or a model directory")
     parser.add_argument("--gguf", help="the model as GGUF for llama-server (default: converted with --convert-script)")
@@ -405,6 +506,11 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
                         help="passed to unikern serve and the library peer")
     parser.add_argument("--tag", default="", help="added to the output files' names")
+    parser.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+                        help="HTTP client processes a batch's streams are spread over")
+    parser.add_argument("--stand-in", metavar="GPU_MS,HOST_US",
+                        help="unikern (serve and library) on a stand-in model of this cost per step, e.g. 2.6,300 "
+                             "(an H200's 1B step at 64 rows): the host's work at a GPU's pace; other peers skipped")
     parser.add_argument("--library-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.library_child:
@@ -429,6 +535,7 @@ def main() -> int:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     for peer in peers:
         peer.start(env)
+    clients = Clients(args.client_processes)
     keys = [f"{phase}/{c}" for phase in args.phases for c in args.levels]
     try:
         for peer in peers:
@@ -440,7 +547,7 @@ def main() -> int:
         warm = {"conversations": conversations("plain", top, args, "warm-"), "streams": top, "max_tokens": 8,
                 "starts": [0.0] * top}
         for peer in live:  # one warm-up round: loads, first kernels, the largest batch once
-            run_batch(peer, warm)
+            run_batch(peer, warm, clients)
         for phase in args.phases:
             for level in args.levels:
                 batch = {"conversations": conversations(phase, level * args.requests_per_stream, args),
@@ -449,12 +556,13 @@ def main() -> int:
                     batch["starts"] = stream_starts(level, args.stagger_ms, args.seed + round_)
                     order = live[round_ % len(live):] + live[: round_ % len(live)]
                     for peer in order:
-                        result = run_batch(peer, batch)
+                        result = run_batch(peer, batch, clients)
                         peer.results.setdefault(f"{phase}/{level}", []).append(result)
                         f = round_figures(result)
                         print(f"{phase:>6} c={level:>2} round {round_} {peer.name:>9}: {f['tok_s']:8.1f} tok/s  "
                               f"TTFT p50 {f['ttft_p50_ms']:7.1f} p99 {f['ttft_p99_ms']:7.1f} ms", file=sys.stderr)
     finally:
+        clients.close()
         for peer in peers:
             peer.stop()
 
@@ -496,7 +604,7 @@ def main() -> int:
         "model": args.model, "levels": args.levels, "phases": args.phases, "rounds": args.rounds,
         "requests_per_stream": args.requests_per_stream, "prompt_tokens": args.prompt_tokens,
         "system_tokens": args.system_tokens, "max_tokens": args.max_tokens, "stagger_ms": args.stagger_ms,
-        "seed": args.seed, "sets": args.set, "cpus": os.cpu_count(), "machine": platform.platform(),
+        "seed": args.seed, "client_processes": args.client_processes, "sets": args.set, "stand_in": args.stand_in, "cpus": os.cpu_count(), "machine": platform.platform(),
         "peers": {p.name: p.argv for p in peers}, "retries": {p.name: p.retries for p in peers},
         "errors": {p.name: p.error for p in peers if p.error},
         "library_startup": next((p.startup for p in peers if p.name == LIBRARY), None),
@@ -505,7 +613,8 @@ def main() -> int:
     }
     stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     plot(summary, keys, stem.with_suffix(".png"),
-         f"HTTP serving, {args.model}, {os.cpu_count()} CPUs, {arrival}, {args.max_tokens} tokens")
+         f"HTTP serving, {args.model}{f' (stand-in {args.stand_in})' if args.stand_in else ''}, {os.cpu_count()} CPUs, "
+         f"{arrival}, {args.max_tokens} tokens")
     print(f"wrote {stem}.json and .png")
     return 0
 
