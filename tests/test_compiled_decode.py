@@ -50,6 +50,25 @@ async def test_engine_with_compiled_decode_matches_mlx_lm(family, prefill, model
         assert ok, f"{family}, prompt of {len(prompt)} tokens: {note}"
 
 
+@pytest.mark.anyio
+async def test_padded_windows_fed_the_tokens_left_on_the_device_match_mlx_lm(tiny_llama):
+    """Windows planned while the one before runs (schedule.overlap_windows) take its
+    sampled tokens from the device; the traced step pads those rows to its bucket too."""
+    batch = [[(7 * i + 5 * j) % 900 + 5 for j in range(4 + 9 * i)] for i in range(6)]  # 6 rows: a bucket of 8
+    overrides = {
+        "kv": {**SMALL_KV["kv"], "block_size": 32, "unwritten_fill": "nan"},
+        "schedule": {"overlap_windows": True},
+        "execute": {"compile_decode": "always", "cpu_kernels": False},
+    }
+    async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as engine:
+        results = await complete_all(engine, batch, max_tokens=24)
+        shapes = engine.stats()["compiled_decode"]["shapes"]
+    assert any(shape.startswith("8x") for shape in shapes), shapes
+    for prompt, result in zip(batch, results, strict=True):
+        ok, note = compare_greedy(result.token_ids, reference_greedy(tiny_llama, prompt, 24))
+        assert ok, f"prompt of {len(prompt)} tokens: {note}"
+
+
 def compiled_runner(path: str) -> ModelRunner:
     """A runner with the compiled step on, over a 64-block pool of 16-token blocks."""
     from mlx_lm import load
