@@ -5,20 +5,25 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
 import msgspec
 import psutil
+import structlog
 from anyio.streams.memory import MemoryObjectSendStream
 
 from unikern import messages as m
+from unikern import startup as startup_phases
 from unikern.errors import RequestError, StageError, UnikernError
 from unikern.platform import bridge_stats, current_platform
 from unikern.router import INBOX_SIZE, Router
 from unikern.sampling_params import sampling_params
 from unikern.spec import PipelineSpec, load_pipeline
+
+log = structlog.get_logger("unikern")
 
 LogitsProcessor = Callable[[list[int], Any], Any]
 
@@ -47,6 +52,7 @@ class Engine:
         self._tg: anyio.abc.TaskGroup | None = None
         self.fault: StageError | None = None
         self._faulted: anyio.Event | None = None
+        self.startup: dict[str, float] = {}  # seconds per start-up phase, once ready (unikern.startup)
 
     @classmethod
     def from_pipeline(
@@ -63,6 +69,7 @@ class Engine:
     # ---- lifecycle -------------------------------------------------------------------
 
     async def __aenter__(self) -> Engine:
+        entered = time.time()
         self._faulted = anyio.Event()
         egress_send, egress_receive = anyio.create_memory_object_stream[Any](INBOX_SIZE)
         self._router = Router(self.spec, egress_send, self._on_fault)
@@ -78,6 +85,11 @@ class Engine:
             except BaseExceptionGroup as group:
                 raise _single_unikern_error(group) from None
             raise _single_unikern_error(exc) from None
+        created = psutil.Process().create_time()
+        self.startup = startup_phases.collect(
+            (getattr(stage, "startup", None) or {} for stage in self._router.stages.values()),
+            entered - created, time.time() - created)
+        log.info("engine.ready", pipeline=self.spec.name, **self.startup)
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
@@ -114,6 +126,8 @@ class Engine:
                     merged.setdefault(section, {}).update(values)
                 else:
                     merged[section] = values
+        if self.startup:  # every stage's phases with the engine's own (the execute stage's alone before ready)
+            merged.setdefault("model", {})["startup"] = self.startup
         return merged
 
     async def wait_for_fault(self) -> StageError:

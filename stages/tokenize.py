@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from unikern import messages as m
@@ -114,9 +115,12 @@ class TokenizeStage(StageBase):
     async def run(self, ctx: StageContext, *, task_status) -> None:
         import anyio
 
+        started = time.perf_counter()
         self.encoder = await anyio.to_thread.run_sync(
             PromptEncoder, self.params.model, self.params.max_prompt_tokens
         )
+        # beside the model's load (stats.model.startup, Engine.startup)
+        self.startup = {"tokenizer_s": round(time.perf_counter() - started, 3)}
         tokenizer = self.encoder.tokenizer
         self.grammars = GrammarCompiler(
             getattr(tokenizer, "_tokenizer", tokenizer), tokenizer.eos_token_ids, self.encoder.vocab_size

@@ -10,7 +10,7 @@ import unikern
 from tests.conftest import SMALL_KV, compare_greedy, complete_all, reference_greedy
 from unikern import messages as m
 from unikern.stages.execute.model import ModelGeometry
-from unikern.stages.execute.paged_cache import length_bucket
+from unikern.stages.execute.paged_cache import length_bucket, row_bucket
 from unikern.stages.execute.runner import ModelRunner
 from unikern.stages.kv.pool import KVPool
 
@@ -48,6 +48,25 @@ async def test_engine_with_compiled_decode_matches_mlx_lm(family, prefill, model
     for prompt, result in zip(batch, results, strict=True):
         ok, note = compare_greedy(result.token_ids, reference_greedy(path, prompt, 20))
         assert ok, f"{family}, prompt of {len(prompt)} tokens: {note}"
+
+
+@pytest.mark.anyio
+async def test_padded_windows_fed_the_tokens_left_on_the_device_match_mlx_lm(tiny_llama):
+    """Windows planned while the one before runs (schedule.overlap_windows) take its
+    sampled tokens from the device; the traced step pads those rows to its bucket too."""
+    batch = [[(7 * i + 5 * j) % 900 + 5 for j in range(4 + 9 * i)] for i in range(6)]  # 6 rows: a bucket of 8
+    overrides = {
+        "kv": {**SMALL_KV["kv"], "block_size": 32, "unwritten_fill": "nan"},
+        "schedule": {"overlap_windows": True},
+        "execute": {"compile_decode": "always", "cpu_kernels": False},
+    }
+    async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as engine:
+        results = await complete_all(engine, batch, max_tokens=24)
+        shapes = engine.stats()["compiled_decode"]["shapes"]
+    assert any(shape.startswith("8x") for shape in shapes), shapes
+    for prompt, result in zip(batch, results, strict=True):
+        ok, note = compare_greedy(result.token_ids, reference_greedy(tiny_llama, prompt, 24))
+        assert ok, f"prompt of {len(prompt)} tokens: {note}"
 
 
 def compiled_runner(path: str) -> ModelRunner:
@@ -91,7 +110,10 @@ async def test_warmup_runs_before_ready_and_leaves_the_pool_unallocated(tiny_lla
         before = engine.stats()
         results = await complete_all(engine, [[5, 6, 7, 8]], max_tokens=6)
         after = engine.stats()
-    assert before["warmup"]["ran"] and before["warmup"]["steps"] == 3
+    # prefills of 2 and 1 rows, windows of 1-64 rows (and one of a row's scattered blocks),
+    # one-step decodes of 2-17 rows, a sampled window
+    assert before["warmup"]["ran"] and before["warmup"]["steps"] == 15
+    assert before["warmup"]["window_rows"] == [1, 2, 3, 8, 16, 64]
     # the warm-up ran on its own pool: the engine's still holds nothing (lazy growth)
     assert before["memory"]["kv_resident_bytes"] == 0
     # the CPU kernels were installed by the warm-up's runner and again by the engine's: once
@@ -112,10 +134,35 @@ def test_the_trace_cache_starts_over_past_its_bound(tiny_llama, monkeypatch):
                      for j in range(rows))
         return runner.run(m.Step(1, work, 4), {})
 
-    # three shapes fill the cache; the 4-row window's next step starts it over and traces
-    # its own shape again
-    first = [window(rows) for rows in (2, 3, 4)]
+    # three shapes (row buckets) fill the cache; the 8-row window's next step starts it
+    # over and traces its own shape again
+    first = [window(rows) for rows in (2, 4, 8)]
     assert runner.compiled.traces == 4 and runner.compiled.resets == 1
     assert window(2) == first[0] and runner.compiled.traces == 5  # dropped with the reset: traced again
     runner.compiled = None
-    assert [window(rows) for rows in (2, 3, 4)] == first  # the uncompiled path agrees
+    assert [window(rows) for rows in (2, 4, 8)] == first  # the uncompiled path agrees
+
+
+def test_row_buckets_are_few_and_tight():
+    buckets = [row_bucket(n) for n in range(1, 65)]
+    assert sorted(set(buckets)) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert all(n <= b and (b - n <= 7 if n <= 32 else b <= 1.25 * n) for n, b in zip(range(1, 65), buckets, strict=True))
+
+
+def test_row_counts_of_one_bucket_share_a_trace_and_keep_their_tokens(tiny_llama):
+    runner = compiled_runner(tiny_llama)
+    params = m.SamplingParams(max_tokens=64)
+
+    def window(rows: int, steps: int, runner=runner):
+        work = tuple(m.SeqWork(f"r{j}", (5 + j,), 50 + j, tuple(range(2 + 4 * j, 6 + 4 * j)), True, params,
+                               num_generated=1) for j in range(rows))
+        return runner.run(m.Step(1, work, steps), {})
+
+    # 5 to 8 rows run as 8, windows of 3 to 7 steps through one write table, all within
+    # the 64-position length bucket: one trace
+    shapes = ((5, 4), (6, 6), (7, 3), (8, 7))
+    traced = {rows: window(rows, steps) for rows, steps in shapes}
+    assert runner.compiled.traces == 1
+    assert set(runner.compiled.shapes) == {"8x64x32/1024"}
+    runner.compiled = None  # op by op, unpadded: the same tokens
+    assert {rows: window(rows, steps) for rows, steps in shapes} == traced

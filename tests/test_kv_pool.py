@@ -273,3 +273,26 @@ def test_idle_worker_gives_its_kv_memory_back(tiny_llama):
     assert dropped >= 0.9 * busy["memory"]["kv_resident_bytes"], (
         f"RSS dropped by {dropped / MiB:.1f} MiB: busy {busy['memory']['rss_bytes'] / MiB:.1f} MiB, "
         f"idle {[round(r / MiB, 1) for r in idle['rss_samples']]} MiB")
+
+
+def test_slab_pools_grow_and_shrink_through_power_of_two_capacities():
+    """Each capacity is a shape the compiled steps trace anew: a slab pool meets few, and
+    the same ones whenever it grows back."""
+    import mlx.core as mx
+
+    from unikern.stages.kv.pool import KVPool
+
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, dtype=mx.float32, block_size=4, kernel_block_size=4,
+                  num_blocks=100, slab_blocks=3, backend="metal")
+    seen = []
+    for blocks in (1, 4, 7, 8, 13, 25, 40, 49, 99, 100):
+        pool.ensure_capacity(blocks)
+        seen.append(pool.capacity_blocks)
+    assert seen == [3, 6, 12, 12, 24, 48, 48, 96, 100, 100]
+    assert pool.keys[0].shape[1] == 100 * 4
+    pool.release(keep=[10])  # blocks 0-10 stay: 11 blocks, 4 slabs' class
+    assert pool.capacity_blocks == 12
+    pool.release()
+    assert pool.capacity_blocks == 0
+    pool.ensure_capacity(5)
+    assert pool.capacity_blocks == 6

@@ -154,7 +154,7 @@ def test_a_prefill_rows_setting_that_is_no_count_is_refused():
             prepare_model(MLXExecuteParams(model="no/such/model", prefill_rows=bad), None, WeightWiring())
 
 
-@pytest.mark.parametrize("prefill_rows, compile_prefill, steps", [(0, False, 3), (64, False, 4), (0, True, 4)])
+@pytest.mark.parametrize("prefill_rows, compile_prefill, steps", [(0, False, 15), (64, False, 16), (0, True, 17)])
 def test_warm_up_runs_the_prefill_by_rows_or_traced_too_where_it_is_on(tiny_llama, prefill_rows, compile_prefill,
                                                                         steps):
     from unikern.stages.execute.warmup import warm_up
@@ -163,3 +163,5 @@ def test_warm_up_runs_the_prefill_by_rows_or_traced_too_where_it_is_on(tiny_llam
     report = warm_up(model, ModelGeometry(model), False, False, paged_attention=True, prefill_rows=prefill_rows,
                      compile_prefill=compile_prefill)
     assert report["ran"] and report["steps"] == steps
+    # a prompt of two rows ran as one forward (traced: 2 rows at the 32-token bucket), as did one of one row
+    assert report["traced_prefill"] == (["1x32/224", "2x32/224"] if compile_prefill else [])

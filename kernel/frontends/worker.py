@@ -27,6 +27,7 @@ from unikern.frontends.protocol import (
     decode_op,
     encode_event,
 )
+from unikern.startup import describe as describe_startup
 
 log = structlog.get_logger("unikern.worker")
 
@@ -234,6 +235,9 @@ def open_stdin_lines(fd: int = 0) -> anyio.abc.ObjectReceiveStream[bytes | Overs
 
 async def run_worker(engine_factory, *, drain_seconds: float = 30.0) -> int:
     async with engine_factory() as engine:
+        # stdout's ready event keeps the protocol's fields; where the start went is in
+        # stats (model.startup) and on stderr
+        print(f"unikern: {describe_startup(engine.startup)}", file=sys.stderr, flush=True)
         worker = Worker(engine, sys.stdout.buffer, drain_seconds)
         with open_stdin_lines() as lines:
             code = await worker.serve(lines)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -42,10 +44,12 @@ class CompiledDecode:
     decode attention reads the pool itself (cuda/paged_attention.py: no mask) and
     execute.compile_one_row says so."""
 
-    # MLX keeps every traced shape until the compiled function is dropped, and a server
-    # whose batch size keeps changing meets new shapes for as long as it runs: the cache
-    # starts over after this many (the shapes in use are traced again)
-    max_traces = 128
+    # MLX keeps every traced shape until the compiled function is dropped: the cache starts
+    # over after this many (the shapes in use are traced again). The shapes are bounded:
+    # 11 row buckets to 64 rows (paged_cache.row_bucket), 4 length buckets per doubling,
+    # one write table, one per pool capacity; 128 was below what one round of 64 staggered
+    # requests could meet before the rows and write tables were bucketed
+    max_traces = 256
 
     def __init__(self, model: Any, num_layers: int, paged: str | None = None) -> None:
         self.model = model
@@ -53,6 +57,8 @@ class CompiledDecode:
         self.paged = paged  # PagedLayerCache's: decode attention straight from the pool
         self.traces = 0  # how many times a new shape was traced (tests, stats)
         self.resets = 0
+        self.trace_s = 0.0  # seconds the calls that traced took (the trace itself: the step runs later)
+        self.shapes: Counter[str] = Counter()  # traces per "rows x length x steps / pool slots" (stats)
         self._traces_kept = 0
         self._step = mx.compile(self._forward)
 
@@ -71,9 +77,14 @@ class CompiledDecode:
             self._traces_kept = 0
             self.resets += 1
         step = mx.array(i, dtype=mx.int32)
+        traced, started = self.traces, time.perf_counter()
         logits, pool.keys, pool.values = self._step(
             tokens, window.starts, step, window.write_slots, window.read_slots, pool.keys, pool.values
         )
+        if self.traces != traced:
+            self.trace_s += time.perf_counter() - started
+            B, L = window.read_slots.shape
+            self.shapes[f"{B}x{L}x{window.write_slots.shape[0]}/{pool.keys[0].shape[1]}"] += 1
         return logits
 
 
@@ -100,6 +111,8 @@ class CompiledPrefill:
         self.paged = paged
         self.traces = 0  # shapes traced (tests, stats)
         self.forwards = 0  # forwards run through it (stats)
+        self.trace_s = 0.0  # seconds the calls that traced took
+        self.shapes: Counter[str] = Counter()  # traces per "rows x bucket / pool slots" (stats)
         self._traces_kept = 0
         self._forward_fn = mx.compile(self._forward)
 
@@ -140,6 +153,10 @@ class CompiledPrefill:
             padded[i, :n] = row
         self.forwards += 1
         last = mx.array([n - 1 for _, _, n in rows], dtype=mx.int32)
+        traced, started = self.traces, time.perf_counter()
         logits, pool.keys, pool.values = self._forward_fn(
             mx.array(padded), mx.array(write.reshape(-1)), last, pool.keys, pool.values)
+        if self.traces != traced:
+            self.trace_s += time.perf_counter() - started
+            self.shapes[f"{len(rows)}x{bucket}/{pool.keys[0].shape[1]}"] += 1
         return logits

@@ -27,6 +27,10 @@ PAD_STEP_ROWS = True
 # steps 711 -> 629 primitives (tools/probe/probe_cuda.py's engine-paged-write)
 WRITE_IN_PLACE = True
 
+# a traced window's write table holds at least this many steps (decode_lookahead_max's
+# default): windows of 2 to 32 steps share one shape instead of one per power of two
+WINDOW_TABLE_STEPS = 32
+
 
 def block_slots(blocks: tuple[int, ...], block_size: int) -> np.ndarray:
     """A logical block table expanded to the pool slot of every position it covers."""
@@ -115,6 +119,17 @@ def length_bucket(n: int, unit: int) -> int:
     return -(-n // step) * step
 
 
+def row_bucket(n: int) -> int:
+    """The rows a traced decode step runs `n` rows at (the rest padding): 1, 2, 4, 8, then
+    multiples of 8 to 32 and four counts per doubling past it (length_bucket's). A server's
+    batch changes with every arrival and exit, and each row count was a trace of its own
+    per length bucket, traced on the request path: this keeps 11 of them up to 64 rows, at
+    most 7 rows of padding up to 32 and a quarter more past it."""
+    if n <= 2:
+        return n
+    return 4 if n <= 4 else length_bucket(n, 8)
+
+
 class DecodeWindow:
     """The layouts of `num_steps` back-to-back decode steps of the same rows, built on
     the host once: every step reads the same slot table (long enough for the last
@@ -126,12 +141,14 @@ class DecodeWindow:
         self, pool: KVPool, rows: list[tuple[tuple[int, ...], int]], num_steps: int, bucketed: bool = False
     ) -> None:
         bs, kb = pool.block_size, pool.kernel_block_size
-        B = len(rows)
+        B = rows_run = len(rows)
         L = -(-max(start + num_steps for _, start in rows) // kb) * kb
         table_steps = num_steps
         if bucketed:  # few distinct shapes, so a compiled step is traced once per bucket
             L = length_bucket(L, kb)
-            table_steps = 1 << (num_steps - 1).bit_length()
+            table_steps = max(WINDOW_TABLE_STEPS, 1 << (num_steps - 1).bit_length())
+            # padded rows start at 0, read the zero block and write the scratch block
+            rows_run = row_bucket(B)
         # the per-row arrays a step derives its offsets, lengths and write slots from hold
         # at least 3 rows (the rows past B unused), so those are views of arrays of more
         # than 8 bytes (window_layout): MLX's CUDA allocator keeps arrays of up to 8 bytes
@@ -139,8 +156,8 @@ class DecodeWindow:
         # kernel reading such an array took 12 us a launch against 2.5 from device memory,
         # tools/probe/probe_memory.py); a one-row step's q/k/v
         # and attention kernels read them in every layer
-        padded = off_small_pool(B, 4) if PAD_STEP_ROWS else B
-        read = np.zeros((B, L), dtype=np.int32)
+        padded = off_small_pool(rows_run, 4) if PAD_STEP_ROWS else rows_run
+        read = np.zeros((rows_run, L), dtype=np.int32)
         write = np.full((table_steps, padded), SCRATCH_BLOCK * bs, dtype=np.int32)
         starts = np.zeros(padded, dtype=np.int32)
         for i, (blocks, start) in enumerate(rows):
@@ -149,6 +166,7 @@ class DecodeWindow:
             write[:num_steps, i] = slots[start : start + num_steps]
             starts[i] = start
         self.batch_size = B
+        self.rows_run = rows_run  # B and the padding rows (bucketed)
         self.read_slots = mx.array(read)
         self.write_slots = mx.array(write)
         self.starts = mx.array(starts)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import mlx.core as mx
 import mlx.nn as nn
 import psutil
 
@@ -83,10 +84,9 @@ def fuses_quantized(setting: str, own_kernels: bool) -> bool:
 def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Prepared:
     """Load (this rank's shard of) the model, wire it and warm it up: on the model thread."""
     backend = current_platform().backend
-    # before the load: the interpreter's start, imports (mlx_lm's pull in transformers),
-    # the pipeline's assembly and the tokenizer
-    before_s = time.time() - psutil.Process().create_time()
     start = time.perf_counter()
+    mx.eval(mx.zeros(1) + 1)  # the device's own start (a CUDA context), apart from the load
+    device_s = time.perf_counter() - start
     if params.prefill_rows != "auto" and (not isinstance(params.prefill_rows, int) or params.prefill_rows < 0):
         raise ConfigError(f"execute.prefill_rows: {params.prefill_rows!r} is not a number of tokens; use a "
                           "count (0: off) or 'auto'")
@@ -105,7 +105,10 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
                         dense_mma=switch(params.dense_mma, auto=backend == "cuda") and cuda_is_default())
     loaded_at = time.perf_counter()
     wired = wiring.wire(loaded.weights, params.wire_weights)
-    startup = {"process_s": round(before_s, 3), "load_s": round(loaded_at - start, 3), "wire_s": round(time.perf_counter() - loaded_at, 3)}
+    # (the seconds before, the interpreter's start and imports: Engine.startup's import_s)
+    startup = {"device_s": round(device_s, 3),
+               "load_s": round(loaded_at - start - device_s, 3), **loaded.phases,
+               "wire_s": round(time.perf_counter() - loaded_at, 3)}
     on_cpu = backend == "cpu"
     auto_rows = KERNEL_ROWS["mma" if mma else "gemv"] if gemv or mma else AUTO_ROWS.get(backend)
     rows = {"auto": auto_rows, "never": None}.get(params.dequantize_rows, params.dequantize_rows)
@@ -119,7 +122,9 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
                  "mma_weights": params.quantized_mma_weights if mma else None}
     kernels = params.cpu_kernels and on_cpu
     if kernels:  # their PyTorch before ready, not in the first request (the command
-        import torch  # noqa: F401  line keeps it out of transformers' import: platform.imports)
+        before_torch = time.perf_counter()  # line keeps it out of transformers' import: platform.imports)
+        import torch  # noqa: F401
+        startup["torch_s"] = round(time.perf_counter() - before_torch, 3)
     # a pipeline rank evaluates inside each forward (sharding.PipelineBlock): no trace
     pipelined = world is not None and world.mode == "pipeline"
     compile_decode = switch(params.compile_decode, auto=not on_cpu) and not pipelined
@@ -136,6 +141,7 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     if switch(params.warmup, auto=not on_cpu):
         warmup = warm_up(loaded.model, loaded.geometry, kernels, compile_decode, paged, one_row, prefill_rows,
                          compile_prefill)
+        startup["warmup_s"] = warmup["seconds"]
     return Prepared(loaded, wired, kernels, compile_decode, warmup, quantized, paged, one_row, startup, prefill_rows,
                     compile_prefill)
 

@@ -387,9 +387,12 @@ class ModelRunner:
                 split = DecodeWindow(self.window_pool, [(w.window_table, w.start_pos) for w in work], step.num_steps)
         sampled: list[mx.array] = []
         reported: list[tuple[mx.array, ...]] = []
+        padding = window.rows_run - len(work) if compiled is not None else 0
         for i in range(step.num_steps):
-            if compiled is not None:
-                logits = compiled(self.pool, window, inputs, i)
+            if compiled is not None:  # its rows padded to the window's bucket (paged_cache.row_bucket)
+                fed = mx.concatenate([inputs, mx.zeros((padding,), inputs.dtype)]) if padding else inputs
+                logits = compiled(self.pool, window, fed, i)
+                logits = logits[: len(work)] if padding else logits
             else:
                 window_layout = None
                 if window is not None:

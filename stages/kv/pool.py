@@ -3,7 +3,6 @@ sequence's keys and values live, addressed by block tables instead of per-sequen
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection
 
 import mlx.core as mx
@@ -38,8 +37,8 @@ class KVPool:
       `release` gives the pages of any blocks back (madvise), whatever their ids. Nothing is
       ever copied to grow or shrink; `resident_bytes` counts the committed pages (mincore).
     - metal, cuda: madvise does not reach MLX's GPU buffers, so the pool grows in slabs by
-      concatenation (a copy, peaking at old + new size) and shrinks its idle tail the same
-      way.
+      concatenation (a copy, peaking at old + new size), to power-of-two counts of slabs
+      (`_capacity_class`), and shrinks its idle tail the same way.
     `eager` commits the whole budget at start, for comparison; a NaN fill (tests that prove
     masking) is written, so committed, everywhere and never released.
     """
@@ -228,9 +227,8 @@ class KVPool:
             return
         if num_blocks > self.num_blocks:
             raise ValueError(f"block {num_blocks - 1} is beyond the pool's {self.num_blocks} blocks")
-        # grow by at least a slab and at least half the current size (amortized copies)
-        target = max(num_blocks, self.capacity_blocks + self.slab_blocks, math.ceil(self.capacity_blocks * 1.5))
-        target = min(self.num_blocks, math.ceil(target / self.slab_blocks) * self.slab_blocks)
+        # at least double (amortized copies), to a capacity class
+        target = min(self.num_blocks, self._capacity_class(max(num_blocks, 2 * self.capacity_blocks)))
         extra = target - self.capacity_blocks
         if self.capacity_blocks == 0:
             self.keys = [self._new_slab(extra, first=True) for _ in range(self.num_layers)]
@@ -242,6 +240,16 @@ class KVPool:
         self.capacity_blocks = target
         self.grow_events += 1
 
+    def _capacity_class(self, num_blocks: int) -> int:
+        """The capacity that holds `num_blocks`: a power-of-two count of slabs. The compiled
+        steps take the pool's arrays as inputs, so every capacity is a shape traced anew
+        (each row and length bucket again): a pool grown in classes, and shrunk to one,
+        meets log2(budget / slab) of them, the same ones each time it grows back."""
+        if num_blocks <= 0:
+            return 0
+        slabs = -(-num_blocks // self.slab_blocks)
+        return self.slab_blocks << (slabs - 1).bit_length()
+
     def _new_slab(self, num_blocks: int, first: bool = False) -> mx.array:
         shape = (self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
         array = new_state(shape, self.dtype, "KVCache", self.fill_value)
@@ -250,8 +258,8 @@ class KVPool:
         return array
 
     def _shrink_to(self, num_blocks: int) -> int:
-        """Give back whole slabs above `num_blocks` (blocks there must be unused)."""
-        target = math.ceil(num_blocks / self.slab_blocks) * self.slab_blocks
+        """Give back the slabs above `num_blocks`' capacity class (blocks there must be unused)."""
+        target = min(self.num_blocks, self._capacity_class(num_blocks))
         if target >= self.capacity_blocks:
             return 0
         released = (self.capacity_blocks - target) * self.bytes_per_block

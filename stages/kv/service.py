@@ -3,6 +3,7 @@ resource) to schedule, execute and the mover; gives memory back once nothing run
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -191,6 +192,7 @@ class KVManagerStage(ServiceBase):
                 fill_value=float("nan") if p.unwritten_fill == "nan" else 0.0,
             )
 
+        started = time.perf_counter()
         pool = await loaded.thread.run(make_pool, plan.num_layers, num_blocks + host_blocks, bytes_per_block)
         namespace = loaded.identity + f"/bs{p.block_size}".encode()
         books = BlockManager(
@@ -210,6 +212,7 @@ class KVManagerStage(ServiceBase):
             )
             self.kv.budget_bytes += plan.window_num_blocks * plan.window_bytes_per_block
             self.kv.attention_kinds = tuple(s.kind for s in geometry.layers if s.kind != "state")
+        self.startup = {"pool_s": round(time.perf_counter() - started, 3)}  # (Engine.startup)
         ctx.provide("kv", self.kv)
         task_status.started()
         if p.allocation == "lazy":

@@ -16,6 +16,7 @@ from unikern.errors import UnikernError
 from unikern.frontends.http.app import build_app
 from unikern.frontends.http.generation import ServerState
 from unikern.frontends.http.params import ServerParams
+from unikern.startup import describe as describe_startup
 
 log = structlog.get_logger("unikern.http")
 
@@ -109,7 +110,8 @@ class HTTPServer:
             try:
                 async with self._engine_factory() as engine, anyio.create_task_group() as pumps:
                     self.state.attach(engine, self._tokenizer_of(engine), pumps)
-                    self._announce(f"ready: model {self.state.model_id}, pipeline {engine.spec.name}")
+                    self._announce(f"ready: model {self.state.model_id}, pipeline {engine.spec.name}; "
+                                   f"{describe_startup(getattr(engine, 'startup', {}))}")
                     self.ready.set()
                     code = await self._serve_until_stopped(engine)
                     pumps.cancel_scope.cancel()
