@@ -73,12 +73,16 @@ run_step() {  # NAME DONE_FILE MIN_S COMMAND...: runs it unless DONE_FILE exists
   return $rc
 }
 
-build_llama() {  # only the three targets the benchmark needs, with CUDA for sm_90
-  [ -x $BIN/llama-batched-bench ] && [ -x $BIN/llama-quantize ] && return 0
+# the targets the steps need (LLAMA_TARGETS), with CUDA for sm_90; llama-server only when named
+LLAMA_TARGETS=${LLAMA_TARGETS:-llama-batched-bench llama-quantize llama-bench}
+build_llama() {
+  local missing=0 t; for t in $LLAMA_TARGETS; do [ -x $BIN/$t ] || missing=1; done
+  [ $missing = 0 ] && return 0
+  local server=OFF; [[ " $LLAMA_TARGETS " == *" llama-server "* ]] && server=ON
   cmake -S $G/llama.cpp -B $G/llama-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF > $RES/llama-cmake.log 2>&1 &&
-  cmake --build $G/llama-build -j14 --target llama-batched-bench llama-quantize llama-bench > $RES/llama-build.log 2>&1
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=$server -DLLAMA_BUILD_APP=OFF > $RES/llama-cmake.log 2>&1 &&
+  cmake --build $G/llama-build -j${LLAMA_JOBS:-14} --target $LLAMA_TARGETS > $RES/llama-build.log 2>&1
 }
 wait_llama() {
   [ -n "${BUILD_PID:-}" ] || return 0
@@ -86,15 +90,15 @@ wait_llama() {
 }
 
 say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader)"
-if any_wanted bench-1b bench-8b-q4 || named bench-1b-iso; then
-  if [ ! -x $BIN/llama-batched-bench ] && [ -d $G/llama.cpp ]; then build_llama & BUILD_PID=$!; fi
+if any_wanted bench-1b bench-8b-q4 || named bench-1b-iso || named llama; then
+  if [ -d $G/llama.cpp ]; then build_llama & BUILD_PID=$!; fi
 fi
 
 # ---- models: random Llama weights written by MLX, and as GGUF by llama.cpp's converter -----
-if any_wanted bench-1b parity-1b startup || named bench-1b-iso || named startup-tf || named ab-tree; then
+if any_wanted bench-1b parity-1b startup || named bench-1b-iso || named startup-tf || named ab-tree || named serve-1b; then
   run_step models-1b $M/llama-1b/config.json 60 python3 -m tools.bench.bench_gpu models --out $M --shapes 1b --quantize
 fi
-if any_wanted bench-1b || named bench-1b-iso; then
+if any_wanted bench-1b || named bench-1b-iso || named serve-1b; then
   run_step gguf-1b $M/llama-1b-bf16.gguf 60 python3 -m tools.bench.bench_gpu gguf --out $M --shapes 1b --quantize \
     --llama-cpp $G/llama.cpp --llama-bin $BIN
 fi
@@ -128,6 +132,16 @@ if named ab-tree && [ -d "${OLD_TREE:-}" ]; then
     TAIL=5 run_step ab-old-$r $RES/ab-old-$r.json 60 bash -c "cd $OLD_TREE && \
       PYTHONPATH=/tmp/py:$old_src:$OLD_TREE python3 $old_bench ${ab[*]} --json $RES/ab-old-$r.json"
   done
+fi
+
+# ---- unikern serve against llama-server and mlx_lm.server over HTTP, and the library path,
+# 1B bf16: streaming chat completions (tools/bench/bench_http.py; SERVE_ARGS adds to it);
+# llama-server must be built (LLAMA_TARGETS="llama-server", step llama) ----
+if named serve-1b; then
+  wait_llama
+  TAIL=30 run_step serve-1b $RES/serve-1b.done 120 bash -c "python3 -m tools.bench.bench_http --model $M/llama-1b \
+    --gguf $M/llama-1b-bf16.gguf --llama-server $BIN/llama-server --tag -h200-1b ${SERVE_ARGS:-} && \
+    cp tools/results/bench-http-llama-1b-*-h200-1b* $RES/ && touch $RES/serve-1b.done"
 fi
 
 # ---- greedy parity and start-up, 1B bf16 ----------------------------------------------------
