@@ -81,7 +81,7 @@ build_llama() {
   local server=OFF; [[ " $LLAMA_TARGETS " == *" llama-server "* ]] && server=ON
   cmake -S $G/llama.cpp -B $G/llama-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=$server -DLLAMA_BUILD_APP=OFF > $RES/llama-cmake.log 2>&1 &&
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=$server -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF > $RES/llama-cmake.log 2>&1 &&
   cmake --build $G/llama-build -j${LLAMA_JOBS:-14} --target $LLAMA_TARGETS > $RES/llama-build.log 2>&1
 }
 wait_llama() {
