@@ -12,25 +12,10 @@ import msgspec
 
 from unikern import messages as m
 from unikern.stages.execute.paged_cache import BatchLayout
+from unikern.stages.execute.sampling import position_logprobs
 
 # (request id, target ids, alternatives wanted, the device arrays: picked[, ids, values])
 Pending = tuple[str, tuple[int, ...], int, tuple[mx.array, ...]]
-
-
-def position_logprobs(logits: mx.array, targets: mx.array, top: int) -> tuple[mx.array, ...]:
-    """logits [n, vocab] of n positions, targets [n]: each target's log-probability under
-    its position's distribution (float32 log-softmax, as mlx-lm reports log-probabilities)
-    and, for top > 0, the top ids and values of each position, best first."""
-    x = logits.astype(mx.float32)
-    logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
-    picked = mx.take_along_axis(logprobs, targets[:, None].astype(mx.int32), axis=-1)[:, 0]
-    count = min(top, logprobs.shape[-1])
-    if count == 0:
-        return (picked,)
-    ids = mx.argpartition(-logprobs, kth=count - 1, axis=-1)[:, :count]
-    values = mx.take_along_axis(logprobs, ids, axis=-1)
-    order = mx.argsort(-values, axis=-1)
-    return picked, mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
 
 
 def prompt_forward(runner: Any, group: list[m.SeqWork], rows: list, window_rows: list | None

@@ -40,6 +40,22 @@ def needs_history(params: m.SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
+
+def position_logprobs(logits: mx.array, targets: mx.array, top: int) -> tuple[mx.array, ...]:
+    """logits [n, vocab] of n positions, targets [n]: each target's log-probability under
+    its position's distribution (float32 log-softmax, as mlx-lm reports log-probabilities)
+    and, for top > 0, the top ids and values of each position, best first."""
+    x = logits.astype(mx.float32)
+    logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(logprobs, targets[:, None].astype(mx.int32), axis=-1)[:, 0]
+    count = min(top, logprobs.shape[-1])
+    if count == 0:
+        return (picked,)
+    ids = mx.argpartition(-logprobs, kth=count - 1, axis=-1)[:, :count]
+    values = mx.take_along_axis(logprobs, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return picked, mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+
 class SamplingBatch:
     """A step's sampled rows as per-row parameter arrays, built once on the host. Rows that
     leave a feature at its neutral value cost nothing beyond the batched ops that any row
@@ -202,17 +218,9 @@ class SamplingBatch:
         if not self.logprob_rows:
             return None
         index = self._lp_index
-        x = (logits if index is None else logits[index]).astype(mx.float32)
+        x = logits if index is None else logits[index]
         chosen = tokens if index is None else tokens[index]
-        logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
-        picked = mx.take_along_axis(logprobs, chosen[:, None].astype(mx.int32), axis=-1)[:, 0]
-        count = min(max(self.top_counts), logprobs.shape[-1])
-        if count == 0:
-            return (picked,)
-        ids = mx.argpartition(-logprobs, kth=count - 1, axis=-1)[:, :count]
-        values = mx.take_along_axis(logprobs, ids, axis=-1)
-        order = mx.argsort(-values, axis=-1)
-        return picked, mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+        return position_logprobs(x, chosen, max(self.top_counts))
 
     def logprob_reports(self, steps: list[list]) -> list[list[m.Logprobs]]:
         """Host side: per asking row, one report per step from the evaluated `logprobs`

@@ -10,9 +10,8 @@ from unikern.platform.kernel_cache import cuda_kernel, off_small_pool
 from unikern.stages.execute.cuda import sources
 
 WRITE_THREADS = 256
-# the RoPE store (rope_store.cu) with the pair's other value read from the row itself
-ROPE_WRITE_SOURCE = sources.fill(sources.text("rope_write.cu"), ROPE_STORE=sources.text("rope_store.cu").replace(
-    "PAIR", "static_cast<float>(qkv[i - d + (TRAD ? (d ^ 1) : (second ? d - HD / 2 : d + HD / 2))])"))
+# the RoPE store (rope_store.cu), its PAIR (the pair's other value) read from the row itself
+ROPE_WRITE_SOURCE = sources.fill(sources.text("rope_write.cu"), ROPE_STORE=sources.text("rope_store.cu"))
 
 
 def write(keys: mx.array, values: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array) -> mx.array:

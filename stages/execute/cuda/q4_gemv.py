@@ -16,10 +16,9 @@ from unikern.stages.execute.cuda import sources
 from unikern.stages.execute.cuda.weight_kernels import rows_kernel, run_4bit
 
 SOURCE = sources.fill(sources.text("q4_gemv.cu"), ROPE_EPILOGUE="\n")
-# the ROPE build: rope_store.cu with the pair's other value from the block's sums
+# the ROPE build: rope_store.cu, its PAIR (the pair's other value) from the block's sums
 ROPE_SOURCE = sources.fill(sources.text("q4_gemv.cu"), ROPE_EPILOGUE=sources.fill(
-    sources.text("q4_gemv_rope.cu"),
-    ROPE_STORE=sources.text("rope_store.cu").replace("PAIR", "static_cast<float>(static_cast<T>(other))")))
+    sources.text("q4_gemv_rope.cu"), ROPE_STORE=sources.text("rope_store.cu")))
 GEMV_WARPS = 4  # warps per block, splitting K between them
 # the GEMV's nibbles made floats by the bits of 2^23 + q (MAGIC) instead of I2F, which
 # sm_90 runs at 16 per SM and clock against 128 FMAs: at one row each weight costs a

@@ -8,5 +8,7 @@
     if (i < qkv_shape[0] * N) {
         const int row = i / N, f = i % N;
         float y = static_cast<float>(qkv[i]);
+#define PAIR static_cast<float>(qkv[i - d + (TRAD ? (d ^ 1) : (second ? d - HD / 2 : d + HD / 2))])
 //@ ROPE_STORE
+#undef PAIR
     }
