@@ -4,7 +4,7 @@ waits for Python's GIL while the event loop schedules, detokenizes and delivers.
 On a GPU the model thread's step is a little Python (building and launching the traced
 step; the GIL held) and then the GPU's work (the GIL released while it waits). Here
 each step spins for --host-us of Python and sleeps --gpu-ms, and the rest of the engine
-is the real one: scheduler, output stage (mlx-lm's detokenizer), the library's
+is the real one: scheduler, output stage (detokenizing in the prompt's context), the library's
 delivery and a benchmark's consumers (tools/common/runs.py's run_unikern). Per concurrency it prints the
 model thread's time per step against what the step costs alone, so the difference is
 time spent waiting for the GIL; --switch-interval sets Python's (default 5 ms).
