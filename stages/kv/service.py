@@ -39,8 +39,8 @@ class KVManagerParams(StageParams, frozen=True):
     """`lazy`: memory is taken as blocks are first written and given back when idle; `eager`: the whole
     budget is committed at start (for comparison)."""
     slab_bytes: int = 64 * MiB
-    """On Metal and CUDA, the step (bytes, > 0) by which a lazy pool grows and shrinks; the CPU pool
-    commits pages as they are written instead."""
+    """On Metal and CUDA, the unit (bytes, > 0) of a lazy pool's size, which grows and shrinks
+    through power-of-two counts of it; the CPU pool commits pages as they are written instead."""
     idle_trim_seconds: float = 2.0
     """Seconds (>= 0) with no block in use and nothing written, after which the memory of blocks that
     no prefix-cache entry names is given back."""
