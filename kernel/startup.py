@@ -3,12 +3,30 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 # the load's own phases (stages/execute/model.py), in the order they run
 LOAD_PHASES = ("build_s", "fuse_s", "blocks_s", "read_s", "geometry_s")
 # the rest, in the order a start runs them; the tokenizer loads beside the model
 PHASES = ("import_s", "tokenizer_s", "device_s", "load_s", "wire_s", "torch_s", "warmup_s", "pool_s")
+
+
+class PhaseClock:
+    """Seconds per named phase: each `mark` names the time since the last mark (or since
+    `restart`, which leaves out what ran in between)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self.restart()
+
+    def restart(self) -> None:
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = round(self.phases.get(name, 0.0) + now - self._last, 3)
+        self._last = now
 
 
 def collect(parts: Iterable[dict[str, float]], import_s: float, ready_s: float) -> dict[str, float]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +13,7 @@ from mlx.utils import tree_flatten
 
 from unikern.stages.execute.thread import ModelThread
 from unikern.stages.models import resolve_model_path
+from unikern.startup import PhaseClock
 
 # what each mlx-lm cache kind becomes on the paged pool
 PAGED_KINDS = {"KVCache": "full", "RotatingKVCache": "window", "ArraysCache": "state"}
@@ -139,7 +139,7 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
 
     path = resolve_model_path(name)
     sharded = world is not None and world.size > 1
-    clock = _Phases()
+    clock = PhaseClock()
     # lazily, always: the weights are read once, where they end up (a fused group's
     # concatenation reads its parts from the file; read first, each part was a second
     # resident copy until its group was built: 1 GB bf16 on the CPU machine, 3
@@ -215,16 +215,3 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
         dense_mma_layers=dense_mma_layers,
         phases=clock.phases,
     )
-
-
-class _Phases:
-    """Seconds since the last mark, per named phase."""
-
-    def __init__(self) -> None:
-        self.phases: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = round(self.phases.get(name, 0.0) + now - self._last, 3)
-        self._last = now

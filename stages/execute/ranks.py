@@ -38,6 +38,7 @@ from unikern.stages.execute.quantized import (
 from unikern.stages.execute.runner import ModelRunner
 from unikern.stages.execute.warmup import warm_up
 from unikern.stages.kv.pool import KVPool
+from unikern.startup import PhaseClock
 
 REPORT_EVERY_S = 0.25  # per-rank stats are gathered after a step at most this often
 WATCH_EVERY_S = 0.1  # how often rank 0 polls the ranks it started
@@ -84,9 +85,9 @@ def fuses_quantized(setting: str, own_kernels: bool) -> bool:
 def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Prepared:
     """Load (this rank's shard of) the model, wire it and warm it up: on the model thread."""
     backend = current_platform().backend
-    start = time.perf_counter()
+    clock = PhaseClock()
     mx.eval(mx.zeros(1) + 1)  # the device's own start (a CUDA context), apart from the load
-    device_s = time.perf_counter() - start
+    clock.mark("device_s")
     if params.prefill_rows != "auto" and (not isinstance(params.prefill_rows, int) or params.prefill_rows < 0):
         raise ConfigError(f"execute.prefill_rows: {params.prefill_rows!r} is not a number of tokens; use a "
                           "count (0: off) or 'auto'")
@@ -103,12 +104,12 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
                         blocks_ops_rows=None if params.fuse_blocks_ops_rows == "auto" else params.fuse_blocks_ops_rows,
                         block_kernel=switch(params.block_kernel, auto=backend == "cuda"),
                         dense_mma=switch(params.dense_mma, auto=backend == "cuda") and cuda_is_default())
-    loaded_at = time.perf_counter()
+    clock.mark("load_s")
     wired = wiring.wire(loaded.weights, params.wire_weights)
+    clock.mark("wire_s")
     # (the seconds before, the interpreter's start and imports: Engine.startup's import_s)
-    startup = {"device_s": round(device_s, 3),
-               "load_s": round(loaded_at - start - device_s, 3), **loaded.phases,
-               "wire_s": round(time.perf_counter() - loaded_at, 3)}
+    startup = {"device_s": clock.phases["device_s"], "load_s": clock.phases["load_s"], **loaded.phases,
+               "wire_s": clock.phases["wire_s"]}
     on_cpu = backend == "cpu"
     auto_rows = KERNEL_ROWS["mma" if mma else "gemv"] if gemv or mma else AUTO_ROWS.get(backend)
     rows = {"auto": auto_rows, "never": None}.get(params.dequantize_rows, params.dequantize_rows)
@@ -122,9 +123,10 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
                  "mma_weights": params.quantized_mma_weights if mma else None}
     kernels = params.cpu_kernels and on_cpu
     if kernels:  # their PyTorch before ready, not in the first request (the command
-        before_torch = time.perf_counter()  # line keeps it out of transformers' import: platform.imports)
+        clock.restart()  # line keeps it out of transformers' import: platform.imports)
         import torch  # noqa: F401
-        startup["torch_s"] = round(time.perf_counter() - before_torch, 3)
+        clock.mark("torch_s")
+        startup["torch_s"] = clock.phases["torch_s"]
     # a pipeline rank evaluates inside each forward (sharding.PipelineBlock): no trace
     pipelined = world is not None and world.mode == "pipeline"
     compile_decode = switch(params.compile_decode, auto=not on_cpu) and not pipelined
