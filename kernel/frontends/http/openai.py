@@ -215,17 +215,23 @@ class Shaper:
                 entry(t.token_id, t.logprob) | {"top_logprobs": [entry(x.token_id, x.logprob) for x in t.top_logprobs or ()]}
                 for t in tokens
             ]}
-        texts = [self._token_text(t.token_id) for t in tokens]
-        offsets = []
-        for text in texts:
-            offsets.append(text_offset)
-            text_offset += len(text)
+        texts, offsets = self._texts_at([t.token_id for t in tokens], text_offset)
         return {
             "tokens": texts,
             "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": [{self._token_text(x.token_id): x.logprob for x in t.top_logprobs or ()} for t in tokens],
             "text_offset": offsets,
         }
+
+    def _texts_at(self, token_ids: list[int], offset: int) -> tuple[list[str], list[int]]:
+        """Each token's text and where it starts, the first at `offset` (the legacy
+        `tokens` and `text_offset`)."""
+        texts = [self._token_text(t) for t in token_ids]
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        return texts, offsets
 
     def _prompt_logprobs(self) -> dict[str, Any] | None:
         """An echoed prompt's part of the `logprobs` object (its first token has none), when
@@ -234,11 +240,7 @@ class Shaper:
         reports = outcome.prompt_logprobs if outcome is not None else None
         if reports is None or not prepared.sampling.get("logprobs"):
             return None
-        texts = [self._token_text(t) for t in prepared.prompt_tokens]
-        offsets, at = [], 0
-        for text in texts:
-            offsets.append(at)
-            at += len(text)
+        texts, offsets = self._texts_at(prepared.prompt_tokens, 0)
         return {
             "tokens": texts,
             "token_logprobs": [None if r is None else r.logprob for r in reports],
