@@ -54,12 +54,15 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
     # left a two-row prefill's kernels to the first requests)
     prompts = {"a": tuple(range(1, 25)), "b": tuple(range(1, 21)), "c": tuple(range(3, 20))}
     start = time.perf_counter()
-    steps = 0
+    timed: list[tuple[str, float]] = []  # (the step's rows and kind, its seconds)
 
     def run(step: m.Step, seeds: dict[str, int] | None = None) -> dict[str, list[int]]:
-        nonlocal steps
-        steps += 1
-        return runner.run(step, seeds or {})
+        t = time.perf_counter()
+        out = runner.run(step, seeds or {})
+        prompt = step.work[0].start_pos == 0
+        timed.append((f"{'prefill' if prompt else 'decode'} x{len(step.work)}"
+                       + ("" if prompt else f" {step.num_steps} steps"), round(time.perf_counter() - t, 3)))
+        return out
 
     def prefill(rows: list[str]) -> m.Step:
         return m.Step(0, tuple(m.SeqWork(r, prompts[r], 0, tables[r], True, greedy, state_slot=slots[r], state_from=0)
@@ -99,7 +102,8 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
             run(decode(count, 1))
     sampled = m.SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95)
     run(decode(2, 4, sampled), {"a0": 1, "b1": 2})
-    return {"ran": True, "steps": steps, "seconds": round(time.perf_counter() - start, 3),
+    return {"ran": True, "steps": len(timed), "seconds": round(time.perf_counter() - start, 3),
+            "step_seconds": [f"{label}: {sec}" for label, sec in timed],
             "window_rows": sorted({row_bucket(n) for n in window_rows}) if compile_decode else list(window_rows),
             # the shapes traced (on the private pool: the engine's traces its own again)
             "traced_decode": sorted(runner.compiled.shapes) if runner.compiled is not None else [],

@@ -134,7 +134,7 @@ def make_peers(args: argparse.Namespace, model: Path, gguf: Path | None, logs: P
         context = top * (args.prompt_tokens * 2 + args.system_tokens * 2 + args.max_tokens + 64)
         peers.append(Peer("llama.cpp", [args.llama_server, "-m", str(gguf), "--port", "{port}", "--host", "127.0.0.1",
                                         "-t", str(args.threads), "-np", str(top), "-c", str(context), "--no-webui",
-                                        "--jinja"], 0, logs / "llama-server.log"))
+                                        "--jinja", "-ngl", "all", "--cache-reuse", "256"], 0, logs / "llama-server.log"))
     # a stand-in model makes no tokens of the model's own: the other servers have nothing to match
     peers = [p for p in peers if p.name in args.peers and (not args.stand_in or p.name in ("unikern", LIBRARY))]
     for peer in peers:

@@ -20,7 +20,7 @@
 #   kernel-tests  the CUDA kernel tests against MLX's ops, TF32 off (PYTEST_GPU: which ones)
 # and only where GPU_STEPS names them: bench-1b-iso (bench-1b with mlx-lm in a process of
 # its own), startup-tf (startup with the transformers wheel of .whl/tf), parity-8b-q4,
-# importtime (the worker's import, -X importtime), ab-tree (this tree's engine against
+# importtime (the worker's import, -X importtime), startup-probe (tools/probe/probe_startup.py), ab-tree (this tree's engine against
 # OLD_TREE's, interleaved), and h200_x2.sh's two-GPU steps:
 # nccl-tests, bench-tp-8b. The models a step needs are built first (bench_gpu.py models
 # and gguf; llama.cpp builds in the background from .whl/lc's source).
@@ -95,7 +95,7 @@ if any_wanted bench-1b bench-8b-q4 || named bench-1b-iso || named llama; then
 fi
 
 # ---- models: random Llama weights written by MLX, and as GGUF by llama.cpp's converter -----
-if any_wanted bench-1b parity-1b startup || named bench-1b-iso || named startup-tf || named ab-tree || named serve-1b; then
+if any_wanted bench-1b parity-1b startup || named startup-probe || named bench-1b-iso || named startup-tf || named ab-tree || named serve-1b; then
   run_step models-1b $M/llama-1b/config.json 60 python3 -m tools.bench.bench_gpu models --out $M --shapes 1b --quantize
 fi
 if any_wanted bench-1b || named bench-1b-iso || named serve-1b; then
@@ -152,6 +152,10 @@ fi
 if want startup; then
   run_step startup $RES/startup-1b.json 150 python3 -m tools.bench.first_request --model $M/llama-1b --cold-warm \
     --warm-starts ${WARM_STARTS:-2} --json $RES/startup-1b.json
+fi
+if named startup-probe; then  # where the start's seconds go: raw read, MLX's load, ops' first calls, warm-up steps
+  TAIL=40 run_step startup-probe $RES/startup-probe-1b.json 200 python3 -m tools.probe.probe_startup --model $M/llama-1b \
+    --ops --profile 30 --cold-warm --json $RES/startup-probe-1b.json
 fi
 # the same with the transformers release pip installs beside unikern today (the image's is
 # older, and its import slower): its wheel carried in .whl/tf, copied to /tmp/tfwhl
