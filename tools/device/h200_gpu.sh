@@ -50,7 +50,7 @@ if [ ! -e /tmp/py/mlx ] && [ $# -gt 0 ] && [ "$1" != exec ]; then
 fi
 export PYTHONPATH=/tmp/py:/tmp/src:$REPO UNIKERN_MODEL_CACHE=/tmp/models TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1 MLX_MEMORY_LIMIT_GIB=${MLX_MEMORY_LIMIT_GIB:-60} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export PATH=$CUDA_HOME/bin:$PATH
+export PATH=$CUDA_HOME/bin:/tmp/py/bin:$PATH  # /tmp/py/bin: py-spy, where its wheel was carried
 cd "$REPO"  # python3 -m tools.X and the tests' paths are relative to it
 if [ "${1:-}" = exec ]; then shift; exec "$@"; fi
 trap save EXIT
@@ -140,7 +140,7 @@ fi
 if named serve-1b; then
   wait_llama
   TAIL=30 run_step serve-1b $RES/serve-1b.done 120 bash -c "python3 -m tools.bench.bench_http --model $M/llama-1b \
-    --gguf $M/llama-1b-bf16.gguf --llama-server $BIN/llama-server --tag -h200-1b ${SERVE_ARGS:-} && \
+    --gguf $M/llama-1b-bf16.gguf --llama-server $BIN/llama-server --tag=-h200-1b ${SERVE_ARGS:-} && \
     cp tools/results/bench-http-llama-1b-*-h200-1b* $RES/ && touch $RES/serve-1b.done"
 fi
 
@@ -155,7 +155,7 @@ if want startup; then
 fi
 if named startup-probe; then  # where the start's seconds go: raw read, MLX's load, ops' first calls, warm-up steps
   TAIL=40 run_step startup-probe $RES/startup-probe-1b.json 200 python3 -m tools.probe.probe_startup --model $M/llama-1b \
-    --ops --profile 30 --cold-warm --json $RES/startup-probe-1b.json
+    --ops --profile 30 --cold-warm --json $RES/startup-probe-1b.json $(command -v py-spy > /dev/null && echo --spy $RES)
 fi
 # the same with the transformers release pip installs beside unikern today (the image's is
 # older, and its import slower): its wheel carried in .whl/tf, copied to /tmp/tfwhl

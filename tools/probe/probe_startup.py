@@ -7,7 +7,13 @@ warm-up once more (what a second runner pays again: traces). --cold-warm runs it
 in fresh processes on one empty MLX kernel cache, the cache's file count after each.
 
     python -m tools.probe.probe_startup --model DIR [--ops] [--profile 25] [--json out.json]
-    python -m tools.probe.probe_startup --model DIR --cold-warm --json out.json
+    python -m tools.probe.probe_startup --model DIR --cold-warm --json out.json [--spy DIR]
+    python -m tools.probe.probe_startup --summarize spy-warm.txt
+
+--spy records each process with py-spy (--native: MLX's and CUDA's own frames) into
+DIR/spy-cold.txt and spy-warm.txt; --summarize prints where such a record's samples are:
+the seconds under each marked native call (NVRTC, module loads, cuBLAS, cuDNN, graph
+launches, MLX's compile) and the Python lines that own the most samples.
 """
 
 from __future__ import annotations
@@ -177,8 +183,49 @@ def one_process(args: argparse.Namespace) -> dict:
     return report
 
 
-def count_files(path: str) -> int:
-    return sum(1 for _ in Path(path).rglob("*")) if Path(path).exists() else 0
+def cache_listing(path: str) -> list[str]:
+    """The kernel cache's compiled modules: name and bytes."""
+    return sorted(f"{f.name} {f.stat().st_size}" for f in Path(path).rglob("*.ptx")) if Path(path).exists() else []
+
+
+# native calls whose samples say where a start's time goes (the first match from the
+# innermost frame out names a sample)
+MARKERS = ("nvrtcCompileProgram", "cuModuleLoadData", "cuLibraryLoad", "cudaGraphInstantiate", "cuGraphInstantiate",
+           "cudnn", "cublas", "compile_simplify", "compile_fuse", "compile_dfs", "mlx::core::compile",
+           "cuModuleGetFunction", "cudaMalloc", "cuMemAlloc", "cuMemcpy", "cudaMemcpy", "read", "_find_and_load",
+           "cuStreamSynchronize", "cuEventSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
+           "pread", "sched_yield", "futex")
+
+
+def summarize(path: str, rate: float, top: int = 25) -> dict:
+    """py-spy's raw records (one `frame;frame;... count` line per stack): seconds per
+    marker and the Python lines holding most samples."""
+    from collections import Counter
+
+    markers: Counter[str] = Counter()
+    lines: Counter[str] = Counter()
+    total = 0
+    for line in Path(path).read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        hit = next((m for f in reversed(frames) for m in MARKERS if m in f.split(" (")[0]), "other")
+        markers[hit] += n
+        python = [f for f in frames if ".py:" in f]
+        if python:
+            lines[python[-1]] += n
+    report = {"samples": total, "seconds": round(total / rate, 2),
+              "markers_s": {k: round(v / rate, 2) for k, v in markers.most_common()},
+              "python_lines_s": {k: round(v / rate, 2) for k, v in lines.most_common(top)}}
+    print(f"{path}: {report['seconds']} s sampled")
+    for k, v in report["markers_s"].items():
+        print(f"  {v:8.2f} s  {k}")
+    for k, v in report["python_lines_s"].items():
+        print(f"  {v:8.2f} s  {k}")
+    return report
 
 
 def main() -> None:
@@ -189,9 +236,14 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], metavar="OPTION=VALUE", help="mlx_execute options")
     parser.add_argument("--cold-warm", action="store_true",
                         help="two fresh processes on one empty MLX kernel cache (MLX_PTX_CACHE_DIR)")
+    parser.add_argument("--spy", help="with --cold-warm: record each process with py-spy into this folder")
+    parser.add_argument("--spy-rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument("--summarize", nargs="*", default=[], help="py-spy raw records to summarize")
     parser.add_argument("--json")
     args = parser.parse_args()
-    if not args.cold_warm:
+    if args.summarize:
+        report = {p: summarize(p, args.spy_rate) for p in args.summarize}
+    elif not args.cold_warm:
         report = one_process(args)
     else:
         cache = tempfile.mkdtemp(prefix="mlx-ptx-")
@@ -199,16 +251,24 @@ def main() -> None:
         for start in ("cold", "warm"):
             out = tempfile.mktemp(suffix=".json")
             argv = [a for a in sys.argv[1:] if a != "--cold-warm"]
-            if "--json" in argv:
-                i = argv.index("--json")
-                del argv[i:i + 2]
+            for option in ("--json", "--spy"):
+                if option in argv:
+                    i = argv.index(option)
+                    del argv[i:i + 2]
+            command = [sys.executable, "-m", "tools.probe.probe_startup", *argv, "--json", out]
+            if args.spy:
+                Path(args.spy).mkdir(parents=True, exist_ok=True)
+                record = str(Path(args.spy) / f"spy-{start}.txt")
+                command = ["py-spy", "record", "--native", "--format", "raw", "-r", str(args.spy_rate), "-o", record,
+                           "--", *command]
             t = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "tools.probe.probe_startup", *argv, "--json", out], check=True,
-                           env={**os.environ, "MLX_PTX_CACHE_DIR": cache})
+            subprocess.run(command, check=True, env={**os.environ, "MLX_PTX_CACHE_DIR": cache})
             run = json.loads(Path(out).read_text())
-            run.update(start=start, process_s=round(time.perf_counter() - t, 3), cache_files=count_files(cache))
+            run.update(start=start, process_s=round(time.perf_counter() - t, 3), cache=cache_listing(cache))
+            if args.spy:
+                run["spy"] = summarize(record, args.spy_rate)
             report["runs"].append(run)
-            print(f"== {start}: process {run['process_s']} s, kernel cache {run['cache_files']} files", flush=True)
+            print(f"== {start}: process {run['process_s']} s, kernel cache {len(run['cache'])} modules", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 
