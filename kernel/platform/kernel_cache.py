@@ -49,19 +49,169 @@ def kernel_name(base: str, *sources: str) -> str:
     return f"{base}_{digest}"
 
 
+# what the kernels built here did in this process (stats.model.warmup's "kernels")
+BUILDS = {"compiled": 0, "compile_s": 0.0, "from_disk": 0, "jit": 0}
+PRECOMPILE_VARIABLE = "UNIKERN_CUDA_PRECOMPILE"  # "0": every kernel through MLX's compiler
+
+
+class Kernel:
+    """One kernel text, launched as `mx.fast.cuda_kernel`'s kernels are (same keywords).
+    On MLX's CUDA backend each (template, input dtypes and ranks) is built once by
+    unikern (platform/cuda_build.py) into a cubin kept in the kernel cache directory,
+    so a second process loads it instead of compiling it again; where that cannot be
+    (no NVRTC or CUDA headers found, a text that reads an input's strides, the CPU
+    backend, PRECOMPILE_VARIABLE=0) MLX compiles it, as its `cuda_kernel`."""
+
+    def __init__(self, name: str, input_names: tuple[str, ...], source: str, header: str,
+                 outputs: tuple[str, ...], contiguous: bool) -> None:
+        self.name, self.input_names, self.source, self.header = name, input_names, source, header
+        self.outputs, self.contiguous = outputs, contiguous
+        self._built: dict[tuple, tuple[str, bytes, list[int]] | None] = {}
+        self._jit: Any = None  # MLX's kernel, made at its first launch
+
+    def jit(self) -> Any:
+        import mlx.core as mx
+
+        if self._jit is None:
+            self._jit = mx.fast.cuda_kernel(name=self.name, input_names=list(self.input_names),
+                                            output_names=list(self.outputs), source=self.source, header=self.header,
+                                            ensure_row_contiguous=self.contiguous)
+        return self._jit
+
+    def __call__(self, *, inputs: list, template: list, grid: tuple, threadgroup: tuple, output_shapes: list,
+                 output_dtypes: list, init_value: float | None = None, **kwargs: Any) -> list:
+        import mlx.core as mx
+
+        built = None
+        if _builder() is not None:
+            key = (tuple((k, v if isinstance(v, int) else str(v)) for k, v in template),
+                   tuple((str(a.dtype), a.ndim) for a in inputs), tuple(str(d) for d in output_dtypes))
+            if key not in self._built:
+                self._built[key] = _builder().build(self, inputs, template, output_dtypes)
+            built = self._built[key]
+        if built is None:
+            BUILDS["jit"] += 1
+            return self.jit()(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
+                             output_shapes=output_shapes, output_dtypes=output_dtypes, init_value=init_value, **kwargs)
+        name, cubin, shaped = built
+        return mx.fast.precompiled_cuda_kernel(
+            name=name, compiled_source=cubin, inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
+            scalars=[d for i in shaped for d in inputs[i].shape], grid=grid, threadgroup=threadgroup,
+            init_value=init_value, ensure_row_contiguous=self.contiguous)
+
+
+class Builder:
+    """Compiles kernel texts for this process's GPU with NVRTC, and keeps the cubins
+    under `folder` named by a digest of the source, the compiler's options and version
+    and the GPU's architecture."""
+
+    def __init__(self, nvrtc: Any, include: str, arch: str, folder: Path) -> None:
+        from unikern.platform import cuda_build
+
+        self.nvrtc, self.include, self.arch, self.folder = nvrtc, include, arch, folder
+        self.stamp = "\0".join([arch, cuda_build.nvrtc_version(nvrtc), *cuda_build.OPTIONS])
+
+    def build(self, kernel: Kernel, inputs: list, template: list, output_dtypes: list) -> tuple[str, bytes, list[int]] | None:
+        import time
+
+        import structlog
+
+        from unikern.platform import cuda_build
+
+        if any(cuda_build.reads(kernel.source, arg, "strides") for arg in kernel.input_names):
+            return None
+
+        def dtype(d: Any) -> str:
+            return str(d).removeprefix("mlx.core.")
+
+        args = [(n, dtype(a.dtype), a.ndim) for n, a in zip(kernel.input_names, inputs, strict=True)]
+        if any(d not in cuda_build.CUDA_TYPES for _, d, _ in args):
+            return None
+        outs = [(n, dtype(d)) for n, d in zip(kernel.outputs, output_dtypes, strict=True)]
+        values = [(k, dtype(v) if not isinstance(v, int) else v) for k, v in template]
+        probe, _ = cuda_build.wrap_precompiled("K", kernel.source, kernel.header, args, outs, values)
+        name = f"{kernel.name}_{cuda_build.digest(probe, self.stamp)}"
+        text, shaped = cuda_build.wrap_precompiled(name, kernel.source, kernel.header, args, outs, values)
+        path = self.folder / f"{name}.cubin"
+        try:
+            cubin = path.read_bytes()
+            BUILDS["from_disk"] += 1
+            return name, cubin, shaped
+        except OSError:
+            pass
+        started = time.perf_counter()
+        ok, log, cubin = cuda_build.compile_source(self.nvrtc, self.include, name, text, self.arch, cubin=True)
+        BUILDS["compile_s"] = round(BUILDS["compile_s"] + time.perf_counter() - started, 3)
+        if not ok or not cubin:
+            structlog.get_logger().warning("kernel_cache.nvrtc_failed", kernel=name, log=log[-2000:],
+                                           fallback="MLX's compiler")
+            return None
+        BUILDS["compiled"] += 1
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".{os.getpid()}.part")
+            partial.write_bytes(cubin)
+            partial.replace(path)  # whole or absent, with processes building side by side
+        except OSError as exc:  # a read-only cache: this process keeps its build
+            structlog.get_logger().warning("kernel_cache.not_saved", path=str(path), error=str(exc))
+        return name, cubin, shaped
+
+
 @functools.cache
-def cuda_kernel(base: str, input_names: tuple[str, ...], source: str, header: str = "",
-                outputs: tuple[str, ...] = ("out",), contiguous: bool = True) -> Any:
-    """`mx.fast.cuda_kernel` with the outputs `outputs` (one, `out`, by default), built
-    once per source and named by `kernel_name` (so its compiled code is never another
-    source's). `contiguous` False: MLX hands the inputs as they are, strided ones not
-    copied first (the source reads them through `<name>_strides`)."""
+def _builder() -> Builder | None:
+    """This process's Builder, or None where MLX's compiler must build the kernels."""
     import mlx.core as mx
 
+    if os.environ.get(PRECOMPILE_VARIABLE, "1") == "0" or not mx.cuda.is_available():
+        return None
+    if mx.default_device() != mx.gpu or not hasattr(mx.fast, "precompiled_cuda_kernel"):
+        return None
+    import structlog
+
+    from unikern.platform import cuda_build
+
+    try:
+        nvrtc, include = cuda_build.find_nvrtc()
+    except (FileNotFoundError, OSError) as exc:
+        structlog.get_logger().warning("kernel_cache.no_nvrtc", reason=str(exc), fallback="MLX's compiler")
+        return None
+    info = mx.device_info(mx.gpu)
+    arch = info.get("architecture", "")
+    if not str(arch).startswith("sm_"):
+        major, minor = info.get("compute_capability_major"), info.get("compute_capability_minor")
+        arch = f"sm_{major}{minor}" if major is not None else _driver_arch()
+    if not arch:
+        return None
+    folder = Path(os.environ.get(PTX_CACHE_VARIABLE) or default_dir()) / "unikern"
+    return Builder(nvrtc, include, str(arch), folder)
+
+
+def _driver_arch() -> str:
+    """The first GPU's sm_XY from the CUDA driver, "" if it cannot say."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        device, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), 0):
+            return ""
+        cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, device)  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+        cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, device)
+        return f"sm_{major.value}{minor.value}"
+    except OSError:
+        return ""
+
+
+@functools.cache
+def cuda_kernel(base: str, input_names: tuple[str, ...], source: str, header: str = "",
+                outputs: tuple[str, ...] = ("out",), contiguous: bool = True) -> Kernel:
+    """A Kernel with the outputs `outputs` (one, `out`, by default), made once per
+    source and named by `kernel_name` (so its compiled code is never another source's).
+    `contiguous` False: the inputs are handed as they are, strided ones not copied
+    first (the source reads them through `<name>_strides`)."""
     # the inputs and outputs are the generated kernel's signature: in the name's digest too
     name = kernel_name(base, source, header, ",".join(input_names), ",".join(outputs))
-    return mx.fast.cuda_kernel(name=name, input_names=list(input_names), output_names=list(outputs),
-                               source=source, header=header, ensure_row_contiguous=contiguous)
+    return Kernel(name, input_names, source, header, outputs, contiguous)
 
 
 # MLX's CUDA allocator keeps every array of up to this many bytes in one pool of managed

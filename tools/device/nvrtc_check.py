@@ -7,10 +7,11 @@ attention whole, split and merged, at several positions in flight; the 4-bit GEM
 tensor-core kernels and the bfloat16 tensor-core kernel; the residual add and norm; a
 decoder block's GEMV kernels and its one-kernel step; the pool writes and RoPE) with
 `mx.fast.cuda_kernel` replaced by a stand-in that records the call. The recorded source
-(the kernel's .cu text, as its module fills it in) is wrapped as MLX's CUDA backend wraps
-a custom kernel (a `__global__` function whose parameters are the inputs, their shapes
-where the source reads them, and the outputs; template arguments as constants in its
-body) over a small prelude standing in for MLX's device header, and compiled.
+(the kernel's .cu text, as its module fills it in) is wrapped as the engine builds it
+(unikern.platform.cuda_build: an `extern "C"` function whose parameters are the inputs,
+the outputs and the shapes the text reads; template arguments as constants in its body;
+MLX's own wrapping for a text that reads strides) over a small prelude standing in for
+MLX's device header, and compiled.
 
     pip install nvidia-cuda-nvrtc nvidia-cuda-runtime   # NVRTC and CUDA's headers
     python -m tools.device.nvrtc_check [--arch sm_90] [--ptxas]
@@ -19,29 +20,11 @@ body) over a small prelude standing in for MLX's device header, and compiled.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import glob
-import os
 import re
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-# what MLX's device header gives a custom kernel that unikern's sources use
-PRELUDE = r"""
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-typedef int int32_t;
-typedef unsigned int uint32_t;
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-struct Shape { int v[10]; __device__ int operator[](int i) const { return v[i]; } };
-struct Strides { long long v[10]; __device__ long long operator[](int i) const { return v[i]; } };
-"""
-
-CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int32_t",
-              "uint32": "uint32_t"}
+from unikern.platform.cuda_build import compile_source, find_nvrtc, reads, wrap, wrap_precompiled  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -66,56 +49,19 @@ class Build:
         """The source as MLX's CUDA backend builds a custom kernel around it."""
         return wrap(self.name, self.source, self.header, list(self.inputs), list(self.outputs), list(self.template))
 
-
-def find_nvrtc() -> tuple[ctypes.CDLL, str]:
-    """libnvrtc and CUDA's include directory, from the pip wheels on sys.path."""
-    for base in sys.path:
-        for lib in sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libnvrtc.so*"))):
-            include = Path(lib).parent.parent / "include"
-            if (include / "cuda_bf16.h").exists():
-                return ctypes.CDLL(lib), str(include)
-    raise FileNotFoundError("NVRTC and CUDA's headers not found: pip install nvidia-cuda-nvrtc nvidia-cuda-runtime")
-
-
-def compile_source(nvrtc: ctypes.CDLL, include: str, name: str, source: str, arch: str,
-                   ptxas: bool = False) -> tuple[bool, str]:
-    """Whether it compiles, and NVRTC's log (with ptxas' resource use if `ptxas`)."""
-    prog = ctypes.c_void_p()
-    if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None):
-        return False, "nvrtcCreateProgram failed"
-    options = [f"--gpu-architecture={arch}", "-std=c++17", f"-I{include}", "-default-device"]
-    options += ["--ptxas-options=--verbose"] if ptxas else []
-    array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
-    status = nvrtc.nvrtcCompileProgram(prog, len(options), array)
-    size = ctypes.c_size_t()
-    nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
-    return status == 0, log.value.decode(errors="replace")
+    def launched(self) -> str:
+        """The source as the engine builds it (platform/kernel_cache.Kernel): unikern's
+        own `extern "C"` wrapping, MLX's where the text reads an input's strides."""
+        if any(reads(self.source, arg, "strides") for arg, _, _ in self.inputs):
+            return self.wrapped()
+        return wrap_precompiled(self.name, self.source, self.header, list(self.inputs), list(self.outputs),
+                                list(self.template))[0]
 
 
 def registers(log: str) -> int | None:
     """The registers per thread in ptxas' verbose log."""
     found = re.search(r"Used (\d+) registers", log)
     return int(found.group(1)) if found else None
-
-
-def wrap(name: str, source: str, header: str, inputs: list[tuple[str, str, int]], outputs: list[tuple[str, str]],
-         template: list[tuple[str, object]]) -> str:
-    """`source` as MLX's CUDA backend builds a custom kernel around it."""
-    params = []
-    for arg, dtype, ndim in inputs:
-        params.append(f"const {CUDA_TYPES[dtype]}* {arg}")
-        if ndim > 0 and f"{arg}_shape" in source:
-            params.append(f"const __grid_constant__ Shape {arg}_shape")
-        if ndim > 0 and f"{arg}_strides" in source:
-            params.append(f"const __grid_constant__ Strides {arg}_strides")
-    params += [f"{CUDA_TYPES[dtype]}* {arg}" for arg, dtype in outputs]
-    constants = "".join(f"  using {k} = {CUDA_TYPES[v]};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
-                        for k, v in template)
-    return (f"{PRELUDE}\n{header}\nnamespace unikern_check {{\n__global__ void {name}(\n    "
-            + ",\n    ".join(params) + f") {{\n{constants}\n{source}\n}}\n}}\n")
 
 
 def record_launches() -> list[Build]:
@@ -265,11 +211,11 @@ def main() -> None:
     seen: set[str] = set()
     failed = 0
     for build in record_launches():
-        source, label = build.wrapped(), build.label
+        source, label = build.launched(), build.label
         if source in seen:
             continue
         seen.add(source)
-        ok, log = compile_source(nvrtc, include, "unikern", source, args.arch, args.ptxas)
+        ok, log, _ = compile_source(nvrtc, include, "unikern", source, args.arch, args.ptxas)
         usage = ""
         if ok and args.ptxas:  # ptxas' lines: "... N bytes stack frame ...", "Used N registers, ..."
             usage = " | " + "; ".join(re.findall(r"\d+ bytes stack frame[^\n]*|Used \d+ registers[^\n]*", log))
