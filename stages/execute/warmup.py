@@ -102,7 +102,10 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
             run(decode(count, 1))
     sampled = m.SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95)
     run(decode(2, 4, sampled), {"a0": 1, "b1": 2})
+    from unikern.platform.kernel_cache import BUILDS
+
     return {"ran": True, "steps": len(timed), "seconds": round(time.perf_counter() - start, 3),
+            "kernels": dict(BUILDS),  # unikern's kernels built in this process: compiled, read from disk
             "step_seconds": [f"{label}: {sec}" for label, sec in timed],
             "window_rows": sorted({row_bucket(n) for n in window_rows}) if compile_decode else list(window_rows),
             # the shapes traced (on the private pool: the engine's traces its own again)

@@ -31,6 +31,7 @@ def one_worker(model: str, warmup: str, requests: list[dict], fresh_cache: bool,
         client.wait("stats", lambda c: bool(c.stats_events()), timeout=60)
         stats = client.stats_events()[-1]
         split = {**stats.get("model", {}).get("startup", {}), "warmup_s": stats.get("warmup", {}).get("seconds")}
+        kernels = stats.get("warmup", {}).get("kernels")  # unikern's kernels: compiled or read from disk
         timings = []
         for request in requests:  # one at a time: each one's latency alone
             rid = request["id"]
@@ -44,7 +45,8 @@ def one_worker(model: str, warmup: str, requests: list[dict], fresh_cache: bool,
         code = client.wait_exit(120)
     finally:
         client.close()
-    return {"warmup": warmup, "ready_s": ready_s, "split": split, "requests": timings, "exit_code": code}
+    return {"warmup": warmup, "ready_s": ready_s, "split": split, "kernels": kernels, "requests": timings,
+            "exit_code": code}
 
 
 def main() -> None:
@@ -77,7 +79,7 @@ def main() -> None:
         reqs = "  ".join(f"{r['id']} first {r['first_token_s']:.2f} s done {r['done_s']:.2f} s" for r in run["requests"])
         split = " ".join(f"{k} {v}" for k, v in run["split"].items() if v is not None)
         print(f"{run.get('start', '')}{' ' if 'start' in run else ''}warmup={run['warmup']:<6} ready {run['ready_s']:6.2f} s "
-              f"({split})  {reqs}  exit {run['exit_code']}")
+              f"({split})  {reqs}  exit {run['exit_code']}  kernels {run.get('kernels')}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "runs": runs}, indent=1))
 
