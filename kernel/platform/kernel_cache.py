@@ -1,5 +1,6 @@
-"""Where MLX keeps the GPU kernels it compiles at run time: under the user's cache
-directory, so that a second start finds them instead of compiling them again."""
+"""Where the GPU kernels compiled at run time are kept: MLX's own, and unikern's (built by
+unikern as cubins, `Kernel`), under the user's cache directory, so that a second start
+finds them instead of compiling them again."""
 
 from __future__ import annotations
 
@@ -128,7 +129,9 @@ class Builder:
         if any(d not in cuda_build.CUDA_TYPES for _, d, _ in args):
             return None
         outs = [(n, dtype(d)) for n, d in zip(kernel.outputs, output_dtypes, strict=True)]
-        values = [(k, dtype(v) if not isinstance(v, int) else v) for k, v in template]
+        values = [(k, v if isinstance(v, int) else dtype(v)) for k, v in template]
+        if any(isinstance(v, str) and v not in cuda_build.CUDA_TYPES for _, v in values):
+            return None  # a float or another type as a template argument: MLX's compiler
         probe, _ = cuda_build.wrap_precompiled("K", kernel.source, kernel.header, args, outs, values)
         name = f"{kernel.name}_{cuda_build.digest(probe, self.stamp)}"
         text, shaped = cuda_build.wrap_precompiled(name, kernel.source, kernel.header, args, outs, values)

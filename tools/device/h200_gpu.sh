@@ -28,7 +28,8 @@
 # Environment: OUT (results: $OUT/gpu/, one log per step and summary.txt; default
 # /tmp/h200-out), GPU_STEPS, GPU_BUDGET_S (seconds this call may use, 570), BENCH_ARGS
 # (more bench_gpu.py bench arguments), PYTEST_GPU, WARM_STARTS, OLD_TREE, AB_ROUNDS (2),
-# MLX_MEMORY_LIMIT_GIB (60).
+# MLX_MEMORY_LIMIT_GIB (60), KERNEL_TESTS_MIN_S (300), PROBE_SPY (startup-probe under
+# py-spy, its wheel carried in the set-up's folders: slow, see tools/probe/probe_startup.py).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/h200-out}
@@ -155,7 +156,7 @@ if want startup; then
 fi
 if named startup-probe; then  # where the start's seconds go: raw read, MLX's load, ops' first calls, warm-up steps
   TAIL=40 run_step startup-probe $RES/startup-probe-1b.json 200 python3 -m tools.probe.probe_startup --model $M/llama-1b \
-    --ops --profile 30 --cold-warm --json $RES/startup-probe-1b.json $(command -v py-spy > /dev/null && echo --spy $RES)
+    --ops --profile 30 --cold-warm --json $RES/startup-probe-1b.json ${PROBE_SPY:+--spy $RES}
 fi
 # the same with the transformers release pip installs beside unikern today (the image's is
 # older, and its import slower): its wheel carried in .whl/tf, copied to /tmp/tfwhl

@@ -13,7 +13,9 @@ in fresh processes on one empty MLX kernel cache, the cache's file count after e
 --spy records each process with py-spy (--native: MLX's and CUDA's own frames) into
 DIR/spy-cold.txt and spy-warm.txt; --summarize prints where such a record's samples are:
 the seconds under each marked native call (NVRTC, module loads, cuBLAS, cuDNN, graph
-launches, MLX's compile) and the Python lines that own the most samples.
+launches, MLX's compile) and the Python lines that own the most samples. Native sampling
+is slow: on an H200 a 1B start under it ran past 7 minutes (NVRTC's first compile 16 s
+against 3.4 s), so keep it to short runs.
 """
 
 from __future__ import annotations
