@@ -48,6 +48,10 @@ def test_a_second_process_loads_the_cubin_instead_of_compiling(builder, tmp_path
     assert len({name, other, newer}) == 3
 
 
+def test_the_wrap_file_holds_its_three_sections():
+    assert sorted(cuda_build._sections()) == ["extern", "mlx", "prelude"]
+
+
 def test_the_wrapping_passes_shapes_after_the_outputs():
     text, shaped = cuda_build.wrap_precompiled("k", SOURCE, "", [("x", "bfloat16", 2), ("w", "float32", 1)],
                                                [("out", "bfloat16")], [("T", "bfloat16"), ("SCALE", 2)])

@@ -2,7 +2,8 @@
 // prelude standing in for what MLX's device header gives unikern's kernel texts, then
 // the function around the body, as MLX's CUDA backend writes it (section mlx) or as
 // unikern builds it for mx.fast.precompiled_cuda_kernel (section extern). @NAME@,
-// @PARAMS@, @CONSTANTS@ and @BODY@ are filled in; a line "//== NAME" starts a section.
+// @PARAMS@, @CONSTANTS@ and @BODY@ are filled in; each section starts at a line of its name
+// after two slashes and "==".
 //== prelude
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
