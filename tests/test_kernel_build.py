@@ -42,6 +42,10 @@ def test_a_second_process_loads_the_cubin_instead_of_compiling(builder, tmp_path
     assert again == (name, cubin, shaped)
     assert kernel_cache.BUILDS["compiled"] == before["compiled"] + 1
     assert kernel_cache.BUILDS["from_disk"] == before["from_disk"] + 1
+    # a file that is no cubin (cut short, overwritten) is built again and replaced
+    (tmp_path / "unikern" / f"{name}.cubin").write_bytes(b"junk")
+    assert builder().build(kernel(), arrays(), [("T", mx.float32), ("SCALE", 2)], [mx.float32]) == again
+    assert kernel_cache.BUILDS["compiled"] == before["compiled"] + 2
     # another template value, another GPU: another binary, under another name
     other = builder().build(kernel(), arrays(), [("T", mx.float32), ("SCALE", 3)], [mx.float32])[0]
     newer = builder("sm_100").build(kernel(), arrays(), [("T", mx.float32), ("SCALE", 2)], [mx.float32])[0]
