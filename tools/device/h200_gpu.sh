@@ -91,7 +91,7 @@ wait_llama() {
 }
 
 say "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader)"
-if any_wanted bench-1b bench-8b-q4 || named bench-1b-iso || named llama; then
+if any_wanted bench-1b bench-8b-q4 || named bench-1b-iso || named llama || named serve-8b-q4; then
   if [ -d $G/llama.cpp ]; then build_llama & BUILD_PID=$!; fi
 fi
 
@@ -174,19 +174,27 @@ if named importtime; then  # the same import three times in fresh processes, the
 fi
 
 # ---- the three engines, 8B 4-bit (mlx_lm convert -q against llama-quantize's Q4_0) ----------
-if want bench-8b-q4 || named parity-8b-q4; then
+if want bench-8b-q4 || named parity-8b-q4 || named serve-8b-q4; then
   run_step models-8b $M/llama-8b-q4/config.json 120 python3 -m tools.bench.bench_gpu models --out $M --shapes 8b \
     --quantize 8b
 fi
-if want bench-8b-q4; then
+if want bench-8b-q4 || named serve-8b-q4; then
   run_step gguf-8b-bf16 $M/llama-8b-q4_0.gguf 150 python3 -m tools.bench.bench_gpu gguf --out $M --shapes 8b \
     --quantize --llama-cpp $G/llama.cpp --llama-bin $BIN
   wait_llama
   run_step gguf-8b-q4 $M/llama-8b-q4_0.gguf 30 $BIN/llama-quantize $M/llama-8b-bf16.gguf $M/llama-8b-q4_0.gguf Q4_0
   [ -e $M/llama-8b-q4_0.gguf ] && rm -f $M/llama-8b-bf16.gguf  # 16 GB of disk back
+fi
+if want bench-8b-q4; then
   TAIL=9 run_step bench-8b-q4 $RES/bench-gpu-8b-q4.json 330 python3 -m tools.bench.bench_gpu bench \
     --model $M/llama-8b-q4 --gguf $M/llama-8b-q4_0.gguf --llama-bin $BIN --split ${BENCH_ARGS:-} \
     --label "llama 8B shape, 4-bit (Q4_0 for llama.cpp)" --json $RES/bench-gpu-8b-q4.json
+fi
+# the four servers over HTTP on the 8B 4-bit model (LLAMA_TARGETS="llama-server llama-quantize")
+if named serve-8b-q4; then
+  TAIL=30 run_step serve-8b-q4 $RES/serve-8b-q4.done 200 bash -c "python3 -m tools.bench.bench_http \
+    --model $M/llama-8b-q4 --gguf $M/llama-8b-q4_0.gguf --llama-server $BIN/llama-server --tag=-h200-8b-q4 \
+    ${SERVE_ARGS:-} && cp tools/results/bench-http-llama-8b-q4-*-h200-8b-q4* $RES/ && touch $RES/serve-8b-q4.done"
 fi
 if named parity-8b-q4; then
   TAIL=12 run_step parity-8b-q4 $RES/parity-8b-q4.json 150 python3 -m tools.check.parity_check \
