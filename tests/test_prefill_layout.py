@@ -163,5 +163,8 @@ def test_warm_up_runs_the_prefill_by_rows_or_traced_too_where_it_is_on(tiny_llam
     report = warm_up(model, ModelGeometry(model), False, False, paged_attention=True, prefill_rows=prefill_rows,
                      compile_prefill=compile_prefill)
     assert report["ran"] and report["steps"] == steps
+    # each step named and timed: the prompts first, one row alone among them, then the decodes
+    labels = [line.rsplit(":", 1)[0] for line in report["step_seconds"]]
+    assert len(labels) == steps and labels[:2] == ["prefill x2", "prefill x1"] and labels[-1] == "decode x2 4 steps"
     # a prompt of two rows ran as one forward (traced: 2 rows at the 32-token bucket), as did one of one row
     assert report["traced_prefill"] == (["1x32/224", "2x32/224"] if compile_prefill else [])

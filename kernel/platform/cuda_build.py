@@ -5,7 +5,8 @@ under a name that digests everything the binary depends on, and launched through
 
 MLX's CUDA backend compiles a `mx.fast.cuda_kernel` with NVRTC in every process: it
 keeps the kernels it generates itself in its cache directory, but not custom ones. On an
-H200 that was 20-25 s of every warm start of a 1B model (tools/probe/probe_startup.py).
+H200 that was about 40 s of every warm start of a 1B model (ready in 47-50 s, 7-8 s
+once unikern built them; tools/probe/probe_startup.py, tools/bench/first_request.py).
 
 The wrapping is MLX's (a kernel function whose parameters are the inputs, then the
 outputs; the template arguments as constants in its body) with two differences: the
