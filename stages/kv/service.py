@@ -24,7 +24,11 @@ RESERVED_BLOCKS = 2  # block 0: always zero (padded reads); block 1: scratch (pa
 class KVManagerParams(StageParams, frozen=True):
     block_size: int = 256
     """Tokens per logical block (a multiple of `kernel_block_size`): the unit of prefix caching,
-    offload and disk files."""
+    offload and disk files. A prompt's last partial block is computed again on a hit, so
+    requests that share a long prefix gain from smaller blocks (64 on the CPU machine, a shared
+    1,000-token system prompt, 32 chat streams: 1.31x mlx_lm.server's throughput against 0.88x
+    at 256), at the price of more files in the disk tier and, in hybrid models, a recurrent
+    state checkpoint per block."""
     kernel_block_size: int = 16
     """Tokens per kernel block (>= 1): what attention gathers, and the unit sequence lengths are
     padded to in a batch."""
