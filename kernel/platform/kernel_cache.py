@@ -83,12 +83,12 @@ class Kernel:
                  output_dtypes: list, init_value: float | None = None, **kwargs: Any) -> list:
         import mlx.core as mx
 
-        built = None
-        if _builder() is not None:
+        built, builder = None, _builder()
+        if builder is not None:
             key = (tuple((k, v if isinstance(v, int) else str(v)) for k, v in template),
                    tuple((str(a.dtype), a.ndim) for a in inputs), tuple(str(d) for d in output_dtypes))
             if key not in self._built:
-                self._built[key] = _builder().build(self, inputs, template, output_dtypes)
+                self._built[key] = builder.build(self, inputs, template, output_dtypes)
             built = self._built[key]
         if built is None:
             BUILDS["jit"] += 1
@@ -132,9 +132,10 @@ class Builder:
         values = [(k, v if isinstance(v, int) else dtype(v)) for k, v in template]
         if any(isinstance(v, str) and v not in cuda_build.CUDA_TYPES for _, v in values):
             return None  # a float or another type as a template argument: MLX's compiler
-        probe, _ = cuda_build.wrap_precompiled("K", kernel.source, kernel.header, args, outs, values)
-        name = f"{kernel.name}_{cuda_build.digest(probe, self.stamp)}"
-        text, shaped = cuda_build.wrap_precompiled(name, kernel.source, kernel.header, args, outs, values)
+        # named by a digest of its own text (the name left a placeholder until then)
+        text, shaped = cuda_build.wrap_precompiled("@NAME@", kernel.source, kernel.header, args, outs, values)
+        name = f"{kernel.name}_{cuda_build.digest(text, self.stamp)}"
+        text = text.replace("@NAME@", name)
         path = self.folder / f"{name}.cubin"
         try:
             cubin = path.read_bytes()

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from unikern import messages as m
+from unikern.platform.kernel_cache import BUILDS
 from unikern.stages.execute.model import ModelGeometry
 from unikern.stages.execute.paged_cache import row_bucket
 from unikern.stages.execute.runner import ModelRunner
@@ -102,8 +103,6 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
             run(decode(count, 1))
     sampled = m.SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95)
     run(decode(2, 4, sampled), {"a0": 1, "b1": 2})
-    from unikern.platform.kernel_cache import BUILDS
-
     return {"ran": True, "steps": len(timed), "seconds": round(time.perf_counter() - start, 3),
             "kernels": dict(BUILDS),  # unikern's kernels built in this process: compiled, read from disk
             "step_seconds": [f"{label}: {sec}" for label, sec in timed],
