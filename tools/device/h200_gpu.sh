@@ -140,9 +140,16 @@ fi
 # llama-server must be built (LLAMA_TARGETS="llama-server", step llama) ----
 if named serve-1b; then
   wait_llama
-  TAIL=30 run_step serve-1b $RES/serve-1b.done 120 bash -c "python3 -m tools.bench.bench_http --model $M/llama-1b \
+  TAIL=30 run_step serve-1b $RES/serve-1b.done 300 bash -c "python3 -m tools.bench.bench_http --model $M/llama-1b \
     --gguf $M/llama-1b-bf16.gguf --llama-server $BIN/llama-server --tag=-h200-1b ${SERVE_ARGS:-} && \
     cp tools/results/bench-http-llama-1b-*-h200-1b* $RES/ && touch $RES/serve-1b.done"
+fi
+# the same two unikern doors with streams arriving at random (exponential gaps of 20 ms
+# on average): TTFT from the first round on when requests do not come all at once
+if named serve-1b-stagger; then
+  TAIL=30 run_step serve-1b-stagger $RES/serve-1b-stagger.done 150 bash -c "python3 -m tools.bench.bench_http \
+    --model $M/llama-1b --peers unikern,library --stagger-ms 20 --tag=-h200-1b-stagger ${SERVE_ARGS:-} && \
+    cp tools/results/bench-http-llama-1b-*-h200-1b-stagger* $RES/ && touch $RES/serve-1b-stagger.done"
 fi
 
 # ---- greedy parity and start-up, 1B bf16 ----------------------------------------------------
@@ -166,11 +173,16 @@ if named startup-tf && ls /tmp/tfwhl/transformers-*.whl > /dev/null 2>&1; then
   run_step startup-tf $RES/startup-1b-tf.json 150 env PYTHONPATH=/tmp/tf:$PYTHONPATH python3 -m tools.bench.first_request \
     --model $M/llama-1b --cold-warm --warm-starts ${WARM_STARTS:-2} --json $RES/startup-1b-tf.json
 fi
-if named importtime; then  # the same import three times in fresh processes, then where its time goes
-  TAIL=8 run_step importtime $RES/importtime.txt 60 bash -c 'TIMEFORMAT="import: %R s"; for i in 1 2 3; do \
-    time python3 -c "import unikern.frontends.worker, mlx_lm.utils"; done; \
-    python3 -X importtime -c "import unikern.frontends.worker, mlx_lm.utils" 2> '"$RES"'/importtime.txt; \
-    sort -t"|" -k2 -n '"$RES"'/importtime.txt | tail -4'
+if named importtime; then  # the worker's imports as the command line makes them (PyTorch hidden from
+  # transformers: unikern.platform.imports), three fresh processes, then where the time goes,
+  # and MLX's CUDA start alone (the library, then a first array on the GPU)
+  TAIL=12 run_step importtime $RES/importtime.txt 60 bash -c 'TIMEFORMAT="import: %R s"; \
+    imp="from unikern.platform.imports import import_tokenizer_stack as s; s(); import unikern.frontends.worker"; \
+    for i in 1 2 3; do time python3 -c "$imp"; done; \
+    python3 -c "import time; t=time.perf_counter(); import mlx.core as mx; a=time.perf_counter(); \
+mx.eval(mx.zeros(1)); b=time.perf_counter(); print(f\"mlx.core import {a-t:.2f} s, first GPU array {b-a:.2f} s\")"; \
+    python3 -X importtime -c "$imp" 2> '"$RES"'/importtime.txt; \
+    sort -t"|" -k2 -n '"$RES"'/importtime.txt | tail -8'
 fi
 
 # ---- the three engines, 8B 4-bit (mlx_lm convert -q against llama-quantize's Q4_0) ----------
@@ -192,7 +204,7 @@ if want bench-8b-q4; then
 fi
 # the four servers over HTTP on the 8B 4-bit model (LLAMA_TARGETS="llama-server llama-quantize")
 if named serve-8b-q4; then
-  TAIL=30 run_step serve-8b-q4 $RES/serve-8b-q4.done 200 bash -c "python3 -m tools.bench.bench_http \
+  TAIL=30 run_step serve-8b-q4 $RES/serve-8b-q4.done 420 bash -c "python3 -m tools.bench.bench_http \
     --model $M/llama-8b-q4 --gguf $M/llama-8b-q4_0.gguf --llama-server $BIN/llama-server --tag=-h200-8b-q4 \
     ${SERVE_ARGS:-} && cp tools/results/bench-http-llama-8b-q4-*-h200-8b-q4* $RES/ && touch $RES/serve-8b-q4.done"
 fi
