@@ -24,16 +24,15 @@ import hashlib
 import os
 import re
 import sys
-from importlib import resources
 from pathlib import Path
+
+from unikern.platform import cuda_text
 
 
 @functools.cache
 def _sections() -> dict[str, str]:
     """kernel_wrap.cuh's sections by name (its leading notes dropped)."""
-    text = resources.files(__package__).joinpath("kernel_wrap.cuh").read_text()
-    parts = text.split("//== ")[1:]
-    return {part.split("\n", 1)[0].strip(): part.split("\n", 1)[1] for part in parts}
+    return cuda_text.sections(cuda_text.read(__package__, "kernel_wrap.cuh"))
 
 
 def _fill(section: str, name: str, params: list[str], constants: str, header: str, body: str) -> str:

@@ -7,15 +7,14 @@ written once."""
 from __future__ import annotations
 
 import functools
-from importlib import resources
+
+from unikern.platform import cuda_text
 
 
 @functools.cache
 def text(name: str) -> str:
     """The text of file `name` of this package, less its leading `//` lines."""
-    lines = resources.files(__package__).joinpath(name).read_text().splitlines(keepends=True)
-    first = next((i for i, line in enumerate(lines) if not line.startswith("//")), len(lines))
-    return "".join(lines[first:])
+    return cuda_text.read(__package__, name)
 
 
 def fill(source: str, **parts: str) -> str:
