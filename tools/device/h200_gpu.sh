@@ -183,6 +183,13 @@ if named importtime; then  # the worker's imports as the command line makes them
 mx.eval(mx.zeros(1)); b=time.perf_counter(); print(f\"mlx.core import {a-t:.2f} s, first GPU array {b-a:.2f} s\")"; \
     python3 -X importtime -c "$imp" 2> '"$RES"'/importtime.txt; \
     sort -t"|" -k2 -n '"$RES"'/importtime.txt | tail -8'
+  # and, where the 1B model is built: its weights read through MLX against NumPy, and SDPA's
+  # first calls at prefill shapes with MLX's cuDNN path and without
+  if [ -e $M/llama-1b/config.json ]; then
+    TAIL=30 run_step load-paths $RES/load-paths-1b.json 90 bash -c "python3 -m tools.probe.probe_load_paths weights \
+      --model $M/llama-1b --json $RES/load-paths-1b.json && python3 -m tools.probe.probe_load_paths sdpa \
+      --model $M/llama-1b --json $RES/sdpa-first-calls-1b.json"
+  fi
 fi
 
 # ---- the three engines, 8B 4-bit (mlx_lm convert -q against llama-quantize's Q4_0) ----------
