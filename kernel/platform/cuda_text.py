@@ -1,6 +1,7 @@
-"""CUDA text kept in files beside the Python that launches it: a file's leading `//` lines
-are its notes, not part of the text (a `//== NAME` line starts a section: text) (the stages' kernels, stages/execute/cuda/sources.py;
-the wrapping of a kernel body, platform/cuda_build.py)."""
+"""CUDA text kept in files beside the Python that launches it (the stages' kernels,
+stages/execute/cuda/sources.py; the wrapping of a kernel body, platform/cuda_build.py).
+A file's leading `//` lines are its notes, not part of the text; a line `//== NAME`
+starts a section and is text."""
 
 from __future__ import annotations
 
