@@ -154,7 +154,7 @@ def test_a_prefill_rows_setting_that_is_no_count_is_refused():
             prepare_model(MLXExecuteParams(model="no/such/model", prefill_rows=bad), None, WeightWiring())
 
 
-@pytest.mark.parametrize("prefill_rows, compile_prefill, steps", [(0, False, 15), (64, False, 16), (0, True, 17)])
+@pytest.mark.parametrize("prefill_rows, compile_prefill, steps", [(0, False, 18), (64, False, 19), (0, True, 20)])
 def test_warm_up_runs_the_prefill_by_rows_or_traced_too_where_it_is_on(tiny_llama, prefill_rows, compile_prefill,
                                                                         steps):
     from unikern.stages.execute.warmup import warm_up
@@ -168,3 +168,29 @@ def test_warm_up_runs_the_prefill_by_rows_or_traced_too_where_it_is_on(tiny_llam
     assert len(labels) == steps and labels[:2] == ["prefill x2", "prefill x1"] and labels[-1] == "decode x2 4 steps"
     # a prompt of two rows ran as one forward (traced: 2 rows at the 32-token bucket), as did one of one row
     assert report["traced_prefill"] == (["1x32/224", "2x32/224"] if compile_prefill else [])
+
+
+def test_warm_up_runs_the_prompts_going_on_after_written_blocks_through_each_pool_read(tiny_llama, monkeypatch):
+    """A prefix-cache hit or a long prompt's later chunk reads the pool back: gathers with
+    a mask per row (several rows), slices (one row on consecutive blocks) or gathers with
+    a causal mask (one row on scattered blocks). The warm-up runs all three, so that the
+    kernels they need are built before ready and not inside the first such requests."""
+    from unikern.stages.execute import paged_cache
+    from unikern.stages.execute.warmup import warm_up
+
+    seen = set()
+    build = paged_cache.BatchLayout.build.__func__
+
+    def recording(cls, pool, rows):
+        layout = build(cls, pool, rows)
+        if layout.num_tokens > 1 and any(start > 0 for _, start, _ in rows):
+            kind = "slices" if layout.span is not None else "mask per row" if not isinstance(layout.mask, str) else "causal"
+            seen.add((layout.batch_size, kind))
+        return layout
+
+    monkeypatch.setattr(paged_cache.BatchLayout, "build", classmethod(recording))
+    model, _ = load(tiny_llama)
+    report = warm_up(model, ModelGeometry(model), False, False, paged_attention=True, prefill_rows=64)
+    assert seen == {(2, "mask per row"), (1, "slices"), (1, "causal")}
+    labels = [line.rsplit(":", 1)[0] for line in report["step_seconds"]]
+    assert labels.count("resume x2") == 1 and labels.count("resume x1") == 2

@@ -29,13 +29,15 @@ from unikern.stages.kv.pool import KVPool
 WINDOW_ROWS = (1, 2, 3, 8, 16, 64)
 STEP_ROWS = (2, 3, 5, 9, 17)
 BLOCK_SIZE = 16
+RESUMED = tuple(range(30, 38))  # the tokens a prompt goes on with after its written blocks
 
 
 def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_decode: bool,
             paged_attention: bool = False, compile_one_row: bool = False, prefill_rows: int = 0,
             compile_prefill: bool = False) -> dict[str, Any]:
     """Run prefills of one and two rows (by rows too with `prefill_rows`, traced too with
-    `compile_prefill`), decode windows and one-step decodes of WINDOW_ROWS and STEP_ROWS
+    `compile_prefill`), the prompts going on after their written blocks (one and two rows),
+    decode windows and one-step decodes of WINDOW_ROWS and STEP_ROWS
     rows (one and two rows where some layers are windowed or recurrent) and a sampled
     window. The engine's own pool is not touched: it stays unallocated until a request
     writes it. Rows beyond two share the two prompts' blocks (their writes collide: what
@@ -60,9 +62,10 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
     def run(step: m.Step, seeds: dict[str, int] | None = None) -> dict[str, list[int]]:
         t = time.perf_counter()
         out = runner.run(step, seeds or {})
-        prompt = step.work[0].start_pos == 0
-        timed.append((f"{'prefill' if prompt else 'decode'} x{len(step.work)}"
-                       + ("" if prompt else f" {step.num_steps} steps"), round(time.perf_counter() - t, 3)))
+        first_row = step.work[0]
+        kind = "decode" if len(first_row.token_ids) == 1 else "prefill" if first_row.start_pos == 0 else "resume"
+        timed.append((f"{kind} x{len(step.work)}" + (f" {step.num_steps} steps" if kind == "decode" else ""),
+                      round(time.perf_counter() - t, 3)))
         return out
 
     def prefill(rows: list[str]) -> m.Step:
@@ -82,6 +85,20 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
             run(prefill(["c"]))
     if by_rows >= len(prompts["a"]) + len(prompts["b"]):
         run(two)  # the same keys again, by rows
+
+    def resume(rows: list[str]) -> m.Step:
+        # prompts going on after blocks already written, as a prefix-cache hit or a long
+        # prompt's later chunk does: the pool read back (gathers, a mask per row where
+        # several rows run, slices for one row on consecutive blocks), never traced
+        return m.Step(0, tuple(m.SeqWork(r, RESUMED, len(prompts[r]), tables[r], True, greedy, state_slot=slots[r])
+                               for r in rows), 1)
+
+    runner.prefill_rows = 0  # (by rows these would take the decode paths below)
+    run(resume(["a", "b"]))
+    run(resume(["a"]))  # consecutive blocks: slices
+    if plain:
+        run(resume(["c"]))  # scattered blocks: gathers
+    runner.prefill_rows = by_rows
 
     def decode(count: int, num_steps: int, params: m.SamplingParams = greedy,
                names: tuple[str, ...] = ("a", "b")) -> m.Step:

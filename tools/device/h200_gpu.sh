@@ -104,46 +104,8 @@ if any_wanted bench-1b || named bench-1b-iso || named serve-1b; then
     --llama-cpp $G/llama.cpp --llama-bin $BIN
 fi
 
-# ---- the three engines, 1B bf16 -------------------------------------------------------------
-if want bench-1b; then
-  wait_llama
-  TAIL=9 run_step bench-1b $RES/bench-gpu-1b.json 120 python3 -m tools.bench.bench_gpu bench --model $M/llama-1b \
-    --gguf $M/llama-1b-bf16.gguf --llama-bin $BIN --split ${BENCH_ARGS:-} --label "llama 1B shape, bfloat16" \
-    --json $RES/bench-gpu-1b.json
-fi
-if named bench-1b-iso; then
-  wait_llama
-  TAIL=9 run_step bench-1b-iso $RES/bench-gpu-1b-iso.json 120 python3 -m tools.bench.bench_gpu bench \
-    --model $M/llama-1b --gguf $M/llama-1b-bf16.gguf --llama-bin $BIN --split --isolate ${BENCH_ARGS:-} \
-    --label "llama 1B shape, bfloat16, mlx-lm in its own process" --json $RES/bench-gpu-1b-iso.json
-fi
+# the steps that need no llama.cpp build run first, while it builds in the background
 
-# ---- this tree's engine against another checkout's (OLD_TREE: its kernel/ stages/ pipelines/
-# tools/, e.g. `git archive COMMIT kernel stages pipelines tools`), unikern alone at 1B, the two
-# interleaved in fresh processes, AB_ROUNDS times: a change measured on one machine start ----
-if named ab-tree && [ -d "${OLD_TREE:-}" ]; then
-  old_src=/tmp/oldsrc; rm -rf $old_src; mkdir -p $old_src/unikern
-  ln -s "$OLD_TREE"/kernel/* $old_src/unikern/; ln -s "$OLD_TREE/stages" $old_src/unikern/stages
-  ln -s "$OLD_TREE/pipelines" $old_src/unikern/pipelines
-  old_bench=$([ -f "$OLD_TREE/tools/bench/bench_gpu.py" ] && echo "-m tools.bench.bench_gpu" || echo "$OLD_TREE/tools/bench_gpu.py")
-  ab=(bench --model $M/llama-1b --engines unikern --concurrency 1 16 64 --repeats 3 ${BENCH_ARGS:-})
-  for r in $(seq ${AB_ROUNDS:-2}); do
-    TAIL=5 run_step ab-this-$r $RES/ab-this-$r.json 60 python3 -m tools.bench.bench_gpu "${ab[@]}" \
-      --json $RES/ab-this-$r.json
-    TAIL=5 run_step ab-old-$r $RES/ab-old-$r.json 60 bash -c "cd $OLD_TREE && \
-      PYTHONPATH=/tmp/py:$old_src:$OLD_TREE python3 $old_bench ${ab[*]} --json $RES/ab-old-$r.json"
-  done
-fi
-
-# ---- unikern serve against llama-server and mlx_lm.server over HTTP, and the library path,
-# 1B bf16: streaming chat completions (tools/bench/bench_http.py; SERVE_ARGS adds to it);
-# llama-server must be built (LLAMA_TARGETS="llama-server", step llama) ----
-if named serve-1b; then
-  wait_llama
-  TAIL=30 run_step serve-1b $RES/serve-1b.done 300 bash -c "python3 -m tools.bench.bench_http --model $M/llama-1b \
-    --gguf $M/llama-1b-bf16.gguf --llama-server $BIN/llama-server --tag=-h200-1b ${SERVE_ARGS:-} && \
-    cp tools/results/bench-http-llama-1b-*-h200-1b* $RES/ && touch $RES/serve-1b.done"
-fi
 # the same two unikern doors with streams arriving at random (exponential gaps of 20 ms
 # on average): TTFT from the first round on when requests do not come all at once
 if named serve-1b-stagger; then
@@ -190,6 +152,47 @@ mx.eval(mx.zeros(1)); b=time.perf_counter(); print(f\"mlx.core import {a-t:.2f} 
       --model $M/llama-1b --json $RES/load-paths-1b.json && python3 -m tools.probe.probe_load_paths sdpa \
       --model $M/llama-1b --json $RES/sdpa-first-calls-1b.json"
   fi
+fi
+
+# ---- the three engines, 1B bf16 -------------------------------------------------------------
+if want bench-1b; then
+  wait_llama
+  TAIL=9 run_step bench-1b $RES/bench-gpu-1b.json 120 python3 -m tools.bench.bench_gpu bench --model $M/llama-1b \
+    --gguf $M/llama-1b-bf16.gguf --llama-bin $BIN --split ${BENCH_ARGS:-} --label "llama 1B shape, bfloat16" \
+    --json $RES/bench-gpu-1b.json
+fi
+if named bench-1b-iso; then
+  wait_llama
+  TAIL=9 run_step bench-1b-iso $RES/bench-gpu-1b-iso.json 120 python3 -m tools.bench.bench_gpu bench \
+    --model $M/llama-1b --gguf $M/llama-1b-bf16.gguf --llama-bin $BIN --split --isolate ${BENCH_ARGS:-} \
+    --label "llama 1B shape, bfloat16, mlx-lm in its own process" --json $RES/bench-gpu-1b-iso.json
+fi
+
+# ---- this tree's engine against another checkout's (OLD_TREE: its kernel/ stages/ pipelines/
+# tools/, e.g. `git archive COMMIT kernel stages pipelines tools`), unikern alone at 1B, the two
+# interleaved in fresh processes, AB_ROUNDS times: a change measured on one machine start ----
+if named ab-tree && [ -d "${OLD_TREE:-}" ]; then
+  old_src=/tmp/oldsrc; rm -rf $old_src; mkdir -p $old_src/unikern
+  ln -s "$OLD_TREE"/kernel/* $old_src/unikern/; ln -s "$OLD_TREE/stages" $old_src/unikern/stages
+  ln -s "$OLD_TREE/pipelines" $old_src/unikern/pipelines
+  old_bench=$([ -f "$OLD_TREE/tools/bench/bench_gpu.py" ] && echo "-m tools.bench.bench_gpu" || echo "$OLD_TREE/tools/bench_gpu.py")
+  ab=(bench --model $M/llama-1b --engines unikern --concurrency 1 16 64 --repeats 3 ${BENCH_ARGS:-})
+  for r in $(seq ${AB_ROUNDS:-2}); do
+    TAIL=5 run_step ab-this-$r $RES/ab-this-$r.json 60 python3 -m tools.bench.bench_gpu "${ab[@]}" \
+      --json $RES/ab-this-$r.json
+    TAIL=5 run_step ab-old-$r $RES/ab-old-$r.json 60 bash -c "cd $OLD_TREE && \
+      PYTHONPATH=/tmp/py:$old_src:$OLD_TREE python3 $old_bench ${ab[*]} --json $RES/ab-old-$r.json"
+  done
+fi
+
+# ---- unikern serve against llama-server and mlx_lm.server over HTTP, and the library path,
+# 1B bf16: streaming chat completions (tools/bench/bench_http.py; SERVE_ARGS adds to it);
+# llama-server must be built (LLAMA_TARGETS="llama-server", step llama) ----
+if named serve-1b; then
+  wait_llama
+  TAIL=30 run_step serve-1b $RES/serve-1b.done 300 bash -c "python3 -m tools.bench.bench_http --model $M/llama-1b \
+    --gguf $M/llama-1b-bf16.gguf --llama-server $BIN/llama-server --tag=-h200-1b ${SERVE_ARGS:-} && \
+    cp tools/results/bench-http-llama-1b-*-h200-1b* $RES/ && touch $RES/serve-1b.done"
 fi
 
 # ---- the three engines, 8B 4-bit (mlx_lm convert -q against llama-quantize's Q4_0) ----------
