@@ -98,6 +98,8 @@ def weights(model: Path) -> dict:
 
 SHAPES = [(1, 17, 17), (1, 24, 24), (1, 64, 64), (1, 100, 100), (1, 333, 333), (1, 1000, 1000), (1, 64, 1064),
           (1, 200, 1200), (4, 64, 64), (16, 64, 64)]
+# several rows going on after a cached prefix: a boolean mask per row (paged_cache.BatchLayout)
+MASKED = [(4, 296, 1280), (4, 300, 1280), (8, 296, 1280)]
 
 
 def sdpa_child(model: Path) -> list[dict]:
@@ -108,19 +110,23 @@ def sdpa_child(model: Path) -> list[dict]:
     kv = config.get("num_key_value_heads", heads)
     dim = config.get("head_dim") or config["hidden_size"] // heads
     rows = []
-    for b, q_len, k_len in SHAPES:
+    for b, q_len, k_len in SHAPES + MASKED:
         q = mx.random.normal((b, heads, q_len, dim)).astype(mx.bfloat16)
         k = mx.random.normal((b, kv, k_len, dim)).astype(mx.bfloat16)
         v = mx.random.normal((b, kv, k_len, dim)).astype(mx.bfloat16)
-        mx.eval(q, k, v)
+        mask = "causal"
+        if (b, q_len, k_len) in MASKED:  # row i starts at k_len - q_len - 8 * i
+            starts = mx.array([k_len - q_len - 8 * i for i in range(b)])[:, None, None, None]
+            mask = mx.arange(k_len)[None, None, None] <= starts + mx.arange(q_len)[None, None, :, None]
+        mx.eval(q, k, v, *([] if isinstance(mask, str) else [mask]))
         times = []
         for _ in range(3):
             t = time.perf_counter()
-            mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=dim ** -0.5, mask="causal"))
+            mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=dim ** -0.5, mask=mask))
             mx.synchronize()
             times.append(round((time.perf_counter() - t) * 1e3, 2))
-        rows.append({"batch": b, "q": q_len, "k": k_len, "first_ms": times[0], "second_ms": times[1],
-                     "third_ms": times[2]})
+        rows.append({"batch": b, "q": q_len, "k": k_len, "mask": "causal" if isinstance(mask, str) else "rows",
+                     "first_ms": times[0], "second_ms": times[1], "third_ms": times[2]})
     return rows
 
 
@@ -133,7 +139,7 @@ def sdpa(model: Path) -> dict:
         rows = json.loads(out.stdout)
         report[f"cudnn_{'on' if setting == '1' else 'off'}"] = rows
         for r in rows:
-            print(f"cuDNN {'on ' if setting == '1' else 'off'} b={r['batch']:>2} q={r['q']:>4} k={r['k']:>4}: "
+            print(f"cuDNN {'on ' if setting == '1' else 'off'} b={r['batch']:>2} q={r['q']:>4} k={r['k']:>4} {r['mask']:>6}: "
                   f"first {r['first_ms']:8.2f} ms, then {r['second_ms']:6.2f} / {r['third_ms']:6.2f}", file=sys.stderr)
     return report
 
