@@ -70,6 +70,14 @@ class Prepared:
     startup: dict[str, float] | None = None  # seconds per start-up phase (stats.model.startup)
     prefill_rows: int = 0  # prompts of up to this many tokens run as rows (execute.prefill_rows)
     compile_prefill: bool = False  # fresh prompts through traced forwards (execute.compile_prefill)
+    cudnn_attention: bool = False  # MLX's cuDNN SDPA in force in this process (execute.cudnn_attention)
+
+
+def cudnn_attention(on: bool) -> bool:
+    """Whether MLX's CUDA backend takes cuDNN's SDPA in this process (execute.cudnn_attention):
+    MLX_CUDA_USE_CUDNN_SDPA as the environment already sets it, else as `on` asks. MLX reads
+    the variable once, at the process's first attention, so it is set before the model runs."""
+    return os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "1" if on else "0") not in ("0", "")
 
 
 def fuses_quantized(setting: str, own_kernels: bool) -> bool:
@@ -85,6 +93,7 @@ def fuses_quantized(setting: str, own_kernels: bool) -> bool:
 def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Prepared:
     """Load (this rank's shard of) the model, wire it and warm it up: on the model thread."""
     backend = current_platform().backend
+    cudnn = cudnn_attention(params.cudnn_attention)
     clock = PhaseClock()
     mx.eval(mx.zeros(1) + 1)  # the device's own start (a CUDA context), apart from the load
     clock.mark("device_s")
@@ -145,7 +154,7 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
                          compile_prefill)
         startup["warmup_s"] = warmup["seconds"]
     return Prepared(loaded, wired, kernels, compile_decode, warmup, quantized, paged, one_row, startup, prefill_rows,
-                    compile_prefill)
+                    compile_prefill, cudnn)
 
 
 def pool_spec(pool: KVPool) -> MakeRunner:

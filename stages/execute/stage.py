@@ -111,6 +111,14 @@ class MLXExecuteParams(StageParams, frozen=True):
     """Decode attention of full-attention layers reads keys and values straight from the pool by each
     row's slot table (stages/execute/cuda/paged_attention.py): a CUDA kernel on CUDA, MLX's ops elsewhere.
     `auto`: on CUDA, where on an H200 (1B) 64 requests went 10,093 -> 16,891 tok/s (tools/bench/bench_gpu.py)."""
+    cudnn_attention: bool = False
+    """Prompt attention through MLX's cuDNN SDPA (CUDA) rather than MLX's own kernels. cuDNN builds a
+    graph per new (rows, query length, key length), and a server meets a new one with nearly every
+    prompt: on an H200 (1B) a first call took 40-68 ms against MLX's own 1-12 ms (later calls 0.1-0.3
+    ms against 0.2-0.9), and with it on a shared 1,000-token system prompt's requests waited 109 ms
+    (TTFT p50, one stream) against 40 off (tools/probe/probe_load_paths.py sdpa, tools/bench/bench_http.py).
+    Sets MLX_CUDA_USE_CUDNN_SDPA, which MLX reads once, at the process's first attention; a value
+    already in the environment wins."""
     compile_one_row: Literal["auto", "always", "never"] = "auto"
     """With `paged_attention`, one-row decode windows are traced (`mx.compile`) too, as windows of
     several rows are. `auto`: on CUDA."""
@@ -197,6 +205,7 @@ class MLXExecuteStage(StageBase):
             loaded.thread = thread
             self.loaded, self.wired = loaded, prepared.wired
             self.quantized = prepared.quantized
+            self.cudnn_attention = prepared.cudnn_attention
             self.startup = prepared.startup
             if prepared.warmup is not None:
                 self.warmup = prepared.warmup
@@ -320,6 +329,7 @@ class MLXExecuteStage(StageBase):
         return {
             "model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes,
                       "quantized": self.quantized,  # set with self.loaded
+                      "cudnn_attention": self.cudnn_attention,
                       "startup": self.startup or {},
                       "fused_projections": {"groups": loaded.fused_groups,
                                             "fallback_calls": fallback_calls(loaded.model) if loaded.fused_groups else 0},
