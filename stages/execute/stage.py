@@ -114,7 +114,7 @@ class MLXExecuteParams(StageParams, frozen=True):
     cudnn_attention: bool = False
     """Prompt attention through MLX's cuDNN SDPA (CUDA) rather than MLX's own kernels. cuDNN builds a
     graph per new (rows, query length, key length), and a server meets a new one with nearly every
-    prompt: on an H200 (1B) a first call took 40-68 ms against MLX's own 1-12 ms (later calls 0.1-0.3
+    prompt: on an H200 (1B) a first call took 39-68 ms against MLX's own 1-12 ms (later calls 0.1-0.3
     ms against 0.2-0.9), and with it on a shared 1,000-token system prompt's requests waited 109 ms
     (TTFT p50, one stream) against 40 off (tools/probe/probe_load_paths.py sdpa, tools/bench/bench_http.py).
     Sets MLX_CUDA_USE_CUDNN_SDPA, which MLX reads once, at the process's first attention; a value
