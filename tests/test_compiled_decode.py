@@ -110,7 +110,8 @@ async def test_warmup_runs_before_ready_and_leaves_the_pool_unallocated(tiny_lla
         before = engine.stats()
         results = await complete_all(engine, [[5, 6, 7, 8]], max_tokens=6)
         after = engine.stats()
-    # prefills of 2 and 1 rows, windows of 1-64 rows (and one of a row's scattered blocks),
+    # prefills of 2 and 1 rows, then 2 and 1 and 1 going on after written blocks, windows of
+    # 1-64 rows (and one of a row's scattered blocks),
     # one-step decodes of 2-17 rows, a sampled window
     assert before["warmup"]["ran"] and before["warmup"]["steps"] == 18
     assert before["warmup"]["window_rows"] == [1, 2, 3, 8, 16, 64]

@@ -70,13 +70,14 @@ class Prepared:
     startup: dict[str, float] | None = None  # seconds per start-up phase (stats.model.startup)
     prefill_rows: int = 0  # prompts of up to this many tokens run as rows (execute.prefill_rows)
     compile_prefill: bool = False  # fresh prompts through traced forwards (execute.compile_prefill)
-    cudnn_attention: bool = False  # MLX's cuDNN SDPA in force in this process (execute.cudnn_attention)
+    cudnn_attention: bool = False  # MLX_CUDA_USE_CUDNN_SDPA as this process set it (execute.cudnn_attention)
 
 
 def cudnn_attention(on: bool) -> bool:
-    """Whether MLX's CUDA backend takes cuDNN's SDPA in this process (execute.cudnn_attention):
+    """Whether MLX's CUDA backend may take cuDNN's SDPA in this process (execute.cudnn_attention):
     MLX_CUDA_USE_CUDNN_SDPA as the environment already sets it, else as `on` asks. MLX reads
-    the variable once, at the process's first attention, so it is set before the model runs."""
+    the variable once, at the process's first attention: set before the model runs, it holds
+    unless the process ran an attention before (another engine, mlx-lm)."""
     return os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "1" if on else "0") not in ("0", "")
 
 
