@@ -60,6 +60,10 @@ class Scheduler(DecodeWindows):
         if window_blocks is not None and window is None:
             raise ValueError("window_blocks given, but the model does not mix full and windowed layers")
         self.window_group = WindowGroup(window_blocks, window) if window_blocks is not None else None
+        # plain attention: a prompt also reuses the leading part of a cached block, copied
+        # in the step that first feeds it (Step.copies); recurrent states and windowed
+        # tables have no such copy, so they reuse whole blocks only
+        self.partial = self.states is None and self.window is None and self.window_group is None
         # admission bound: requests queued beyond it are refused as overloaded (None: no bound)
         self.max_waiting = max_waiting
         self.num_refused_overloaded = 0
@@ -86,6 +90,8 @@ class Scheduler(DecodeWindows):
         # the first window of rows whose prompts are in flight (schedule.overlap_prefill)
         self.follow_prefills = False
         self._step_ids = 0
+        # partial prefix hits admitted for the step being planned: (source, dest, tokens)
+        self._copies: list[tuple[int, int, int]] = []
 
     # ---- requests in and out -----------------------------------------------------------
 
@@ -186,7 +192,8 @@ class Scheduler(DecodeWindows):
             return None
         self._step_ids += 1
         num_steps = self._lookahead(work)  # may give rows more blocks: build the step after
-        return m.Step(self._step_ids, tuple(work), num_steps)
+        copies, self._copies = tuple(self._copies), []
+        return m.Step(self._step_ids, tuple(work), num_steps, copies=copies)
 
     def _work(self, seq: Sequence, chunk: int) -> m.SeqWork:
         start = seq.num_computed
@@ -217,7 +224,11 @@ class Scheduler(DecodeWindows):
         if self.states is not None:  # only as far as a state checkpoint reaches
             max_cached = self.states.limit_cached(seq.tokens, max_cached)
         try:
-            if self.window is None and self.window_group is None:
+            if self.partial:
+                seq.blocks, cached, part = self.blocks.allocate_prompt_partial(seq.tokens, max_cached)
+                if part is not None:
+                    self._copies.append(tuple(part))
+            elif self.window is None and self.window_group is None:
                 seq.blocks, cached = self.blocks.allocate_prompt(seq.tokens, max_cached)
             else:
                 cached = allocate_windowed(
@@ -292,6 +303,10 @@ class Scheduler(DecodeWindows):
         requests that failed alone (finished with their error, blocks freed), requests
         whose grammar completed (finished with "stop") and prompt log-probabilities."""
         outcome = StepOutcome()
+        # the step has run, its copies with it: their sources may be evicted and reused
+        # now. Not earlier: a block freed while the step is in flight can be handed to a
+        # disk load that the mover writes before the model thread reaches the copy
+        self.blocks.free([source for source, _, _ in step.copies])
         logprobs, failed, stopped = logprobs or {}, failed or {}, frozenset(stopped)
         for work in step.work:
             seq = self.by_id.get(work.request_id)
@@ -375,7 +390,7 @@ class Scheduler(DecodeWindows):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             h = block_hash(parent, seq.tokens[i * bs : (i + 1) * bs], self.blocks.namespace)
             seq.block_hashes.append(h)
-            self.blocks.commit_full_block(seq.blocks[i], h)
+            self.blocks.commit_full_block(seq.blocks[i], h, parent, seq.tokens[i * bs : (i + 1) * bs] if self.partial else None)
             if self.window_group is not None:
                 self.window_group.commit(seq, i, h)
 
