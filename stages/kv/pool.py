@@ -234,7 +234,7 @@ class KVPool:
         mx.eval(parts)
         index = mx.broadcast_to(dst_slots[None, :, None], parts[0][0].shape)
         for arrays, read in zip((self.keys, self.values), parts, strict=True):
-            for layer, part in enumerate(read):  # the lists stay: others hold them
+            for layer, part in enumerate(read):  # into the pool's own lists, as the forward's writes go
                 arrays[layer] = mx.put_along_axis(arrays[layer], index, part, axis=1)
         del parts, read, part
         mx.eval(self.keys, self.values)

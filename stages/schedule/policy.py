@@ -388,9 +388,11 @@ class Scheduler(DecodeWindows):
         while (len(seq.block_hashes) + 1) * bs <= seq.num_computed:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = block_hash(parent, seq.tokens[i * bs : (i + 1) * bs], self.blocks.namespace)
+            tokens = seq.tokens[i * bs : (i + 1) * bs]
+            h = block_hash(parent, tokens, self.blocks.namespace)
             seq.block_hashes.append(h)
-            self.blocks.commit_full_block(seq.blocks[i], h, parent, seq.tokens[i * bs : (i + 1) * bs] if self.partial else None)
+            # with its tokens, the block's leading parts are indexed too (partial hits)
+            self.blocks.commit_full_block(seq.blocks[i], h, parent, tokens if self.partial else None)
             if self.window_group is not None:
                 self.window_group.commit(seq, i, h)
 
