@@ -208,6 +208,21 @@ def test_a_1000_token_shared_prefix_starts_at_992_and_the_step_carries_the_copy(
     assert run.sched.blocks.partial_hit_tokens == 224
 
 
+def test_a_request_ended_while_its_copy_runs_gives_the_source_back_at_once():
+    """Whatever its copy then reads, only the ended request's own dropped block gets it."""
+    run = make_partial_run()
+    run.add("first", SYSTEM + prompt(2, 100), max_tokens=4)
+    run.drain()
+    run.add("second", SYSTEM + prompt(3, 40), max_tokens=4)
+    step = run.schedule()
+    (source, _, _), = step.copies
+    assert run.sched.blocks.ref_counts[source] == 1
+    run.abort("second")
+    assert run.sched.blocks.ref_counts[source] == 0 and run.sched.blocks.num_used == 0
+    run.done(step, run.execute(step))  # the step comes back after: nothing freed twice
+    run.check_idle()
+
+
 def test_partial_hits_give_the_tokens_of_whole_block_hits_under_load():
     """Prompts sharing prefixes of many lengths, in flight together, with preemption (a
     small pool): the fake pool's tokens depend on every position read through the

@@ -228,6 +228,7 @@ class Scheduler(DecodeWindows):
                 seq.blocks, cached, part = self.blocks.allocate_prompt_partial(seq.tokens, max_cached)
                 if part is not None:
                     self._copies.append(tuple(part))
+                    seq.copy_source = part.source
             elif self.window is None and self.window_group is None:
                 seq.blocks, cached = self.blocks.allocate_prompt(seq.tokens, max_cached)
             else:
@@ -273,8 +274,18 @@ class Scheduler(DecodeWindows):
             group.grow(seq, num_tokens)
         return True
 
+    def _drop_copy_source(self, seq: Sequence | None) -> None:
+        """Free the source block of seq's partial hit, once the step copying it is back,
+        or once seq ends or is preempted: not before, while seq may still read its copy
+        (a freed block can be reloaded from disk before the model thread reaches the
+        copy); then, whatever the copy reads, only seq's own dropped blocks receive it."""
+        if seq is not None and seq.copy_source is not None:
+            self.blocks.free([seq.copy_source])
+            seq.copy_source = None
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._drop_copy_source(seq)
         if self.states is not None:
             self.states.release(seq.request_id)
         self.blocks.free(seq.blocks)
@@ -303,10 +314,8 @@ class Scheduler(DecodeWindows):
         requests that failed alone (finished with their error, blocks freed), requests
         whose grammar completed (finished with "stop") and prompt log-probabilities."""
         outcome = StepOutcome()
-        # the step has run, its copies with it: their sources may be evicted and reused
-        # now. Not earlier: a block freed while the step is in flight can be handed to a
-        # disk load that the mover writes before the model thread reaches the copy
-        self.blocks.free([source for source, _, _ in step.copies])
+        for work in step.work:  # the step has run its rows' copies: their sources may go
+            self._drop_copy_source(self.by_id.get(work.request_id))
         logprobs, failed, stopped = logprobs or {}, failed or {}, frozenset(stopped)
         for work in step.work:
             seq = self.by_id.get(work.request_id)
@@ -408,6 +417,7 @@ class Scheduler(DecodeWindows):
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq.pinned)
+        self._drop_copy_source(seq)
         seq.pinned = []
         seq.blocks = []
         return m.Finished(seq.request_id, reason, seq.usage, error,
