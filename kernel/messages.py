@@ -131,6 +131,10 @@ class Step(Message, frozen=True):
     # decode lookahead: when every row is a decode and nobody waits, run this many
     # decode steps back to back, each feeding the token the previous one sampled
     num_steps: int = 1
+    # partial prefix hits: (source block, dest block, tokens): before anything else, the
+    # first `tokens` slots of the cached source block are copied into the same slots of
+    # a row's fresh dest block, in every layer
+    copies: tuple[tuple[int, int, int], ...] = ()
 
 
 class TopLogprob(msgspec.Struct, frozen=True):

@@ -104,6 +104,23 @@ def test_two_ranks_match_one(family, mode, model_dir):
         assert ok, f"{family} {mode} parallel, prompt of {len(prompt)} tokens: {note}"
 
 
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_every_rank_copies_partial_prefix_hits(mode, model_dir):
+    """Prompts going on from the cached prefix's second block mid-way reuse its leading
+    4-token kernel blocks by a copy in each rank's pool (Step.copies): a rank that skipped
+    it would attend to zeros there, in its half of the heads or layers."""
+    path = model_dir(MODELS["llama"])
+    batch = [PREFIX[:n] + [(5 * n + 3 * j) % 1000 + 5 for j in range(6)] for n in (21, 25, 29, 30)]
+    settings = overrides("llama", mode, 14)
+    settings["kv"]["kernel_block_size"] = 4
+    out = run_engine(path, settings, batch)
+    assert out["cached"] == [20, 24, 28, 28]  # block 0 whole, then 1-3 kernel blocks of block 1
+    assert out["stats"]["tiers"]["device"]["partial_hits"] == len(batch)
+    for prompt, tokens in zip(batch, out["tokens"], strict=True):
+        ok, note = compare_greedy(tokens, reference_greedy(path, prompt, MAX_TOKENS))
+        assert ok, f"{mode} parallel, prompt of {len(prompt)} tokens: {note}"
+
+
 @pytest.mark.anyio
 async def test_one_world_per_process(tiny_llama):
     """MLX keeps its first group for the process: a second world is refused, by reason."""

@@ -227,7 +227,9 @@ class ModelRunner:
         """Run the step: its tokens, the log-probabilities asked for, the requests whose
         grammar completed and those that failed on their own (processor, grammar)."""
         highest = max((max(w.block_table) for w in step.work if w.block_table), default=-1)
+        highest = max([highest, *(max(source, dest) for source, dest, _ in step.copies)])
         self.pool.ensure_capacity(highest + 1)
+        self.pool.copy_prefixes(step.copies)  # partial prefix hits, before any row reads them
         if self.window_pool is not None:
             highest = max((max(w.window_table) for w in step.work if w.window_table), default=-1)
             self.window_pool.ensure_capacity(highest + 1)

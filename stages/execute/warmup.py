@@ -86,15 +86,17 @@ def warm_up(model: Any, geometry: ModelGeometry, cpu_kernels: bool, compile_deco
     if by_rows >= len(prompts["a"]) + len(prompts["b"]):
         run(two)  # the same keys again, by rows
 
-    def resume(rows: list[str]) -> m.Step:
+    def resume(rows: list[str], copies: tuple[tuple[int, int, int], ...] = ()) -> m.Step:
         # prompts going on after blocks already written, as a prefix-cache hit or a long
         # prompt's later chunk does: the pool read back (gathers, a mask per row where
         # several rows run, slices for one row on consecutive blocks), never traced
         return m.Step(0, tuple(m.SeqWork(r, RESUMED, len(prompts[r]), tables[r], True, greedy, state_slot=slots[r])
-                               for r in rows), 1)
+                               for r in rows), 1, copies)
 
     runner.prefill_rows = 0  # (by rows these would take the decode paths below)
-    run(resume(["a", "b"]))
+    # with a partial prefix hit's copy (plain models take them): into c's last block, which
+    # nothing reads
+    run(resume(["a", "b"], ((2, 13, 8),) if plain else ()))
     run(resume(["a"]))  # consecutive blocks: slices
     if plain:
         run(resume(["c"]))  # scattered blocks: gathers

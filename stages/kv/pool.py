@@ -217,6 +217,28 @@ class KVPool:
         self.released_bytes += released
         return released
 
+    # ---- copies between blocks ---------------------------------------------------------------
+
+    def copy_prefixes(self, copies: Collection[tuple[int, int, int]]) -> None:
+        """For each (source, dest, n): the first n slots of logical block source into the
+        same slots of block dest, in every layer's keys and values (a partial prefix hit).
+        The reads are evaluated before the writes, so each write is in place: a write into
+        an array with a read of it pending makes MLX copy the whole array (the budget)."""
+        if not copies:
+            return
+        bs = self.block_size
+        src = np.concatenate([np.arange(s * bs, s * bs + n, dtype=np.int32) for s, _, n in copies])
+        dst = np.concatenate([np.arange(d * bs, d * bs + n, dtype=np.int32) for _, d, n in copies])
+        src_slots, dst_slots = mx.array(src), mx.array(dst)
+        parts = [[a[:, src_slots] for a in arrays] for arrays in (self.keys, self.values)]
+        mx.eval(parts)
+        index = mx.broadcast_to(dst_slots[None, :, None], parts[0][0].shape)
+        for arrays, read in zip((self.keys, self.values), parts, strict=True):
+            for layer, part in enumerate(read):  # into the pool's own lists, as the forward's writes go
+                arrays[layer] = mx.put_along_axis(arrays[layer], index, part, axis=1)
+        del parts, read, part
+        mx.eval(self.keys, self.values)
+
     # ---- metal, cuda: slabs -----------------------------------------------------------------
 
     def ensure_capacity(self, num_blocks: int) -> None:

@@ -24,14 +24,18 @@ RESERVED_BLOCKS = 2  # block 0: always zero (padded reads); block 1: scratch (pa
 class KVManagerParams(StageParams, frozen=True):
     block_size: int = 256
     """Tokens per logical block (a multiple of `kernel_block_size`): the unit of prefix caching,
-    offload and disk files. A prompt's last partial block is computed again on a hit, so
-    requests that share a long prefix gain from smaller blocks (64 on the CPU machine, a shared
-    1,000-token system prompt, 32 chat streams: 1.31x mlx_lm.server's throughput against 0.88x
-    at 256), at the price of more files in the disk tier and, in hybrid models, a recurrent
-    state checkpoint per block."""
+    offload and disk files. Past a hit's last whole block, `partial_prefix` reuses the next
+    block's leading kernel blocks where it can; families it does not cover (recurrent states,
+    sliding windows) compute that part again, and gain from smaller blocks, at the price of
+    more files in the disk tier and, in hybrid models, a recurrent state checkpoint per block."""
     kernel_block_size: int = 16
     """Tokens per kernel block (>= 1): what attention gathers, and the unit sequence lengths are
     padded to in a batch."""
+    partial_prefix: bool = True
+    """On a prefix hit, also reuse the longest cached leading part of the next logical block, in
+    whole kernel blocks, by copying those slots into the prompt's own block (the cached block is
+    shared, its later slots hold other tokens). Models with full attention only; the others reuse
+    whole blocks."""
     memory_fraction: float = 0.5
     """The KV budget as a fraction (0 to 1] of the platform's total memory, less the weights and
     `activation_reserve_bytes`. Ignored when `kv_budget_bytes` is set."""
@@ -200,7 +204,8 @@ class KVManagerStage(ServiceBase):
         pool = await loaded.thread.run(make_pool, plan.num_layers, num_blocks + host_blocks, bytes_per_block)
         namespace = loaded.identity + f"/bs{p.block_size}".encode()
         books = BlockManager(
-            num_blocks, p.block_size, namespace, reserved_blocks=RESERVED_BLOCKS, host_blocks=host_blocks
+            num_blocks, p.block_size, namespace, reserved_blocks=RESERVED_BLOCKS, host_blocks=host_blocks,
+            partial_unit=p.kernel_block_size if p.partial_prefix else 0,
         )
         budget_used = num_blocks * bytes_per_block
         states = StatePool([s.state for s in geometry.layers if s.kind == "state"]) if geometry.has_state else None
@@ -297,6 +302,9 @@ def _tier_stats(kv: KVResource) -> dict[str, Any]:
             "bytes": max(0, sum(pool.resident_bytes for pool, _ in kv.pools()) - host_bytes),
             "hits": books.hits - books.host_hits,
             "misses": books.misses + books.host_hits,  # not on the device
+            # prompts that copied the leading part of a cached block, and its tokens
+            "partial_hits": books.partial_hits,
+            "partial_hit_tokens": books.partial_hit_tokens,
             "evictions": books.device_evictions,
         }
     }

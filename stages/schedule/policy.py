@@ -60,6 +60,10 @@ class Scheduler(DecodeWindows):
         if window_blocks is not None and window is None:
             raise ValueError("window_blocks given, but the model does not mix full and windowed layers")
         self.window_group = WindowGroup(window_blocks, window) if window_blocks is not None else None
+        # plain attention: a prompt also reuses the leading part of a cached block, copied
+        # in the step that first feeds it (Step.copies); recurrent states and windowed
+        # tables have no such copy, so they reuse whole blocks only
+        self.partial = self.states is None and self.window is None and self.window_group is None
         # admission bound: requests queued beyond it are refused as overloaded (None: no bound)
         self.max_waiting = max_waiting
         self.num_refused_overloaded = 0
@@ -86,6 +90,8 @@ class Scheduler(DecodeWindows):
         # the first window of rows whose prompts are in flight (schedule.overlap_prefill)
         self.follow_prefills = False
         self._step_ids = 0
+        # partial prefix hits admitted for the step being planned: (source, dest, tokens)
+        self._copies: list[tuple[int, int, int]] = []
 
     # ---- requests in and out -----------------------------------------------------------
 
@@ -186,7 +192,8 @@ class Scheduler(DecodeWindows):
             return None
         self._step_ids += 1
         num_steps = self._lookahead(work)  # may give rows more blocks: build the step after
-        return m.Step(self._step_ids, tuple(work), num_steps)
+        copies, self._copies = tuple(self._copies), []
+        return m.Step(self._step_ids, tuple(work), num_steps, copies=copies)
 
     def _work(self, seq: Sequence, chunk: int) -> m.SeqWork:
         start = seq.num_computed
@@ -217,7 +224,12 @@ class Scheduler(DecodeWindows):
         if self.states is not None:  # only as far as a state checkpoint reaches
             max_cached = self.states.limit_cached(seq.tokens, max_cached)
         try:
-            if self.window is None and self.window_group is None:
+            if self.partial:
+                seq.blocks, cached, part = self.blocks.allocate_prompt_partial(seq.tokens, max_cached)
+                if part is not None:
+                    self._copies.append(tuple(part))
+                    seq.copy_source = part.source
+            elif self.window is None and self.window_group is None:
                 seq.blocks, cached = self.blocks.allocate_prompt(seq.tokens, max_cached)
             else:
                 cached = allocate_windowed(
@@ -262,8 +274,18 @@ class Scheduler(DecodeWindows):
             group.grow(seq, num_tokens)
         return True
 
+    def _drop_copy_source(self, seq: Sequence | None) -> None:
+        """Free the source block of seq's partial hit, once the step copying it is back,
+        or once seq ends or is preempted: not before, while seq may still read its copy
+        (a freed block can be reloaded from disk before the model thread reaches the
+        copy); then, whatever the copy reads, only seq's own dropped blocks receive it."""
+        if seq is not None and seq.copy_source is not None:
+            self.blocks.free([seq.copy_source])
+            seq.copy_source = None
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._drop_copy_source(seq)
         if self.states is not None:
             self.states.release(seq.request_id)
         self.blocks.free(seq.blocks)
@@ -292,6 +314,8 @@ class Scheduler(DecodeWindows):
         requests that failed alone (finished with their error, blocks freed), requests
         whose grammar completed (finished with "stop") and prompt log-probabilities."""
         outcome = StepOutcome()
+        for work in step.work:  # the step has run its rows' copies: their sources may go
+            self._drop_copy_source(self.by_id.get(work.request_id))
         logprobs, failed, stopped = logprobs or {}, failed or {}, frozenset(stopped)
         for work in step.work:
             seq = self.by_id.get(work.request_id)
@@ -373,9 +397,11 @@ class Scheduler(DecodeWindows):
         while (len(seq.block_hashes) + 1) * bs <= seq.num_computed:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = block_hash(parent, seq.tokens[i * bs : (i + 1) * bs], self.blocks.namespace)
+            tokens = seq.tokens[i * bs : (i + 1) * bs]
+            h = block_hash(parent, tokens, self.blocks.namespace)
             seq.block_hashes.append(h)
-            self.blocks.commit_full_block(seq.blocks[i], h)
+            # with its tokens, the block's leading parts are indexed too (partial hits)
+            self.blocks.commit_full_block(seq.blocks[i], h, parent, tokens if self.partial else None)
             if self.window_group is not None:
                 self.window_group.commit(seq, i, h)
 
@@ -391,6 +417,7 @@ class Scheduler(DecodeWindows):
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq.pinned)
+        self._drop_copy_source(seq)
         seq.pinned = []
         seq.blocks = []
         return m.Finished(seq.request_id, reason, seq.usage, error,

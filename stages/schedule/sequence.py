@@ -42,6 +42,9 @@ class Sequence:
     # from a lower tier), so nothing evicts them while it waits
     pinned: list[int] = field(default_factory=list)
     held: bool = False  # not admissible yet: its prefix is still loading
+    # a partial prefix hit's cached source block, one reference held from admission until
+    # the step that copies it comes back, or until the sequence ends or is preempted first
+    copy_source: int | None = None
     # SamplingParams.prompt_logprobs: the reports of prompt tokens 1.. so far, in order
     prompt_reports: list[m.PromptLogprob] = field(default_factory=list)
 
