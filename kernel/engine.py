@@ -69,7 +69,8 @@ class Engine:
     # ---- lifecycle -------------------------------------------------------------------
 
     async def __aenter__(self) -> Engine:
-        entered = time.time()
+        entered = startup_phases.process_age_s()  # the seconds before the engine (import_s)
+        started = time.perf_counter()
         self._faulted = anyio.Event()
         egress_send, egress_receive = anyio.create_memory_object_stream[Any](INBOX_SIZE)
         self._router = Router(self.spec, egress_send, self._on_fault)
@@ -85,10 +86,9 @@ class Engine:
             except BaseExceptionGroup as group:
                 raise _single_unikern_error(group) from None
             raise _single_unikern_error(exc) from None
-        created = psutil.Process().create_time()
         self.startup = startup_phases.collect(
             (getattr(stage, "startup", None) or {} for stage in self._router.stages.values()),
-            entered - created, time.time() - created)
+            entered, entered + time.perf_counter() - started)
         log.info("engine.ready", pipeline=self.spec.name, **self.startup)
         return self
 

@@ -33,3 +33,21 @@ async def test_engine_reports_its_start_split_at_ready_and_in_stats(tiny_llama):
         assert startup["import_s"] + startup["load_s"] + startup["warmup_s"] <= startup["ready_s"]
         assert startup["read_s"] + startup["geometry_s"] <= startup["load_s"]
         assert engine.stats()["model"]["startup"] == startup
+
+
+def test_a_processs_age_is_no_longer_than_its_parent_saw_it_live():
+    """import_s is the process's age when the engine starts: measured from the process's
+    start, not from a boot time rounded to whole seconds (psutil's create_time on Linux,
+    up to 1 s long)."""
+    import subprocess
+    import sys
+    import time
+
+    code = "from unikern.startup import process_age_s; print(process_age_s())"
+    for _ in range(3):
+        spawned = time.perf_counter()
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        lived = time.perf_counter() - spawned
+        age = float(out)
+        # its start is counted in 10 ms clock ticks: a tick of slack
+        assert 0 <= age <= lived + 0.011, (age, lived)
