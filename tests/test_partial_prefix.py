@@ -150,6 +150,40 @@ def test_forgetting_a_block_drops_its_parts_and_a_later_registrant_still_matches
     assert blocks_1[1] not in bm.partial_to_block.values()
 
 
+def test_an_ended_sequences_unfilled_last_block_is_kept_for_partial_hits():
+    bm = books(num_blocks=4)
+    tokens = A[:BS] + [1, 2, 3, 4, 5]  # block 1 holds 5 tokens: 2 whole units written
+    blocks, _, _ = bm.allocate_prompt_partial(tokens, len(tokens) - 1)
+    commit(bm, blocks, tokens)
+    parent = bm.prefix_hashes(tokens)[0]
+    assert bm.keep_partial(blocks[1], parent, tokens[BS : BS + 2 * UNIT])
+    assert not bm.keep_partial(blocks[1], parent, tokens[BS : BS + 2 * UNIT])  # cached already
+    bm.free(blocks)
+    assert bm.num_used == 0 and bm.num_cached == 2 and bm.kept_partial == 1
+    # the next turn: the same tokens and more
+    later = tokens + [6, 7, 8, 9]
+    got, cached, part = bm.allocate_prompt_partial(later, len(later) - 1)
+    assert got[0] == blocks[0] and part == PartialHit(blocks[1], got[1], 2 * UNIT) and cached == BS + 2 * UNIT
+    assert bm.block_hashes[got[1]] is None  # the prompt's own copy is fresh
+    bm.free(got + [part.source])
+    bm.evict_all_cached()  # a kept block goes as any cached block does, its parts with it
+    assert bm.num_cached == 0 and not bm.partial_to_block
+
+
+def test_nothing_is_kept_where_partial_hits_are_off_the_block_is_shared_or_adds_no_unit():
+    off = books(unit=0)
+    (block,) = off.allocate_prompt_partial([1, 2, 3], 2)[0]
+    assert not off.keep_partial(block, None, [1, 2])
+    bm = books()
+    blocks = cached_prompt(bm, A)  # block 2 (4 tokens) freed uncached
+    shared = blocks[0]
+    bm.take([shared])
+    assert not bm.keep_partial(shared, None, A[:UNIT])  # cached whole already, and not private
+    fresh = bm.allocate_one()
+    assert not bm.keep_partial(fresh, None, A[:UNIT])  # its one unit is indexed already (block 0's)
+    assert bm.block_hashes[fresh] is None
+
+
 def test_a_host_tier_source_comes_back_to_the_device_by_accounting():
     bm = BlockManager(3, BS, NS, host_blocks=4, partial_unit=UNIT)
     blocks_a = cached_prompt(bm, A)
@@ -319,6 +353,26 @@ async def test_requests_sharing_a_prefix_that_ends_mid_block_match_mlx_lm(tiny_l
     for p, result in zip(FOLLOWERS, results, strict=True):
         ok, note = compare_greedy(result.token_ids, reference_greedy(tiny_llama, p, 8))
         assert ok, note
+
+
+@pytest.mark.anyio
+async def test_a_conversations_next_turn_copies_the_unfilled_block_the_last_one_left(tiny_llama):
+    """The first turn ends inside its second block; the next turn (its prompt, the reply,
+    a new message) reuses the first block whole and the second one's written units."""
+    import unikern
+
+    first = [(7 * j) % 900 + 5 for j in range(300)]
+    overrides = {"kv": {"kv_budget_bytes": 64 << 20, "block_size": 256}}
+    async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as engine:
+        reply = await engine.complete(prompt_tokens=first, max_tokens=20)
+        turn = first + list(reply.token_ids) + [11, 12, 13, 14, 15]
+        second = await engine.complete(prompt_tokens=turn, max_tokens=8)
+        stats = engine.stats()
+    # 300 + 19 positions written (the last token sampled, not fed): 63 in block 1, 3 units
+    assert second.usage.cached_tokens == 256 + 48
+    assert stats["tiers"]["device"]["kept_partial"] >= 1 and stats["kv"]["blocks_used"] == 0
+    ok, note = compare_greedy(second.token_ids, reference_greedy(tiny_llama, turn, 8))
+    assert ok, note
 
 
 @pytest.mark.anyio

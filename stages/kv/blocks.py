@@ -113,6 +113,7 @@ class BlockManager:
         self.misses = 0
         self.partial_hits = 0  # prompts that reused the leading part of a cached block
         self.partial_hit_tokens = 0  # the tokens they reused that way
+        self.kept_partial = 0  # ended sequences' last blocks kept for partial hits (keep_partial)
         self.evictions = 0  # cached blocks forgotten
         self.host_hits = 0
         self.host_misses = 0
@@ -323,6 +324,28 @@ class BlockManager:
                 self._partials_of[block_id] = own
         if self._committed is not None:
             self._committed.append((block_id, block_hash_))
+
+    def keep_partial(self, block_id: int, parent: bytes | None, token_ids: Sequence[int]) -> bool:
+        """A sequence's last block as the sequence ends, its first len(token_ids) slots
+        written (fewer than a block): kept cached, with its leading whole units indexed, so
+        a later prompt can copy them (the rest of a shared system prompt that never filled
+        the block, a conversation's next turn), and evicted as any cached block. It is cached
+        under its longest part's hash, which no whole block's can equal, and never committed
+        to a lower tier. False, and nothing kept, where partial hits are off, the block is
+        shared or cached already, or no unit of it is new to the index."""
+        if not self.partial_unit or self.ref_counts[block_id] != 1 or self.block_hashes[block_id] is not None:
+            return False
+        own = [h for h in partial_hashes(parent, token_ids, self.namespace, self.partial_unit)
+               if h not in self.partial_to_block]
+        if not own:
+            return False
+        for h in own:
+            self.partial_to_block[h] = block_id
+        self._partials_of[block_id] = own
+        self.block_hashes[block_id] = own[-1]
+        self.hash_to_block[own[-1]] = block_id
+        self.kept_partial += 1
+        return True
 
     def track_commits(self) -> None:
         """Start recording committed blocks for `drain_commits`."""

@@ -34,8 +34,9 @@ class KVManagerParams(StageParams, frozen=True):
     partial_prefix: bool = True
     """On a prefix hit, also reuse the longest cached leading part of the next logical block, in
     whole kernel blocks, by copying those slots into the prompt's own block (the cached block is
-    shared, its later slots hold other tokens). Models with full attention only; the others reuse
-    whole blocks."""
+    shared, its later slots hold other tokens). A sequence that ends inside a block leaves that
+    block's written units to such copies too (a conversation's next turn). Models with full
+    attention only; the others reuse whole blocks."""
     memory_fraction: float = 0.5
     """The KV budget as a fraction (0 to 1] of the platform's total memory, less the weights and
     `activation_reserve_bytes`. Ignored when `kv_budget_bytes` is set."""
@@ -305,6 +306,7 @@ def _tier_stats(kv: KVResource) -> dict[str, Any]:
             # prompts that copied the leading part of a cached block, and its tokens
             "partial_hits": books.partial_hits,
             "partial_hit_tokens": books.partial_hit_tokens,
+            "kept_partial": books.kept_partial,  # ended sequences' unfilled last blocks kept for them
             "evictions": books.device_evictions,
         }
     }

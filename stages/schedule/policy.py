@@ -405,10 +405,23 @@ class Scheduler(DecodeWindows):
             if self.window_group is not None:
                 self.window_group.commit(seq, i, h)
 
+    def _keep_last_block(self, seq: Sequence) -> None:
+        """An ending sequence's last, unfilled block stays cached for partial hits, its
+        written whole units indexed (BlockManager.keep_partial): positions below
+        num_computed are in the pool; a step still in flight writes only past them."""
+        bs, unit = self.blocks.block_size, self.blocks.partial_unit
+        i = len(seq.block_hashes)  # the first block not committed whole
+        written = (seq.num_computed - i * bs) // unit * unit if unit else 0
+        if 0 < written < bs and i < len(seq.blocks):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            self.blocks.keep_partial(seq.blocks[i], parent, seq.tokens[i * bs : i * bs + written])
+
     def _finish(self, seq: Sequence, reason: m.FinishReason, error: str | None = None) -> m.Finished:
         del self.by_id[seq.request_id]
         if seq in self.running:
             self.running.remove(seq)
+            if self.partial:
+                self._keep_last_block(seq)
             self.blocks.free(seq.blocks)
             if self.window_group is not None:
                 self.window_group.free(seq)
