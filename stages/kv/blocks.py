@@ -314,14 +314,7 @@ class BlockManager:
         self.block_hashes[block_id] = block_hash_
         self.hash_to_block[block_hash_] = block_id
         if self.partial_unit and token_ids is not None:
-            own = []
-            for h in partial_hashes(parent, token_ids[: self.block_size - self.partial_unit], self.namespace,
-                                    self.partial_unit):
-                if h not in self.partial_to_block:  # the first registrant keeps an entry
-                    self.partial_to_block[h] = block_id
-                    own.append(h)
-            if own:
-                self._partials_of[block_id] = own
+            self._index_parts(block_id, parent, token_ids[: self.block_size - self.partial_unit])
         if self._committed is not None:
             self._committed.append((block_id, block_hash_))
 
@@ -335,17 +328,25 @@ class BlockManager:
         shared or cached already, or no unit of it is new to the index."""
         if not self.partial_unit or self.ref_counts[block_id] != 1 or self.block_hashes[block_id] is not None:
             return False
-        own = [h for h in partial_hashes(parent, token_ids, self.namespace, self.partial_unit)
-               if h not in self.partial_to_block]
+        own = self._index_parts(block_id, parent, token_ids)
         if not own:
             return False
-        for h in own:
-            self.partial_to_block[h] = block_id
-        self._partials_of[block_id] = own
         self.block_hashes[block_id] = own[-1]
         self.hash_to_block[own[-1]] = block_id
         self.kept_partial += 1
         return True
+
+    def _index_parts(self, block_id: int, parent: bytes | None, token_ids: Sequence[int]) -> list[bytes]:
+        """Index the leading whole units of `token_ids` (a block's first slots) under their
+        partial hashes, pointing at `block_id`; the first registrant keeps an entry. The
+        hashes this block now holds, dropped with it in `_forget`."""
+        own = [h for h in partial_hashes(parent, token_ids, self.namespace, self.partial_unit)
+               if h not in self.partial_to_block]
+        for h in own:
+            self.partial_to_block[h] = block_id
+        if own:
+            self._partials_of[block_id] = own
+        return own
 
     def track_commits(self) -> None:
         """Start recording committed blocks for `drain_commits`."""
