@@ -13,7 +13,7 @@ import psutil
 # the load's own phases (stages/execute/model.py), in the order they run
 LOAD_PHASES = ("build_s", "fuse_s", "blocks_s", "read_s", "geometry_s")
 # the rest, in the order a start runs them; the tokenizer loads beside the model
-PHASES = ("import_s", "tokenizer_s", "device_s", "load_s", "wire_s", "torch_s", "warmup_s", "pool_s")
+PHASES = ("import_s", "read_ahead_s", "tokenizer_s", "device_s", "load_s", "wire_s", "torch_s", "warmup_s", "pool_s")
 
 
 def process_age_s() -> float:
@@ -57,11 +57,11 @@ def collect(parts: Iterable[dict[str, float]], import_s: float, ready_s: float) 
 
 
 def describe(startup: dict[str, float]) -> str:
-    """`ready in 3.21 s: import 1.10, tokenizer 0.30 (beside the load), load 0.90 (build
+    """`ready in 3.21 s: import 1.10, read ahead 0.80 (beside the import), tokenizer 0.30 (beside the load), load 0.90 (build
     0.01, fuse 0.30, read 0.40, geometry 0.19), warm-up 0.50`, for a log line."""
 
     def name(key: str) -> str:
-        return key.removesuffix("_s").replace("warmup", "warm-up")
+        return key.removesuffix("_s").replace("warmup", "warm-up").replace("_", " ")
 
     parts = []
     for key in PHASES:
@@ -70,6 +70,8 @@ def describe(startup: dict[str, float]) -> str:
         text = f"{name(key)} {startup[key]:.2f}"
         if key == "tokenizer_s":
             text += " (beside the load)"
+        if key == "read_ahead_s":  # the weights read on a thread while the rest imported
+            text += " (beside the import)"
         if key == "load_s":
             inner = [f"{name(k)} {startup[k]:.2f}" for k in LOAD_PHASES if startup.get(k)]
             text += f" ({', '.join(inner)})" if inner else ""

@@ -164,10 +164,46 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def early_model_dir(argv: list[str]) -> str | None:
+    """The model directory of `run`, `worker` or `serve` as its arguments give it
+    (`--model DIR`, else `--set execute.model=DIR`), before the pipeline is read: what
+    the read-ahead reads. None for another command or without a model argument."""
+    if not argv or argv[0] not in ("run", "worker", "serve"):
+        return None
+    model = chosen = None
+    for arg, value in zip(argv, [*argv[1:], ""], strict=True):
+        if arg == "--model":
+            model = value
+        elif arg.startswith("--model="):
+            model = arg.partition("=")[2]
+        elif arg == "--set" and value.startswith("execute.model="):
+            chosen = value.partition("=")[2]
+    return model or chosen
+
+
+def _read_ahead(argv: list[str]) -> None:
+    """Start reading the model's weights while the rest imports (unikern.platform.read_ahead)."""
+    model = early_model_dir(argv)
+    if model is None or "MLX_RANK" in os.environ:  # a rank of several loads its shard only
+        return
+    from pathlib import Path
+
+    from unikern.platform import read_ahead
+
+    try:
+        if read_ahead.wanted():
+            read_ahead.start(Path(model).expanduser())
+    except ConfigError as exc:
+        print(f"unikern: {exc}", file=sys.stderr)
+        leave(2)
+
+
 def entry() -> None:
-    """The `unikern` command and `python -m unikern`: the tokenizer's imports without
-    PyTorch (`unikern.platform.imports`; UNIKERN_IMPORT_TORCH=1 keeps transformers'
-    own import of it), main(), then `leave`."""
+    """The `unikern` command and `python -m unikern`: the model's weights read on a
+    thread (`_read_ahead`) while the tokenizer's stack imports without PyTorch
+    (`unikern.platform.imports`; UNIKERN_IMPORT_TORCH=1 keeps transformers' own import
+    of it), main(), then `leave`."""
+    _read_ahead(sys.argv[1:])
     if os.environ.get("UNIKERN_IMPORT_TORCH", "0") != "1":
         from unikern.platform.imports import import_tokenizer_stack
 

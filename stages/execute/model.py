@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from unikern.platform import read_ahead
 from unikern.stages.execute.thread import ModelThread
 from unikern.stages.models import resolve_model_path
 from unikern.startup import PhaseClock
@@ -124,7 +125,8 @@ class LoadedModel:
 
 def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized: bool = False,
                fuse_norms: bool = False, fuse_blocks: bool = False, dense_mma: bool = False,
-               blocks_ops_rows: int | None = 0, block_kernel: bool = False) -> LoadedModel:
+               blocks_ops_rows: int | None = 0, block_kernel: bool = False,
+               ahead: read_ahead.ReadAhead | None = None) -> LoadedModel:
     """Load with mlx-lm; with a world of several ranks, keep this rank's shard only
     (loaded lazily, so only the shard's weights are ever read). `fuse`: q/k/v and
     gate/up projections through one weight each (fused.py), quantized ones too if
@@ -134,7 +136,8 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
     `blocks_ops_rows` rows as the same steps through MLX's ops (None: blocks.AUTO_OPS_ROWS), and with
     `block_kernel` one-row steps as one kernel per block (cuda/block_kernel.py). `dense_mma`: plain
     bfloat16 linear layers' steps of 5-64 rows through unikern's tensor-core kernel
-    (dense_mma.py; one rank)."""
+    (dense_mma.py; one rank). `ahead`: the weights the command line read while it imported
+    (platform/read_ahead.py), taken instead of reading the files (one rank only)."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     path = resolve_model_path(name)
@@ -144,7 +147,8 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
     # concatenation reads its parts from the file; read first, each part was a second
     # resident copy until its group was built: 1 GB bf16 on the CPU machine, 3
     # alternations, 2.0-3.5 s and 1.84 GB peak RSS against 1.0-2.0 s and 1.49 GB)
-    model, config = mlx_lm_load_model(path, lazy=True)
+    with read_ahead.serving(None if sharded else ahead, path) as taken:
+        model, config = mlx_lm_load_model(path, lazy=True)
     clock.mark("build_s")
     family = str(config.get("model_type", path.name))
     if sharded:
@@ -213,5 +217,5 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
         norm_blocks=norm_blocks,
         decode_blocks=decode_blocks,
         dense_mma_layers=dense_mma_layers,
-        phases=clock.phases,
+        phases={**clock.phases, **taken},
     )

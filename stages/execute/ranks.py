@@ -18,7 +18,7 @@ import psutil
 
 from unikern import messages as m
 from unikern.errors import ConfigError
-from unikern.platform import cuda_is_default, current_platform, shared_bridge
+from unikern.platform import cuda_is_default, current_platform, read_ahead, shared_bridge
 from unikern.platform.pinning import WeightWiring, WiredReport
 from unikern.stages.execute.distributed import (
     MakeRunner,
@@ -96,6 +96,10 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
     backend = current_platform().backend
     cudnn = cudnn_attention(params.cudnn_attention)
     clock = PhaseClock()
+    ahead = read_ahead.take()  # the command line's read of the weights (platform/read_ahead.py)
+    if ahead is not None:
+        ahead.arrays()  # done before any other MLX work
+        clock.mark("read_ahead_wait_s")
     mx.eval(mx.zeros(1) + 1)  # the device's own start (a CUDA context), apart from the load
     clock.mark("device_s")
     if params.prefill_rows != "auto" and (not isinstance(params.prefill_rows, int) or params.prefill_rows < 0):
@@ -113,13 +117,13 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
                         fuse_blocks=switch(params.fuse_blocks, auto=backend == "cuda"),
                         blocks_ops_rows=None if params.fuse_blocks_ops_rows == "auto" else params.fuse_blocks_ops_rows,
                         block_kernel=switch(params.block_kernel, auto=backend == "cuda"),
-                        dense_mma=switch(params.dense_mma, auto=backend == "cuda") and cuda_is_default())
+                        dense_mma=switch(params.dense_mma, auto=backend == "cuda") and cuda_is_default(),
+                        ahead=ahead)
     clock.mark("load_s")
     wired = wiring.wire(loaded.weights, params.wire_weights)
     clock.mark("wire_s")
     # (the seconds before, the interpreter's start and imports: Engine.startup's import_s)
-    startup = {"device_s": clock.phases["device_s"], "load_s": clock.phases["load_s"], **loaded.phases,
-               "wire_s": clock.phases["wire_s"]}
+    startup = {**clock.phases, **loaded.phases}
     on_cpu = backend == "cpu"
     auto_rows = KERNEL_ROWS["mma" if mma else "gemv"] if gemv or mma else AUTO_ROWS.get(backend)
     rows = {"auto": auto_rows, "never": None}.get(params.dequantize_rows, params.dequantize_rows)

@@ -121,7 +121,7 @@ if want parity-1b; then
 fi
 if want startup; then
   run_step startup $RES/startup-1b.json 150 python3 -m tools.bench.first_request --model $M/llama-1b --cold-warm \
-    --warm-starts ${WARM_STARTS:-2} --json $RES/startup-1b.json
+    --warm-starts ${WARM_STARTS:-2} ${STARTUP_ARGS:---read-ahead-ab} --json $RES/startup-1b.json
 fi
 if named startup-probe; then  # where the start's seconds go: raw read, MLX's load, ops' first calls, warm-up steps
   TAIL=40 run_step startup-probe $RES/startup-probe-1b.json 200 python3 -m tools.probe.probe_startup --model $M/llama-1b \
