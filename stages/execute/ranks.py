@@ -19,6 +19,7 @@ import psutil
 from unikern import messages as m
 from unikern.errors import ConfigError
 from unikern.platform import cuda_is_default, current_platform, read_ahead, shared_bridge
+from unikern.platform.fusion import set_fusion
 from unikern.platform.pinning import WeightWiring, WiredReport
 from unikern.stages.execute.distributed import (
     MakeRunner,
@@ -71,6 +72,7 @@ class Prepared:
     prefill_rows: int = 0  # prompts of up to this many tokens run as rows (execute.prefill_rows)
     compile_prefill: bool = False  # fresh prompts through traced forwards (execute.compile_prefill)
     cudnn_attention: bool = False  # MLX_CUDA_USE_CUDNN_SDPA as this process set it (execute.cudnn_attention)
+    fuse_elementwise: bool = True  # MLX's fusion in this process's traces (execute.fuse_elementwise)
 
 
 def cudnn_attention(on: bool) -> bool:
@@ -153,13 +155,16 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
         prefill_rows = fused_rows(loaded.model) if paged and loaded.decode_blocks else 0
     # (the CPU kernels evaluate mid-forward, which a trace cannot: the runner checks too)
     compile_prefill = traces_prefill(params.compile_prefill, compile_decode, loaded.model) and not pipelined and not kernels
+    fuse_elementwise = switch(params.fuse_elementwise, auto=True)
+    if compile_decode or compile_prefill:  # before any trace: MLX fixes a trace's fusion when it makes it
+        set_fusion(fuse_elementwise)
     warmup = None
     if switch(params.warmup, auto=not on_cpu):
         warmup = warm_up(loaded.model, loaded.geometry, kernels, compile_decode, paged, one_row, prefill_rows,
                          compile_prefill)
         startup["warmup_s"] = warmup["seconds"]
     return Prepared(loaded, wired, kernels, compile_decode, warmup, quantized, paged, one_row, startup, prefill_rows,
-                    compile_prefill, cudnn)
+                    compile_prefill, cudnn, fuse_elementwise)
 
 
 def pool_spec(pool: KVPool) -> MakeRunner:

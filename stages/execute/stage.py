@@ -12,6 +12,7 @@ import structlog
 
 from unikern import messages as m
 from unikern.platform import heap
+from unikern.platform.fusion import set_fusion
 from unikern.platform.pinning import WeightWiring
 from unikern.stage import StageBase, StageContext, StageParams, serve_inbox
 from unikern.stages.execute.blocks import fused_steps
@@ -119,6 +120,11 @@ class MLXExecuteParams(StageParams, frozen=True):
     (TTFT p50, one stream) against 40 off (tools/probe/probe_load_paths.py sdpa, tools/bench/bench_http.py).
     Sets MLX_CUDA_USE_CUDNN_SDPA, which MLX reads once, at the process's first attention; a value
     already in the environment wins."""
+    fuse_elementwise: Literal["auto", "always", "never"] = "auto"
+    """Let MLX fuse each traced step's chains of element-wise ops into kernels of its own
+    (unikern.platform.fusion). Each one is compiled with NVRTC the first time a machine meets it, about
+    3 s apiece on an H200, one after another: most of a fresh machine's start. `never`: MLX's
+    precompiled kernel per op instead. `auto`: on. Set for the whole process, before the warm-up."""
     compile_one_row: Literal["auto", "always", "never"] = "auto"
     """With `paged_attention`, one-row decode windows are traced (`mx.compile`) too, as windows of
     several rows are. `auto`: on CUDA."""
@@ -182,6 +188,7 @@ class MLXExecuteStage(StageBase):
     produces = (m.StepDone,)
     provides = ("model",)
     uses = ("kv",)  # the pool, whose service starts after the model exists
+    fuse_elementwise = True  # as prepare_model set it for the process (execute.fuse_elementwise)
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
         p = self.params
@@ -206,6 +213,7 @@ class MLXExecuteStage(StageBase):
             self.loaded, self.wired = loaded, prepared.wired
             self.quantized = prepared.quantized
             self.cudnn_attention = prepared.cudnn_attention
+            self.fuse_elementwise = prepared.fuse_elementwise
             self.startup = prepared.startup
             if prepared.warmup is not None:
                 self.warmup = prepared.warmup
@@ -249,6 +257,8 @@ class MLXExecuteStage(StageBase):
         finally:
             if switch_ms is not None:
                 sys.setswitchinterval(switch)
+            if not self.fuse_elementwise:  # the process's setting: MLX's default again
+                set_fusion(True)
             if froze:
                 heap.thaw()
             wiring.unwire()
@@ -330,6 +340,7 @@ class MLXExecuteStage(StageBase):
             "model": {"name": loaded.name, "weights_bytes": loaded.weights_bytes,
                       "quantized": self.quantized,  # set with self.loaded
                       "cudnn_attention": self.cudnn_attention,
+                      "fuse_elementwise": self.fuse_elementwise,
                       "startup": self.startup or {},
                       "fused_projections": {"groups": loaded.fused_groups,
                                             "fallback_calls": fallback_calls(loaded.model) if loaded.fused_groups else 0},

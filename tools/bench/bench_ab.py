@@ -20,7 +20,9 @@ compared here either: `execute.freeze_heap` freezes the process's heap for both.
 `--a` and `--b` take STAGE.KEY=VALUE settings (several each; none: the defaults).
 `execute.gil_switch_ms` is the process's, not an engine's: it is set before each run to
 the variant's value (where a variant has none, the default's: "auto", 0.5 ms on CUDA and
-Python's 5 ms elsewhere).
+Python's 5 ms elsewhere). So is `execute.fuse_elementwise`: each engine's warm-up traces
+its steps as its own setting asks, and the process's switch is set before each run for
+the steps a run traces first.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def main() -> None:
     # isort: split
     import anyio
 
+    from unikern.platform.fusion import set_fusion
     from unikern.stages.execute.stage import gil_switch_ms
     from unikern.testing.modelgen import cached_model
 
@@ -68,16 +71,18 @@ def main() -> None:
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     prompts = {c: make_prompts(c, vocab, args.prompt_tokens, args.prompt_tokens, seed=c) for c in args.concurrency}
     variants = {"a": args.a, "b": args.b}
-    overrides, switch = {}, {}
+    overrides, switch, fusion = {}, {}, {}
     for name, sets in variants.items():
         o = engine_overrides(batch_room(args.concurrency, args.token_budget), sets)
         ms = gil_switch_ms(o.get("execute", {}).pop("gil_switch_ms", "auto"))
         switch[name] = ms / 1e3 if ms is not None else PYTHON_SWITCH_S
+        fusion[name] = o.get("execute", {}).get("fuse_elementwise", "auto") != "never"
         overrides[name] = o
     runs = {c: {"a": [], "b": []} for c in args.concurrency}
 
     async def run(engine, name: str, level: int) -> dict:
         sys.setswitchinterval(switch[name])
+        set_fusion(fusion[name])  # for any step first traced in this run
         return await run_unikern(engine, prompts[level], args.max_tokens)
 
     async def main_async() -> None:

@@ -47,13 +47,13 @@ def new_modules(cache: Path | None, before: set[str], started: float) -> list[di
 
 
 def one_worker(model: str, warmup: str, requests: list[dict], fresh_cache: bool,
-               env: dict[str, str] | None = None) -> dict:
+               env: dict[str, str] | None = None, sets: tuple[str, ...] = ()) -> dict:
     if fresh_cache:
         env = {"MLX_PTX_CACHE_DIR": tempfile.mkdtemp(prefix="mlx-ptx-")}
     cache = mlx_cache_dir(env)
     before = {f.name for f in cache.glob("*.cu")} if cache is not None and cache.is_dir() else set()
     started = time.time()
-    client = WorkerClient(model, sets=[f"execute.warmup={warmup}"], env=env)
+    client = WorkerClient(model, sets=[f"execute.warmup={warmup}", *sets], env=env)
     try:
         client.wait_ready(timeout=600)
         ready_s = next(e["_t"] for e in client.events if e["event"] == "ready")
@@ -91,6 +91,8 @@ def main() -> None:
                              "processes: several give the spread)")
     parser.add_argument("--read-ahead-ab", action="store_true",
                         help="with --cold-warm: each warm start twice, UNIKERN_READ_AHEAD=1 then 0, interleaved")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                        help="a pipeline setting for every worker")
     parser.add_argument("--json")
     args = parser.parse_args()
     from unikern.testing.modelgen import cached_model
@@ -109,10 +111,10 @@ def main() -> None:
         runs = []
         for start, ahead in starts:
             extra = {} if ahead is None else {"UNIKERN_READ_AHEAD": ahead}
-            runs.append(dict(one_worker(model, "auto", requests, False, {**env, **extra}), start=start,
+            runs.append(dict(one_worker(model, "auto", requests, False, {**env, **extra}, args.sets), start=start,
                              read_ahead=ahead))
     else:
-        runs = [one_worker(model, v, requests, args.fresh_cache) for v in args.variants]
+        runs = [one_worker(model, v, requests, args.fresh_cache, sets=args.sets) for v in args.variants]
     for run in runs:
         reqs = "  ".join(f"{r['id']} first {r['first_token_s']:.2f} s done {r['done_s']:.2f} s" for r in run["requests"])
         split = " ".join(f"{k} {v}" for k, v in run["split"].items() if v is not None)
@@ -124,7 +126,7 @@ def main() -> None:
             slow = sorted(modules, key=lambda m: -m["gap_s"])[:8]
             print(f"  MLX compiled {len(modules)} kernels: " + ", ".join(f"{m['name'][:60]} {m['gap_s']:.1f} s" for m in slow))
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "runs": runs}, indent=1))
+        Path(args.json).write_text(json.dumps({"model": args.model, "sets": args.sets, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

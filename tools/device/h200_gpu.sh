@@ -20,7 +20,8 @@
 #   kernel-tests  the CUDA kernel tests against MLX's ops, TF32 off (PYTEST_GPU: which ones)
 # and only where GPU_STEPS names them: bench-1b-iso (bench-1b with mlx-lm in a process of
 # its own), startup-tf (startup with the transformers wheel of .whl/tf), parity-8b-q4,
-# importtime (the worker's import, -X importtime), startup-probe (tools/probe/probe_startup.py), ab-tree (this tree's engine against
+# importtime (the worker's import, -X importtime), startup-nofuse and ab-fusion (execute.fuse_elementwise
+# off: a fresh start, and against the default), startup-probe (tools/probe/probe_startup.py), ab-tree (this tree's engine against
 # OLD_TREE's, interleaved), and h200_x2.sh's two-GPU steps:
 # nccl-tests, bench-tp-8b. The models a step needs are built first (bench_gpu.py models
 # and gguf; llama.cpp builds in the background from .whl/lc's source).
@@ -96,7 +97,7 @@ if any_wanted bench-1b bench-8b-q4 || named bench-1b-iso || named llama || named
 fi
 
 # ---- models: random Llama weights written by MLX, and as GGUF by llama.cpp's converter -----
-if any_wanted bench-1b parity-1b startup || named startup-probe || named bench-1b-iso || named startup-tf || named ab-tree || named serve-1b; then
+if any_wanted bench-1b parity-1b startup || named startup-probe || named startup-nofuse || named ab-fusion || named bench-1b-iso || named startup-tf || named ab-tree || named serve-1b; then
   run_step models-1b $M/llama-1b/config.json 60 python3 -m tools.bench.bench_gpu models --out $M --shapes 1b --quantize
 fi
 if any_wanted bench-1b || named bench-1b-iso || named serve-1b; then
@@ -122,6 +123,20 @@ fi
 if want startup; then
   run_step startup $RES/startup-1b.json 150 python3 -m tools.bench.first_request --model $M/llama-1b --cold-warm \
     --warm-starts ${WARM_STARTS:-2} ${STARTUP_ARGS:---read-ahead-ab} --json $RES/startup-1b.json
+fi
+# a fresh machine's start without MLX's fused element-wise kernels (execute.fuse_elementwise=never),
+# then that setting against the default through the library, one process, both orders
+if named startup-nofuse; then
+  run_step startup-nofuse $RES/startup-1b-nofuse.json 120 python3 -m tools.bench.first_request --model $M/llama-1b \
+    --cold-warm --warm-starts 1 --set execute.fuse_elementwise=never --json $RES/startup-1b-nofuse.json
+fi
+if named ab-fusion; then
+  for order in 1 2; do
+    sides=(--a execute.fuse_elementwise=never); [ $order = 2 ] && sides=(--b execute.fuse_elementwise=never)
+    TAIL=8 run_step ab-fusion-$order $RES/ab-fusion-1b-$order.json 100 python3 -m tools.bench.bench_ab \
+      --model $M/llama-1b "${sides[@]}" --concurrency 1 16 64 --repeats ${AB_REPEATS:-6} --max-tokens 128 \
+      --label "fusion off vs on, 1B bf16" --json $RES/ab-fusion-1b-$order.json
+  done
 fi
 if named startup-probe; then  # where the start's seconds go: raw read, MLX's load, ops' first calls, warm-up steps
   TAIL=40 run_step startup-probe $RES/startup-probe-1b.json 200 python3 -m tools.probe.probe_startup --model $M/llama-1b \
