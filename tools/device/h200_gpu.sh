@@ -21,7 +21,7 @@
 # and only where GPU_STEPS names them: bench-1b-iso (bench-1b with mlx-lm in a process of
 # its own), startup-tf (startup with the transformers wheel of .whl/tf), parity-8b-q4,
 # importtime (the worker's import, -X importtime), startup-nofuse and ab-fusion (execute.fuse_elementwise
-# off: a fresh start, and against the default), startup-probe (tools/probe/probe_startup.py), ab-tree (this tree's engine against
+# off: a fresh start, and against the default), parity-1b-nofuse, startup-probe (tools/probe/probe_startup.py), ab-tree (this tree's engine against
 # OLD_TREE's, interleaved), and h200_x2.sh's two-GPU steps:
 # nccl-tests, bench-tp-8b. The models a step needs are built first (bench_gpu.py models
 # and gguf; llama.cpp builds in the background from .whl/lc's source).
@@ -97,7 +97,7 @@ if any_wanted bench-1b bench-8b-q4 || named bench-1b-iso || named llama || named
 fi
 
 # ---- models: random Llama weights written by MLX, and as GGUF by llama.cpp's converter -----
-if any_wanted bench-1b parity-1b startup || named startup-probe || named startup-nofuse || named ab-fusion || named bench-1b-iso || named startup-tf || named ab-tree || named serve-1b; then
+if any_wanted bench-1b parity-1b startup || named startup-probe || named startup-nofuse || named ab-fusion || named parity-1b-nofuse || named bench-1b-iso || named startup-tf || named ab-tree || named serve-1b; then
   run_step models-1b $M/llama-1b/config.json 60 python3 -m tools.bench.bench_gpu models --out $M --shapes 1b --quantize
 fi
 if any_wanted bench-1b || named bench-1b-iso || named serve-1b; then
@@ -119,6 +119,11 @@ fi
 if want parity-1b; then
   TAIL=12 run_step parity-1b $RES/parity-1b.json 90 python3 -m tools.check.parity_check --model $M/llama-1b \
     --prompts 16 --max-tokens 32 --json $RES/parity-1b.json
+fi
+if named parity-1b-nofuse; then
+  TAIL=12 run_step parity-1b-nofuse $RES/parity-1b-nofuse.json 90 python3 -m tools.check.parity_check \
+    --model $M/llama-1b --prompts 16 --max-tokens 32 --set execute.fuse_elementwise=never \
+    --json $RES/parity-1b-nofuse.json
 fi
 if want startup; then
   run_step startup $RES/startup-1b.json 150 python3 -m tools.bench.first_request --model $M/llama-1b --cold-warm \
