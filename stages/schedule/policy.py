@@ -15,6 +15,7 @@ from unikern import messages as m
 from unikern.stages.kv.blocks import BlockManager, OutOfBlocks, block_hash
 from unikern.stages.schedule.groups import WindowGroup, allocate_windowed, never_fits
 from unikern.stages.schedule.lookahead import DecodeWindows
+from unikern.stages.schedule.partial import PartialHits, drop_copy_source
 from unikern.stages.schedule.sequence import (
     Refusal,
     Sequence,
@@ -62,8 +63,9 @@ class Scheduler(DecodeWindows):
         self.window_group = WindowGroup(window_blocks, window) if window_blocks is not None else None
         # plain attention: a prompt also reuses the leading part of a cached block, copied
         # in the step that first feeds it (Step.copies); recurrent states and windowed
-        # tables have no such copy, so they reuse whole blocks only
-        self.partial = self.states is None and self.window is None and self.window_group is None
+        # tables have no such copy, so they reuse whole blocks only (partial.py)
+        plain = self.states is None and self.window is None and self.window_group is None
+        self.partial = PartialHits(blocks) if plain else None
         # admission bound: requests queued beyond it are refused as overloaded (None: no bound)
         self.max_waiting = max_waiting
         self.num_refused_overloaded = 0
@@ -90,8 +92,6 @@ class Scheduler(DecodeWindows):
         # the first window of rows whose prompts are in flight (schedule.overlap_prefill)
         self.follow_prefills = False
         self._step_ids = 0
-        # partial prefix hits admitted for the step being planned: (source, dest, tokens)
-        self._copies: list[tuple[int, int, int]] = []
 
     # ---- requests in and out -----------------------------------------------------------
 
@@ -192,7 +192,7 @@ class Scheduler(DecodeWindows):
             return None
         self._step_ids += 1
         num_steps = self._lookahead(work)  # may give rows more blocks: build the step after
-        copies, self._copies = tuple(self._copies), []
+        copies = self.partial.take_copies() if self.partial is not None else ()
         return m.Step(self._step_ids, tuple(work), num_steps, copies=copies)
 
     def _work(self, seq: Sequence, chunk: int) -> m.SeqWork:
@@ -224,11 +224,8 @@ class Scheduler(DecodeWindows):
         if self.states is not None:  # only as far as a state checkpoint reaches
             max_cached = self.states.limit_cached(seq.tokens, max_cached)
         try:
-            if self.partial:
-                seq.blocks, cached, part = self.blocks.allocate_prompt_partial(seq.tokens, max_cached)
-                if part is not None:
-                    self._copies.append(tuple(part))
-                    seq.copy_source = part.source
+            if self.partial is not None:
+                cached = self.partial.allocate(seq, max_cached)
             elif self.window is None and self.window_group is None:
                 seq.blocks, cached = self.blocks.allocate_prompt(seq.tokens, max_cached)
             else:
@@ -274,18 +271,9 @@ class Scheduler(DecodeWindows):
             group.grow(seq, num_tokens)
         return True
 
-    def _drop_copy_source(self, seq: Sequence | None) -> None:
-        """Free the source block of seq's partial hit, once the step copying it is back,
-        or once seq ends or is preempted: not before, while seq may still read its copy
-        (a freed block can be reloaded from disk before the model thread reaches the
-        copy); then, whatever the copy reads, only seq's own dropped blocks receive it."""
-        if seq is not None and seq.copy_source is not None:
-            self.blocks.free([seq.copy_source])
-            seq.copy_source = None
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._drop_copy_source(seq)
+        drop_copy_source(self.blocks, seq)
         if self.states is not None:
             self.states.release(seq.request_id)
         self.blocks.free(seq.blocks)
@@ -315,7 +303,7 @@ class Scheduler(DecodeWindows):
         whose grammar completed (finished with "stop") and prompt log-probabilities."""
         outcome = StepOutcome()
         for work in step.work:  # the step has run its rows' copies: their sources may go
-            self._drop_copy_source(self.by_id.get(work.request_id))
+            drop_copy_source(self.blocks, self.by_id.get(work.request_id))
         logprobs, failed, stopped = logprobs or {}, failed or {}, frozenset(stopped)
         for work in step.work:
             seq = self.by_id.get(work.request_id)
@@ -401,27 +389,16 @@ class Scheduler(DecodeWindows):
             h = block_hash(parent, tokens, self.blocks.namespace)
             seq.block_hashes.append(h)
             # with its tokens, the block's leading parts are indexed too (partial hits)
-            self.blocks.commit_full_block(seq.blocks[i], h, parent, tokens if self.partial else None)
+            self.blocks.commit_full_block(seq.blocks[i], h, parent, tokens if self.partial is not None else None)
             if self.window_group is not None:
                 self.window_group.commit(seq, i, h)
-
-    def _keep_last_block(self, seq: Sequence) -> None:
-        """An ending sequence's last, unfilled block stays cached for partial hits, its
-        written whole units indexed (BlockManager.keep_partial): positions below
-        num_computed are in the pool; a step still in flight writes only past them."""
-        bs, unit = self.blocks.block_size, self.blocks.partial_unit
-        i = len(seq.block_hashes)  # the first block not committed whole
-        written = (seq.num_computed - i * bs) // unit * unit if unit else 0
-        if 0 < written < bs and i < len(seq.blocks):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            self.blocks.keep_partial(seq.blocks[i], parent, seq.tokens[i * bs : i * bs + written])
 
     def _finish(self, seq: Sequence, reason: m.FinishReason, error: str | None = None) -> m.Finished:
         del self.by_id[seq.request_id]
         if seq in self.running:
             self.running.remove(seq)
-            if self.partial:
-                self._keep_last_block(seq)
+            if self.partial is not None:
+                self.partial.keep_last_block(seq)
             self.blocks.free(seq.blocks)
             if self.window_group is not None:
                 self.window_group.free(seq)
@@ -430,7 +407,7 @@ class Scheduler(DecodeWindows):
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq.pinned)
-        self._drop_copy_source(seq)
+        drop_copy_source(self.blocks, seq)
         seq.pinned = []
         seq.blocks = []
         return m.Finished(seq.request_id, reason, seq.usage, error,
