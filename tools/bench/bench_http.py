@@ -71,6 +71,12 @@ class Peer:
     retries: int = 0  # requests sent again after a dropped connection
     startup: dict | None = None  # the library peer's Engine.startup
 
+    def log_tail(self, chars: int = 1500) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
@@ -86,14 +92,14 @@ class Peer:
         if self.name == LIBRARY:  # its first line says ready (or it exits)
             line = self.process.stdout.readline()
             if not line:
-                self.error = f"exited with {self.process.wait()}: {self.log.read_text()[-800:]}"
+                self.error = f"exited with {self.process.wait()}: {self.log_tail(800)}"
             else:
                 self.startup = json.loads(line).get("startup")
             return
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                self.error = f"exited with {self.process.returncode}: {self.log.read_text()[-800:]}"
+                self.error = f"exited with {self.process.returncode}: {self.log_tail(800)}"
                 return
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
@@ -191,7 +197,10 @@ async def one_http(client: httpx.AsyncClient, url: str, messages: list[dict], ma
     for attempt in range(MAX_ATTEMPTS):
         try:
             async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-                response.raise_for_status()
+                if response.status_code >= 400:  # its body says why; an exception the client
+                    # processes can hand back (httpx's own cannot be pickled: the pool hung on one)
+                    text = (await response.aread()).decode(errors="replace")
+                    raise RuntimeError(f"{url}: HTTP {response.status_code}: {text[:500]}")
                 pending = b""
                 # raw bytes split by hand: httpx's aiter_lines cost this client ~150 us of
                 # CPU per token at 64 streams, more than the server's own work
@@ -534,8 +543,18 @@ def main() -> int:
         top = max(args.levels)
         warm = {"conversations": conversations("plain", top, args, "warm-"), "streams": top, "max_tokens": 8,
                 "starts": [0.0] * top}
+
+        def attempt(peer: Peer, batch: dict, what: str) -> dict | None:
+            """The batch's result; a failure ends this peer's runs (kept in its error), not the others'."""
+            try:
+                return run_batch(peer, batch, clients)
+            except Exception as exc:  # noqa: BLE001
+                peer.error = f"{what}: {exc}; its log ends: {peer.log_tail()}"
+                print(f"{peer.name} failed at {what}: {exc}", file=sys.stderr)
+                return None
+
         for peer in live:  # one warm-up round: loads, first kernels, the largest batch once
-            run_batch(peer, warm, clients)
+            attempt(peer, warm, "the warm-up round")
         for phase in args.phases:
             for level in args.levels:
                 batch = {"conversations": conversations(phase, level * args.requests_per_stream, args),
@@ -543,8 +562,10 @@ def main() -> int:
                 for round_ in range(args.rounds):
                     batch["starts"] = stream_starts(level, args.stagger_ms, args.seed + round_)
                     order = live[round_ % len(live):] + live[: round_ % len(live)]
-                    for peer in order:
-                        result = run_batch(peer, batch, clients)
+                    for peer in [p for p in order if p.error is None]:
+                        result = attempt(peer, batch, f"{phase}/{level} round {round_}")
+                        if result is None:
+                            continue
                         peer.results.setdefault(f"{phase}/{level}", []).append(result)
                         f = round_figures(result)
                         print(f"{phase:>6} c={level:>2} round {round_} {peer.name:>9}: {f['tok_s']:8.1f} tok/s  "
