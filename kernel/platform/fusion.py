@@ -2,11 +2,12 @@
 
 A traced step's chains of element-wise ops (a residual add and a cast, SiLU times the up
 projection) become one kernel each: MLX writes its CUDA source and compiles it with NVRTC
-the first time a process meets it, about 3 s apiece on an H200 (each module instantiates
-its kernel for every rank and index type), one after another. On a machine whose kernel
-cache is empty that was most of a 1B model's 49 s start. With fusion off the trace keeps
-each op as MLX's own precompiled kernel: nothing to compile, at the cost of a launch and a
-round trip through memory per op.
+the first time a machine meets it (its kernel cache keeps it after), 3-5 s apiece on an
+H200 (each module instantiates its kernel for every rank and index type), one after
+another: 8 of them took 31 s of a 1B model's 64 s start on an empty cache
+(tools/results/h200/startup-1b-read-ahead.json). With fusion off the trace keeps each op
+as MLX's own precompiled kernel: nothing to compile, a launch and a round trip through
+memory per op, and other roundings (execute.fuse_elementwise says what that measured).
 
 MLX's C++ API has the switch (`mlx::core::set_compile_mode`, mode `no_fuse`), its Python
 bindings do not; `set_fusion` calls the exported function of the loaded libmlx through

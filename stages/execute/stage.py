@@ -121,10 +121,12 @@ class MLXExecuteParams(StageParams, frozen=True):
     Sets MLX_CUDA_USE_CUDNN_SDPA, which MLX reads once, at the process's first attention; a value
     already in the environment wins."""
     fuse_elementwise: Literal["auto", "always", "never"] = "auto"
-    """Let MLX fuse each traced step's chains of element-wise ops into kernels of its own
-    (unikern.platform.fusion). Each one is compiled with NVRTC the first time a machine meets it, about
-    3 s apiece on an H200, one after another: most of a fresh machine's start. `never`: MLX's
-    precompiled kernel per op instead. `auto`: on. Set for the whole process, before the warm-up."""
+    """Let MLX fuse each traced step's chains of element-wise ops into kernels of their own
+    (unikern.platform.fusion). MLX compiles each with NVRTC the first time a machine meets it, one after
+    another: on an H200 (1B) 8 of them took 31 s of a fresh machine's 64 s start; `never` started in
+    33 s. `auto`: on, as `never` moved a token off mlx-lm's (parity: one first token with a margin of
+    0.031) and gave no speed measurably (0.93x-1.19x, within the A/B's own bias; tools/bench/bench_ab.py).
+    Set for the whole process, before the warm-up; the stage restores MLX's default at stop."""
     compile_one_row: Literal["auto", "always", "never"] = "auto"
     """With `paged_attention`, one-row decode windows are traced (`mx.compile`) too, as windows of
     several rows are. `auto`: on CUDA."""
