@@ -57,8 +57,9 @@ def collect(parts: Iterable[dict[str, float]], import_s: float, ready_s: float) 
 
 
 def describe(startup: dict[str, float]) -> str:
-    """`ready in 3.21 s: import 1.10, read ahead 0.80 (beside the import), tokenizer 0.30 (beside the load), load 0.90 (build
-    0.01, fuse 0.30, read 0.40, geometry 0.19), warm-up 0.50`, for a log line."""
+    """`ready in 3.21 s: import 1.10, read ahead 0.80 (beside the import), tokenizer 0.30
+    (beside the load), load 0.90 (build 0.01, fuse 0.30, read 0.40, geometry 0.19),
+    warm-up 0.50`, for a log line."""
 
     def name(key: str) -> str:
         return key.removesuffix("_s").replace("warmup", "warm-up").replace("_", " ")
