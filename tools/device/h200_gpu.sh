@@ -14,21 +14,24 @@
 # the last one's time ran out; a call lasts at most 10 minutes):
 #   bench-1b      the three engines, 1B bf16 (tools/bench/bench_gpu.py bench --split)
 #   parity-1b     greedy tokens against mlx-lm, 16 prompts in flight (tools/check/parity_check.py)
-#   startup       a fresh worker's cold start, then warm starts on the kernel cache it left
-#                 (tools/bench/first_request.py --cold-warm)
+#   startup       a fresh worker's cold start, then warm starts on the kernel cache it left,
+#                 with the weights read ahead and not (tools/bench/first_request.py --cold-warm
+#                 --read-ahead-ab; STARTUP_ARGS replaces the last flag)
 #   bench-8b-q4   the three engines, 8B 4-bit (mlx-lm's -q 4 against llama.cpp's Q4_0)
 #   kernel-tests  the CUDA kernel tests against MLX's ops, TF32 off (PYTEST_GPU: which ones)
 # and only where GPU_STEPS names them: bench-1b-iso (bench-1b with mlx-lm in a process of
 # its own), startup-tf (startup with the transformers wheel of .whl/tf), parity-8b-q4,
-# importtime (the worker's import, -X importtime), startup-nofuse and ab-fusion (execute.fuse_elementwise
-# off: a fresh start, and against the default), parity-1b-nofuse, startup-probe (tools/probe/probe_startup.py), ab-tree (this tree's engine against
-# OLD_TREE's, interleaved), and h200_x2.sh's two-GPU steps:
+# importtime (the worker's import, -X importtime), startup-nofuse, ab-fusion and
+# parity-1b-nofuse (execute.fuse_elementwise=never: a fresh start, against the default
+# through the library, greedy parity), startup-probe (tools/probe/probe_startup.py),
+# ab-tree (this tree's engine against OLD_TREE's, interleaved), and h200_x2.sh's two-GPU steps:
 # nccl-tests, bench-tp-8b. The models a step needs are built first (bench_gpu.py models
 # and gguf; llama.cpp builds in the background from .whl/lc's source).
 #
 # Environment: OUT (results: $OUT/gpu/, one log per step and summary.txt; default
 # /tmp/h200-out), GPU_STEPS, GPU_BUDGET_S (seconds this call may use, 570), BENCH_ARGS
-# (more bench_gpu.py bench arguments), PYTEST_GPU, WARM_STARTS, OLD_TREE, AB_ROUNDS (2),
+# (more bench_gpu.py bench arguments), PYTEST_GPU, WARM_STARTS, STARTUP_ARGS, AB_REPEATS (6),
+# SERVE_ARGS, OLD_TREE, AB_ROUNDS (2),
 # MLX_MEMORY_LIMIT_GIB (60), KERNEL_TESTS_MIN_S (300), PROBE_SPY (startup-probe under
 # py-spy, its wheel carried in the set-up's folders: slow, see tools/probe/probe_startup.py).
 set -uo pipefail
