@@ -125,7 +125,8 @@ class MLXExecuteParams(StageParams, frozen=True):
     (unikern.platform.fusion). MLX compiles each with NVRTC the first time a machine meets it, one after
     another: on an H200 (1B) 8 of them took 31 s of a fresh machine's 64 s start; `never` started in
     33 s. `auto`: on, as `never` moved a token off mlx-lm's (parity: one first token with a margin of
-    0.031) and gave no speed measurably (0.93x-1.19x, within the A/B's own bias; tools/bench/bench_ab.py).
+    0.031) and the library ran no faster with it beyond the A/B's own bias (off/on 0.93x-1.19x;
+    tools/bench/bench_ab.py).
     Set for the whole process, before the warm-up; the stage restores MLX's default at stop."""
     compile_one_row: Literal["auto", "always", "never"] = "auto"
     """With `paged_attention`, one-row decode windows are traced (`mx.compile`) too, as windows of
