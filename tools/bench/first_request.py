@@ -33,7 +33,8 @@ def mlx_cache_dir(env: dict[str, str] | None) -> Path | None:
 def new_modules(cache: Path | None, before: set[str], started: float) -> list[dict]:
     """The kernels MLX compiled in this worker (each a `.cu` it wrote beside the binary),
     in the order written: seconds after the worker's start, and since the one before
-    (about its compile, where they came one after another)."""
+    (a bound on its compile where they came one after another; the first one's gap also
+    holds the worker's start before it)."""
     if cache is None or not cache.is_dir():
         return []
     written = sorted((f.stat().st_mtime, f) for f in cache.glob("*.cu") if f.name not in before)
