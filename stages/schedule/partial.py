@@ -18,8 +18,7 @@ from unikern.stages.schedule.sequence import Sequence
 
 
 class PartialHits:
-    """The copies of the step being planned, over `blocks` (a `partial_unit` of 0 finds
-    no part, so nothing is copied or kept)."""
+    """The copies of the step being planned, over `blocks` (whose `partial_unit` is set)."""
 
     def __init__(self, blocks: BlockManager) -> None:
         self.blocks = blocks
@@ -47,7 +46,7 @@ class PartialHits:
         num_computed are in the pool; a step still in flight writes only past them."""
         bs, unit = self.blocks.block_size, self.blocks.partial_unit
         i = len(seq.block_hashes)  # the first block not committed whole
-        written = (seq.num_computed - i * bs) // unit * unit if unit else 0
+        written = (seq.num_computed - i * bs) // unit * unit
         if 0 < written < bs and i < len(seq.blocks):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             self.blocks.keep_partial(seq.blocks[i], parent, seq.tokens[i * bs : i * bs + written])

@@ -65,7 +65,7 @@ class Scheduler(DecodeWindows):
         # in the step that first feeds it (Step.copies); recurrent states and windowed
         # tables have no such copy, so they reuse whole blocks only (partial.py)
         plain = self.states is None and self.window is None and self.window_group is None
-        self.partial = PartialHits(blocks) if plain else None
+        self.partial = PartialHits(blocks) if plain and blocks.partial_unit else None
         # admission bound: requests queued beyond it are refused as overloaded (None: no bound)
         self.max_waiting = max_waiting
         self.num_refused_overloaded = 0
