@@ -194,3 +194,48 @@ def test_warm_up_runs_the_prompts_going_on_after_written_blocks_through_each_poo
     assert seen == {(2, "mask per row"), (1, "slices"), (1, "causal")}
     labels = [line.rsplit(":", 1)[0] for line in report["step_seconds"]]
     assert labels.count("resume x2") == 1 and labels.count("resume x1") == 2
+
+
+def gather_index_counts(*arrays: mx.array) -> list[int]:
+    """The index arrays each Gather in the arrays' graph takes (its inputs but the source)."""
+    import re
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *arrays)
+        dot = f.read()
+    gathers = re.findall(r'\{ (\d+) \[label ="Gather"', dot)
+    return [len(re.findall(rf'-> {g}\n', dot)) - 1 for g in gathers]
+
+
+def test_the_model_reads_one_token_dtype_through_single_index_gathers(tiny_llama):
+    # on CUDA MLX compiles a gather kernel at run time for each (dtype, index dtype, index
+    # count) it meets: prompts are fed in the sampled tokens' dtype, and the rows' last
+    # positions are picked by the embedding's kind of gather (paged_cache.rows_at), not by
+    # a two-index one
+    model, _ = load(tiny_llama)
+    pool = small_pool(24, ModelGeometry(model))
+    pool.ensure_capacity(24)
+    runner = ModelRunner(model, pool)
+    fed = []
+    forward = runner.model.__call__
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def __call__(self, inputs, cache=None):
+            fed.append(inputs.dtype)
+            return forward(inputs, cache=cache)
+
+    runner.model = Recording()
+    rows = [((2, 3, 4, 5), 0, 13), ((6, 7, 8, 9), 0, 9)]
+    logits = runner._logits(rows, [list(range(5, 18)), list(range(3, 12))])
+    assert gather_index_counts(logits) == [1, 1]  # the embedding's, the rows' last positions
+    mx.eval(logits, *runner._written())  # (the pool's writes out of the next graph)
+    by_rows = runner._logits_by_rows([m.SeqWork("a", (5, 6, 7), 0, (10, 11), True, m.SamplingParams())])
+    # by rows, each layer reads its keys and values back through the slots (pool_k[:, read])
+    counts = gather_index_counts(by_rows)
+    assert counts.count(1) == 2 and counts.count(2) == 2 * ModelGeometry(model).num_layers, counts
+    assert set(fed) == {mx.argmax(logits, axis=-1).dtype}
+    mx.eval(by_rows, *runner._written())

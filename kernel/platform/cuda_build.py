@@ -42,7 +42,7 @@ def _fill(section: str, name: str, params: list[str], constants: str, header: st
 
 
 CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int32_t",
-              "uint32": "uint32_t"}
+              "uint32": "uint32_t", "bool": "bool"}
 
 OPTIONS = ("-std=c++17", "-default-device")
 

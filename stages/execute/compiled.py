@@ -17,7 +17,9 @@ from unikern.stages.execute.paged_cache import (
     DecodeWindow,
     PagedLayerCache,
     block_slots,
+    flat_positions,
     length_bucket,
+    rows_at,
     window_layout,
 )
 from unikern.stages.kv.pool import KVPool
@@ -132,11 +134,10 @@ class CompiledPrefill:
         layout = BatchLayout(B, T, 0, write_slots, None, "causal", [])
         arrays = PoolArrays(list(keys), list(values))
         caches = [PagedLayerCache(arrays, i, layout, paged=self.paged) for i in range(self.num_layers)]
-        rows = mx.arange(B)
         if self.head is not None:
-            logits = self.head(self.model.model(tokens, cache=caches)[rows, last])
+            logits = self.head(rows_at(self.model.model(tokens, cache=caches), last))
         else:
-            logits = self.model(tokens, cache=caches)[rows, last]
+            logits = rows_at(self.model(tokens, cache=caches), last)
         return logits, arrays.keys, arrays.values
 
     def __call__(self, pool: KVPool, rows: list[tuple[tuple[int, ...], int, int]], tokens: list[list[int]],
@@ -147,12 +148,12 @@ class CompiledPrefill:
             self._traces_kept = 0
         bs = pool.block_size
         write = np.full((len(rows), bucket), SCRATCH_BLOCK * bs, dtype=np.int32)
-        padded = np.zeros((len(rows), bucket), dtype=np.int32)
+        padded = np.zeros((len(rows), bucket), dtype=np.uint32)  # (TOKEN_DTYPE)
         for i, ((blocks, _, n), row) in enumerate(zip(rows, tokens, strict=True)):
             write[i, :n] = block_slots(blocks, bs)[:n]
             padded[i, :n] = row
         self.forwards += 1
-        last = mx.array([n - 1 for _, _, n in rows], dtype=mx.int32)
+        last = flat_positions([n - 1 for _, _, n in rows], bucket)
         traced, started = self.traces, time.perf_counter()
         logits, pool.keys, pool.values = self._forward_fn(
             mx.array(padded), mx.array(write.reshape(-1)), last, pool.keys, pool.values)

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from unikern.platform import cuda_is_default
 from unikern.platform.kernel_cache import off_small_pool
 from unikern.stages.execute import cpu_kernels
-from unikern.stages.execute.cuda import paged_attention, pool_write
+from unikern.stages.execute.cuda import paged_attention, pool_write, step_layout
 from unikern.stages.execute.windows import window_mask, window_start
 from unikern.stages.kv.pool import KVPool
 
@@ -26,6 +27,24 @@ PAD_STEP_ROWS = True
 # tools/check/parity_check.py): an 8B-shape 4-bit token 4.94 -> 3.47 ms in the runner, 1B 64-row
 # steps 711 -> 629 primitives (tools/probe/probe_cuda.py's engine-paged-write)
 WRITE_IN_PLACE = True
+# a decode window step's layout by unikern's kernel on CUDA (window_layout; tests turn it off)
+STEP_LAYOUT_KERNEL = True
+# the dtype of token ids as the model reads them, prompts and decode steps alike: the
+# sampler's argmax gives uint32, and on CUDA MLX compiles a gather kernel at run time per
+# (dtype, index dtype, index count): one dtype, one kernel (about 3 s each on a fresh H200)
+TOKEN_DTYPE = mx.uint32
+
+
+def rows_at(x: mx.array, flat: mx.array) -> mx.array:
+    """x [B, T, F] at one position per row, given as indices into the flattened B * T
+    positions (TOKEN_DTYPE [B]: row i's position p is i * T + p): one single-index gather,
+    the token embedding's own kernel, where x[rows, positions] takes a two-index one."""
+    return x.reshape(-1, x.shape[-1])[flat]
+
+
+def flat_positions(positions: list[int], T: int) -> mx.array:
+    """rows_at's indices of row i's position positions[i] in rows of T positions."""
+    return mx.array([i * T + p for i, p in enumerate(positions)], dtype=TOKEN_DTYPE)
 
 # a traced window's write table holds at least this many steps (decode_lookahead_max's
 # default): windows of 2 to 32 steps share one shape instead of one per power of two
@@ -184,6 +203,12 @@ def window_layout(
     `starts` and the write table's rows may hold more entries than the B rows (see
     DecodeWindow): the layout's offsets, lengths and write slots are views of their first B."""
     B = read_slots.shape[0]
+    if STEP_LAYOUT_KERNEL and cuda_is_default():
+        # one kernel of unikern's own, built once and kept on disk, where MLX would fuse
+        # the ops below into kernels of its own compiled at run time (step_layout.py)
+        index = step if isinstance(step, mx.array) else mx.array(step, dtype=mx.int32)
+        offsets, lengths, write, read, seen = step_layout.step_layout(starts, index, write_table, read_slots)
+        return BatchLayout(B, 1, offsets, write, read, seen[:, None, None, :], [0] * B, lengths=lengths)
 
     def first(a: mx.array) -> mx.array:  # (no slice node where there is nothing to cut)
         return a if a.shape[0] == B else a[:B]

@@ -11,7 +11,7 @@ import mlx.core as mx
 import msgspec
 
 from unikern import messages as m
-from unikern.stages.execute.paged_cache import BatchLayout
+from unikern.stages.execute.paged_cache import TOKEN_DTYPE, BatchLayout, flat_positions, rows_at
 from unikern.stages.execute.sampling import position_logprobs
 
 # (request id, target ids, alternatives wanted, the device arrays: picked[, ids, values])
@@ -28,22 +28,22 @@ def prompt_forward(runner: Any, group: list[m.SeqWork], rows: list, window_rows:
     window_layout = BatchLayout.build(runner.window_pool, window_rows) if window_rows else None
     caches = runner._caches(layout, [w.state_slot for w in group], window_layout)
     T = layout.num_tokens
-    inputs = mx.array([list(w.token_ids) + [0] * (T - len(w.token_ids)) for w in group], dtype=mx.int32)
-    rows_index, last = mx.arange(len(group)), mx.array(layout.last_index)
+    inputs = mx.array([list(w.token_ids) + [0] * (T - len(w.token_ids)) for w in group], dtype=TOKEN_DTYPE)
+    last = flat_positions(layout.last_index, T)
     if runner.head is not None:
         hidden = runner.model.model(inputs, cache=caches)
 
         def head(i: int, n: int) -> mx.array:
             return runner.head(hidden[i, :n])
 
-        logits = runner.head(hidden[rows_index, last])
+        logits = runner.head(rows_at(hidden, last))
     else:
         full = runner.model(inputs, cache=caches)
 
         def head(i: int, n: int) -> mx.array:
             return full[i, :n]
 
-        logits = full[rows_index, last]
+        logits = rows_at(full, last)
     pending = []
     for i, w in enumerate(group):
         if w.prompt_targets:

@@ -14,7 +14,14 @@ from unikern.platform import blas, cuda_is_default, shared_bridge
 from unikern.platform.bridge import Bridge, apply_torch_logits_processors
 from unikern.stages.execute.compiled import CompiledDecode, CompiledPrefill
 from unikern.stages.execute.model import ModelGeometry
-from unikern.stages.execute.paged_cache import BatchLayout, DecodeWindow, PagedLayerCache
+from unikern.stages.execute.paged_cache import (
+    TOKEN_DTYPE,
+    BatchLayout,
+    DecodeWindow,
+    PagedLayerCache,
+    flat_positions,
+    rows_at,
+)
 from unikern.stages.execute.prompt_logprobs import (
     pending_arrays,
     prompt_forward,
@@ -53,7 +60,7 @@ def split_head(model: Any) -> Callable[[mx.array], mx.array] | None:
         head = model.lm_head
     else:
         return None
-    probe = mx.array([[1, 2, 3]], dtype=mx.int32)
+    probe = mx.array([[1, 2, 3]], dtype=TOKEN_DTYPE)
     try:
         full = model(probe, cache=make_prompt_cache(model))[:, -1, :]
         split = head(inner(probe, cache=make_prompt_cache(model))[:, -1, :])
@@ -188,15 +195,13 @@ class ModelRunner:
         window_layout = BatchLayout.build(self.window_pool, window_rows) if window_rows else None
         caches = self._caches(layout, slots, window_layout)
         T = layout.num_tokens
-        inputs = mx.array([t + [0] * (T - len(t)) for t in tokens], dtype=mx.int32)
+        inputs = mx.array([t + [0] * (T - len(t)) for t in tokens], dtype=TOKEN_DTYPE)
         if T == 1:
             return self.model(inputs, cache=caches)[:, -1, :]
-        rows_index = mx.arange(len(rows))
-        last = mx.array(layout.last_index)
+        last = flat_positions(layout.last_index, T)
         if self.head is not None:
-            hidden = self.model.model(inputs, cache=caches)
-            return self.head(hidden[rows_index, last])
-        return self.model(inputs, cache=caches)[rows_index, last]
+            return self.head(rows_at(self.model.model(inputs, cache=caches), last))
+        return rows_at(self.model(inputs, cache=caches), last)
 
     def _logits_by_rows(self, group: list[m.SeqWork]) -> mx.array:
         """Short prompts' logits [B, vocab] at their last tokens, each prompt's tokens run
@@ -209,15 +214,15 @@ class ModelRunner:
         self.row_prefills += 1
         rows = [(w.block_table, w.start_pos + t, 1) for w in group for t in range(len(w.token_ids))]
         caches = self._caches(BatchLayout.build(self.pool, rows))
-        inputs = mx.array([[t] for w in group for t in w.token_ids], dtype=mx.int32)
+        inputs = mx.array([[t] for w in group for t in w.token_ids], dtype=TOKEN_DTYPE)
         ends, last = 0, []
         for w in group:
             ends += len(w.token_ids)
             last.append(ends - 1)
-        index = mx.array(last)
+        index = mx.array(last, dtype=TOKEN_DTYPE)  # rows of one position: rows_at's indices
         if self.head is not None:
-            return self.head(self.model.model(inputs, cache=caches)[index, -1])
-        return self.model(inputs, cache=caches)[index, -1]
+            return self.head(rows_at(self.model.model(inputs, cache=caches), index))
+        return rows_at(self.model(inputs, cache=caches), index)
 
     def run(self, step: m.Step, seeds: dict[str, int]) -> dict[str, list[int]]:
         """The step's sampled tokens alone (warm-up, tools, tests)."""
@@ -350,12 +355,12 @@ class ModelRunner:
         )
 
     def _window_inputs(self, work: tuple[m.SeqWork, ...]) -> mx.array:
-        """A window's first tokens (uint32, as the sampled tokens fed to later steps are:
-        one dtype, one trace): the rows' own, or, for a window planned while the step
+        """A window's first tokens (TOKEN_DTYPE, as the sampled tokens fed to later steps
+        are: one dtype, one trace): the rows' own, or, for a window planned while the step
         before ran (`continues`), the tokens that step sampled last, still on the device
         (in the window's row order: a prompts' step samples its rows in its own order)."""
         if not any(w.continues for w in work):
-            return mx.array([w.token_ids[0] for w in work], dtype=mx.uint32)
+            return mx.array([w.token_ids[0] for w in work], dtype=TOKEN_DTYPE)
         rows = tuple(w.request_id for w in work)
         carried = self._carried[0] if self._carried is not None else ()
         if not all(w.continues for w in work) or sorted(carried) != sorted(rows):

@@ -79,6 +79,7 @@ def record_launches() -> list[Build]:
         q4_gemv,
         q4_mma,
         residual_norm,
+        step_layout,
     )
 
     builds: list[Build] = []
@@ -120,6 +121,10 @@ def record_launches() -> list[Build]:
                     pool_write.rope_write(mx.zeros((64, (H + 2 * Hk) * D), dtype=dtype),
                                                mx.zeros((64,), dtype=mx.int32), mx.zeros((D // 2,), dtype=mx.float32),
                                                H, D, trad, (pool, pool, mx.zeros((64,), dtype=mx.int32)))
+            if dtype == mx.bfloat16:  # (int32 and bool arrays only: once)
+                # a decode window step's offsets, slots and mask (paged_cache.window_layout)
+                step_layout.step_layout(mx.zeros((5,), dtype=mx.int32), mx.array(1, dtype=mx.int32),
+                                        mx.zeros((32, 5), dtype=mx.int32), mx.zeros((3, 48), dtype=mx.int32))
             for hidden in (2048, 4096):
                 norm = nn.RMSNorm(hidden)
                 norm.weight = norm.weight.astype(dtype)
