@@ -192,7 +192,7 @@ class SamplingBatch:
             mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
             total = mass_above[:, :1] + probs[:, :1]
             dropped = (mass_above >= top_p * total).sum(axis=-1, keepdims=True)
-            cut = mx.take_along_axis(ascending, mx.minimum(dropped, vocab - 1), axis=-1)
+            cut = take_row(ascending, mx.minimum(dropped, vocab - 1))
             thresholds.append(mx.where(mx.isnan(draw["top_p"]), floor, cut))
         if draw["top_k"] is not None:
             k = np.where(draw["top_k"] < vocab, draw["top_k"], 0)  # k >= vocab keeps every token
@@ -202,7 +202,7 @@ class SamplingBatch:
                 ascending = mx.sort(mx.topk(logprobs, max(int(k.max()), 1), axis=-1), axis=-1)
             width = ascending.shape[-1]
             position = mx.array(np.where(k > 0, width - k, 0)[:, None])
-            thresholds.append(mx.where(mx.array(k[:, None] > 0), mx.take_along_axis(ascending, position, axis=-1), floor))
+            thresholds.append(mx.where(mx.array(k[:, None] > 0), take_row(ascending, position), floor))
         if draw["log_min_p"] is not None:
             top = mx.max(logprobs, axis=-1, keepdims=True)
             thresholds.append(mx.where(mx.isnan(draw["log_min_p"]), floor, top + draw["log_min_p"]))
@@ -235,6 +235,16 @@ class SamplingBatch:
                     top = tuple(m.TopLogprob(int(t), float(v)) for t, v in pairs if v > -math.inf)
                 reports[j].append(m.Logprobs(float(picked[j]), top))
         return reports
+
+
+def take_row(a: mx.array, index: mx.array) -> mx.array:
+    """a [N, W] (float) at one position per row, index [N, 1]: the same values as
+    take_along_axis, by a masked max over the row. MLX runs these ops from kernels it was
+    built with; on CUDA its take_along_axis is a gather it compiles at run time (6.4 s on a
+    fresh H200: tools/results/h200/startup-1b-read-ahead.json), which the warm-up's top-p
+    draw would otherwise wait on."""
+    hit = mx.arange(a.shape[-1], dtype=index.dtype)[None] == index
+    return mx.where(hit, a, -math.inf).max(axis=-1, keepdims=True)
 
 
 def set_rows(a: mx.array, index: mx.array, rows: mx.array) -> mx.array:
