@@ -32,7 +32,7 @@
 # /tmp/h200-out), GPU_STEPS, GPU_BUDGET_S (seconds this call may use, 570), BENCH_ARGS
 # (more bench_gpu.py bench arguments), PYTEST_GPU, WARM_STARTS, STARTUP_ARGS, AB_REPEATS (6),
 # SERVE_ARGS, OLD_TREE, AB_ROUNDS (2),
-# MLX_MEMORY_LIMIT_GIB (60), KERNEL_TESTS_MIN_S (300), PROBE_SPY (startup-probe under
+# MLX_MEMORY_LIMIT_GIB (60; SERVE_MLX_GIB (30) for each of bench_http's MLX peers), KERNEL_TESTS_MIN_S (300), PROBE_SPY (startup-probe under
 # py-spy, its wheel carried in the set-up's folders: slow, see tools/probe/probe_startup.py).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -110,10 +110,19 @@ fi
 
 # the steps that need no llama.cpp build run first, while it builds in the background
 
+# bench_http runs its peers side by side on the one GPU (unikern serve, the library's
+# engine, mlx_lm.server, llama-server): each MLX process gets this share of the memory
+# limit, not the whole. At 60 GiB each, MLX's buffer caches of three MLX processes could
+# outgrow the H200's 141 GB. On 2026-12-05 the 8B 4-bit run's 64-stream round failed
+# twice, each time in the engine that ran after another had: the library's engine with
+# cudaMallocAsync out of memory (after unikern serve), and before that unikern serve with
+# an HTTP error status whose cause was not kept (after mlx_lm.server and the library)
+SERVE_MLX_GIB=${SERVE_MLX_GIB:-30}
+
 # the same two unikern doors with streams arriving at random (exponential gaps of 20 ms
 # on average): TTFT from the first round on when requests do not come all at once
 if named serve-1b-stagger; then
-  TAIL=30 run_step serve-1b-stagger $RES/serve-1b-stagger.done 150 bash -c "python3 -m tools.bench.bench_http \
+  TAIL=30 run_step serve-1b-stagger $RES/serve-1b-stagger.done 150 bash -c "MLX_MEMORY_LIMIT_GIB=$SERVE_MLX_GIB python3 -m tools.bench.bench_http \
     --model $M/llama-1b --peers unikern,library --stagger-ms 20 --tag=-h200-1b-stagger ${SERVE_ARGS:-} && \
     cp tools/results/bench-http-llama-1b-*-h200-1b-stagger* $RES/ && touch $RES/serve-1b-stagger.done"
 fi
@@ -213,7 +222,7 @@ fi
 # llama-server must be built (LLAMA_TARGETS="llama-server", step llama) ----
 if named serve-1b; then
   wait_llama
-  TAIL=30 run_step serve-1b $RES/serve-1b.done 300 bash -c "python3 -m tools.bench.bench_http --model $M/llama-1b \
+  TAIL=30 run_step serve-1b $RES/serve-1b.done 300 bash -c "MLX_MEMORY_LIMIT_GIB=$SERVE_MLX_GIB python3 -m tools.bench.bench_http --model $M/llama-1b \
     --gguf $M/llama-1b-bf16.gguf --llama-server $BIN/llama-server --tag=-h200-1b ${SERVE_ARGS:-} && \
     cp tools/results/bench-http-llama-1b-*-h200-1b* $RES/ && touch $RES/serve-1b.done"
 fi
@@ -237,7 +246,7 @@ if want bench-8b-q4; then
 fi
 # the four servers over HTTP on the 8B 4-bit model (LLAMA_TARGETS="llama-server llama-quantize")
 if named serve-8b-q4; then
-  TAIL=30 run_step serve-8b-q4 $RES/serve-8b-q4.done 420 bash -c "python3 -m tools.bench.bench_http \
+  TAIL=30 run_step serve-8b-q4 $RES/serve-8b-q4.done 420 bash -c "MLX_MEMORY_LIMIT_GIB=$SERVE_MLX_GIB python3 -m tools.bench.bench_http \
     --model $M/llama-8b-q4 --gguf $M/llama-8b-q4_0.gguf --llama-server $BIN/llama-server --tag=-h200-8b-q4 \
     ${SERVE_ARGS:-} && cp tools/results/bench-http-llama-8b-q4-*-h200-8b-q4* $RES/ && touch $RES/serve-8b-q4.done"
 fi
