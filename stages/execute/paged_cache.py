@@ -3,6 +3,7 @@ pool, and the batch layouts that say where each forward reads and writes."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -27,8 +28,9 @@ PAD_STEP_ROWS = True
 # tools/check/parity_check.py): an 8B-shape 4-bit token 4.94 -> 3.47 ms in the runner, 1B 64-row
 # steps 711 -> 629 primitives (tools/probe/probe_cuda.py's engine-paged-write)
 WRITE_IN_PLACE = True
-# a decode window step's layout by unikern's kernel on CUDA (window_layout; tests turn it off)
-STEP_LAYOUT_KERNEL = True
+# a decode window step's layout by unikern's kernel on CUDA (window_layout; tests turn it
+# off, and UNIKERN_STEP_LAYOUT=0 does for a process, to compare the two on a GPU)
+STEP_LAYOUT_KERNEL = os.environ.get("UNIKERN_STEP_LAYOUT", "1") != "0"
 # the dtype of token ids as the model reads them, prompts and decode steps alike: the
 # sampler's argmax gives uint32, and on CUDA MLX compiles a gather kernel at run time per
 # (dtype, index dtype, index count): one dtype, one kernel (about 3 s each on a fresh H200)
