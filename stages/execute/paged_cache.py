@@ -48,6 +48,7 @@ def flat_positions(positions: list[int], T: int) -> mx.array:
     """rows_at's indices of row i's position positions[i] in rows of T positions."""
     return mx.array([i * T + p for i, p in enumerate(positions)], dtype=TOKEN_DTYPE)
 
+
 # a traced window's write table holds at least this many steps (decode_lookahead_max's
 # default): windows of 2 to 32 steps share one shape instead of one per power of two
 WINDOW_TABLE_STEPS = 32

@@ -18,10 +18,10 @@ THREADS = 256
 def step_layout(starts: mx.array, step: mx.array, write_table: mx.array,
                 read_slots: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
     """For the B rows of `read_slots` (int32 [B, L]) at window step `step` (an int32 array
-    of one element; `starts` and the write table int32 too): offsets and lengths (starts[:B] + step, and + 1), write slots
-    (write_table[step, :B]), the read slots with each position past the row's offset set to
-    0, and the mask of the positions each row sees (bool [B, L]). `starts` and the write
-    table's rows may hold more than B entries. The per-row arrays are views of the first B
+    of one element; `starts` and the write table are int32 too): offsets and lengths
+    (starts[:B] + step, and + 1), write slots (write_table[step, :B]), the read slots with
+    each position past the row's offset set to 0, and the mask of the positions each row
+    sees (bool [B, L]). `starts` and the write table's rows may hold more than B entries. The per-row arrays are views of the first B
     of arrays held out of MLX's pool of small arrays (kernel_cache.off_small_pool)."""
     B, L = read_slots.shape
     kernel = cuda_kernel("unikern_step_layout", ("starts", "step", "write_table", "read_slots"),
