@@ -10,6 +10,8 @@ import textwrap
 import time
 
 import anyio
+import mlx.core as mx
+import numpy as np
 import pytest
 
 import unikern
@@ -296,3 +298,17 @@ def test_slab_pools_grow_and_shrink_through_power_of_two_capacities():
     assert pool.capacity_blocks == 0
     pool.ensure_capacity(5)
     assert pool.capacity_blocks == 6
+
+
+def test_slot_rows_reads_the_pool_at_the_slots_in_the_token_ids_dtype():
+    """slot_rows gives pool[:, slots] by one single-index gather whose indices are in the
+    token ids' dtype (on CUDA, MLX compiles a gather kernel per index dtype and count)."""
+    from unikern.stages.execute.paged_cache import TOKEN_DTYPE
+    from unikern.stages.kv.pool import SLOT_INDEX_DTYPE, slot_rows
+
+    assert SLOT_INDEX_DTYPE == TOKEN_DTYPE
+    pool = mx.arange(3 * 10 * 4, dtype=mx.float32).reshape(3, 10, 4)
+    slots = mx.array([[9, 0, 4], [2, 2, 7]], dtype=mx.int32)
+    got = slot_rows(pool, slots)
+    assert got.shape == (3, 2, 3, 4)
+    np.testing.assert_array_equal(np.array(got), np.array(pool)[:, np.array(slots)])

@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from unikern.platform import read_ahead
+from unikern.stages.execute.paged_cache import TOKEN_DTYPE
 from unikern.stages.execute.thread import ModelThread
 from unikern.stages.models import resolve_model_path
 from unikern.startup import PhaseClock
@@ -48,7 +49,8 @@ class ModelGeometry:
             )
         if any(getattr(c, "keep", 0) for c in cache):
             raise NotImplementedError(f"{family}: rotating caches that keep their first tokens are not served yet")
-        model(mx.array([[0]], dtype=mx.int32), cache=cache)
+        # (token ids in the engine's dtype: on CUDA, another would make MLX compile a gather)
+        model(mx.array([[0]], dtype=TOKEN_DTYPE), cache=cache)
         attention = [c for c in cache if kinds_of(c) != "state"]
         mx.eval([c.state for c in cache])
         shapes = {(c.keys.shape[1], c.keys.shape[3], c.values.shape[3]) for c in attention}

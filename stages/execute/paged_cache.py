@@ -14,7 +14,7 @@ from unikern.platform.kernel_cache import off_small_pool
 from unikern.stages.execute import cpu_kernels
 from unikern.stages.execute.cuda import paged_attention, pool_write, step_layout
 from unikern.stages.execute.windows import window_mask, window_start
-from unikern.stages.kv.pool import KVPool
+from unikern.stages.kv.pool import KVPool, SlotWrite, slot_rows
 
 ZERO_BLOCK = 0  # reserved, all zeros: padded reads, and blocks a windowed table released
 SCRATCH_BLOCK = 1  # reserved: padded query positions write their keys/values here
@@ -35,6 +35,13 @@ STEP_LAYOUT_KERNEL = os.environ.get("UNIKERN_STEP_LAYOUT", "1") != "0"
 # sampler's argmax gives uint32, and on CUDA MLX compiles a gather kernel at run time per
 # (dtype, index dtype, index count): one dtype, one kernel (about 3 s each on a fresh H200)
 TOKEN_DTYPE = mx.uint32
+
+
+def pool_writer(paged: str | None) -> SlotWrite | None:
+    """The kernel that writes keys and values into the pool in place (cuda/pool_write.py),
+    where the paged attention kernel is on (`paged` "kernel": CUDA), else None (MLX's
+    scatter)."""
+    return pool_write.write if WRITE_IN_PLACE and paged == "kernel" else None
 
 
 def rows_at(x: mx.array, flat: mx.array) -> mx.array:
@@ -310,6 +317,15 @@ class PagedLayerCache:
             done = pool_write.write(keys, values, pool_k, pool_v, lay.write_slots)
             self.written_in_place(after=done)
             read = read + (done[:1] * 0).astype(read.dtype)
+        elif self._kernel_writes(keys) and not (self.paged is not None and T == 1 and self.window is None):
+            # a prompt's chunk (or a windowed layer's step) by the same kernel, where MLX's
+            # scatter would be a kernel its CUDA backend compiles at run time; the gathers
+            # below take the marker through their slots, a fresh prompt's own keys take it
+            # so that the write is evaluated with them
+            done = pool_write.write(keys, values, pool_k, pool_v, lay.write_slots)
+            if read is None:
+                return tuple(mx.depends([keys, values], [done]))
+            read = read + (done[:1] * 0).astype(read.dtype)
         else:
             pool_k, pool_v = self._scatter(keys, values)
             if lay.read_slots is None:  # fresh prompts: nothing earlier to read back
@@ -320,8 +336,8 @@ class PagedLayerCache:
                 # back to them (attention sinks, a layer whose SDPA is not routed)
                 self.written_in_place()
         # [H, B, L, D] -> [B, H, L, D]: each (row, head) stays one contiguous L x D matrix
-        k = pool_k[:, read]
-        v = pool_v[:, read]
+        k = slot_rows(pool_k, read)
+        v = slot_rows(pool_v, read)
         self.head_major = True
         return k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3)
 
@@ -349,6 +365,13 @@ class PagedLayerCache:
         if not self._kernel_reads(head_dim, dtype, heads) or self.layout.write_slots is None:
             return None
         return self.pool.keys[self.layer], self.pool.values[self.layer], self.layout.write_slots
+
+    def _kernel_writes(self, keys: mx.array) -> bool:
+        """Whether this step's keys and values go into the pool by unikern's write kernel
+        (cuda/pool_write.py): where the paged attention kernel is on (CUDA), in the pool's
+        dtype, with a slot per token."""
+        return (pool_writer(self.paged) is not None and self.layout.write_slots is not None
+                and self.pool.keys[self.layer].dtype == keys.dtype)
 
     def _kernel_reads(self, head_dim: int, dtype: mx.Dtype, heads: int | None = None) -> bool:
         """Whether a decode step of this layer is one the paged attention kernel reads back

@@ -20,6 +20,7 @@ from unikern.stages.execute.paged_cache import (
     DecodeWindow,
     PagedLayerCache,
     flat_positions,
+    pool_writer,
     rows_at,
 )
 from unikern.stages.execute.prompt_logprobs import (
@@ -234,7 +235,8 @@ class ModelRunner:
         highest = max((max(w.block_table) for w in step.work if w.block_table), default=-1)
         highest = max([highest, *(max(source, dest) for source, dest, _ in step.copies)])
         self.pool.ensure_capacity(highest + 1)
-        self.pool.copy_prefixes(step.copies)  # partial prefix hits, before any row reads them
+        # partial prefix hits, before any row reads them; on CUDA by unikern's write kernel
+        self.pool.copy_prefixes(step.copies, pool_writer(self.paged))
         if self.window_pool is not None:
             highest = max((max(w.window_table) for w in step.work if w.window_table), default=-1)
             self.window_pool.ensure_capacity(highest + 1)

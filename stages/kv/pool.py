@@ -15,6 +15,23 @@ from unikern.stages.kv.cache_kinds import new_state
 
 log = structlog.get_logger()
 
+# the index dtype of the pool's gathers: the token ids' (paged_cache.TOKEN_DTYPE). On CUDA
+# MLX compiles a gather kernel at run time per (dtype, index dtype, index count), about 2-4 s
+# each on a fresh H100: the pool's reads share the token embedding's
+SLOT_INDEX_DTYPE = mx.uint32
+# (keys, values [B, H, T, D], pool keys, pool values [H, S, D], slots [B * T]) -> a marker
+SlotWrite = Callable[[mx.array, mx.array, mx.array, mx.array, mx.array], mx.array]
+
+
+def slot_rows(pool: mx.array, slots: mx.array) -> mx.array:
+    """A layer's pool array [H, S, D] at slots [B, L]: [H, B, L, D], by one single-index
+    gather of the pool viewed as [H * S, D] rows (the token embedding's own kernel), where
+    pool[:, slots] takes a two-index gather with an arange over the heads."""
+    H, S, D = pool.shape
+    flat = mx.arange(H, dtype=SLOT_INDEX_DTYPE)[:, None, None] * S + slots.astype(SLOT_INDEX_DTYPE)[None]
+    return pool.reshape(H * S, D)[flat]
+
+
 
 class KVPool:
     """Per layer, one keys and one values array [kv_heads, slots, head_dim].
@@ -219,19 +236,28 @@ class KVPool:
 
     # ---- copies between blocks ---------------------------------------------------------------
 
-    def copy_prefixes(self, copies: Collection[tuple[int, int, int]]) -> None:
+    def copy_prefixes(self, copies: Collection[tuple[int, int, int]], write: SlotWrite | None = None) -> None:
         """For each (source, dest, n): the first n slots of logical block source into the
         same slots of block dest, in every layer's keys and values (a partial prefix hit).
         The reads are evaluated before the writes, so each write is in place: a write into
-        an array with a read of it pending makes MLX copy the whole array (the budget)."""
+        an array with a read of it pending makes MLX copy the whole array (the budget).
+        `write`: a kernel that writes a layer's keys and values [1, H, n, D] into its pool
+        arrays at the given slots itself (cuda/pool_write.write, on CUDA) instead of MLX's
+        scatter, returning a marker to evaluate."""
         if not copies:
             return
         bs = self.block_size
         src = np.concatenate([np.arange(s * bs, s * bs + n, dtype=np.int32) for s, _, n in copies])
         dst = np.concatenate([np.arange(d * bs, d * bs + n, dtype=np.int32) for _, d, n in copies])
         src_slots, dst_slots = mx.array(src), mx.array(dst)
-        parts = [[a[:, src_slots] for a in arrays] for arrays in (self.keys, self.values)]
+        parts = [[slot_rows(a, src_slots[None])[:, 0] for a in arrays] for arrays in (self.keys, self.values)]
         mx.eval(parts)
+        if write is not None:
+            done = [write(k[None], v[None], self.keys[layer], self.values[layer], dst_slots)
+                    for layer, (k, v) in enumerate(zip(*parts, strict=True))]
+            del parts
+            mx.eval(done)
+            return
         index = mx.broadcast_to(dst_slots[None, :, None], parts[0][0].shape)
         for arrays, read in zip((self.keys, self.values), parts, strict=True):
             for layer, part in enumerate(read):  # into the pool's own lists, as the forward's writes go

@@ -1,6 +1,7 @@
-"""A decode step's keys and values written into the paged pool in place by one kernel
-(`write`, pool_write.cu), or its q/k/v rows rotated and k and v written (`rope_write`,
-rope_write.cu): in place of MLX's scatters, RoPE and the slices around them."""
+"""Keys and values written into the paged pool in place by one kernel (`write`,
+pool_write.cu: a decode step's, a prompt chunk's, a prefix hit's copies), or a decode
+step's q/k/v rows rotated and k and v written (`rope_write`, rope_write.cu): in place of
+MLX's scatters, RoPE and the slices around them."""
 
 from __future__ import annotations
 
@@ -15,26 +16,31 @@ ROPE_WRITE_SOURCE = sources.fill(sources.text("rope_write.cu"), ROPE_STORE=sourc
 
 
 def write(keys: mx.array, values: mx.array, pool_k: mx.array, pool_v: mx.array, slots: mx.array) -> mx.array:
-    """One decode step's keys and values [B, Hk, 1, D] into a layer's pool arrays [Hk, S,
-    D] at the rows' slots (int32 [B], contiguous), in place, by one kernel for both (on an
-    H200 each of MLX's two scatters it replaces cost the host about 9 us per layer and
-    token to encode: tools/probe/probe_ops.py). Returns a small marker array (16 bytes: out of
-    MLX's pool of small arrays) that whatever reads the pool back takes as an input of
-    its kernel (paged_attention.decode's `after`: MLX orders a kernel after those that
-    wrote its inputs, nothing else; through `mx.depends` on the marker the attention ran
-    beside the write on an H200 and missed the step's own key). Keys and values may be
+    """A step's keys and values [B, Hk, T, D] into a layer's pool arrays [Hk, S, D] at
+    the tokens' slots (int [B * T], row by row), in place, by one kernel for both: a
+    decode step's token per row (on an H200 each of MLX's two scatters it replaces cost
+    the host about 9 us per layer and token to encode: tools/probe/probe_ops.py), a
+    prompt's chunk and a prefix hit's copied slots (MLX's scatter there is a kernel its
+    CUDA backend compiles at run time: 4.4 s of a fresh H100's start). Returns a small
+    marker array (16 bytes: out of MLX's pool of small arrays) that whatever reads the
+    pool back takes as an input of its kernel (paged_attention.decode's `after`: MLX
+    orders a kernel after those that wrote its inputs, nothing else; through `mx.depends`
+    on the marker the attention ran beside the write on an H200 and missed the step's
+    own key) or of the index of its gather (paged_cache's `after`). Keys and values may be
     strided views (read through their strides, not copied); the pool arrays must be the
     pool's own contiguous ones (the kernel indexes them as such)."""
     B, Hk, T, D = keys.shape
-    if T != 1 or pool_k.dtype != keys.dtype or pool_k.shape[0] != Hk or pool_k.shape[2] != D:
-        raise ValueError(f"the pool write takes one token per row in the pool's dtype and heads: keys {keys.shape} "
-                         f"{keys.dtype}, pool {pool_k.shape} {pool_k.dtype}")
+    if (values.shape != keys.shape or pool_k.dtype != keys.dtype or pool_k.shape[0] != Hk or pool_k.shape[2] != D
+            or slots.size != B * T):
+        raise ValueError(f"the pool write takes the pool's dtype and heads and a slot per token: keys {keys.shape} "
+                         f"{keys.dtype}, values {values.shape}, pool {pool_k.shape} {pool_k.dtype}, slots {slots.shape}")
     kernel = cuda_kernel("unikern_pool_write", ("keys", "values", "k_pool", "v_pool", "slots"),
                          sources.text("pool_write.cu"), outputs=("done",), contiguous=False)
-    n = B * Hk * D
-    (done,) = kernel(inputs=[keys, values, pool_k, pool_v, slots.astype(mx.int32)], template=[("T", keys.dtype)],
-                     grid=(-(-n // WRITE_THREADS) * WRITE_THREADS, 1, 1), threadgroup=(WRITE_THREADS, 1, 1),
-                     output_shapes=[(off_small_pool(1, keys.dtype.size),)], output_dtypes=[keys.dtype])
+    n = B * T * Hk * D
+    (done,) = kernel(inputs=[keys, values, pool_k, pool_v, slots.reshape(-1).astype(mx.int32)],
+                     template=[("T", keys.dtype)], grid=(-(-n // WRITE_THREADS) * WRITE_THREADS, 1, 1),
+                     threadgroup=(WRITE_THREADS, 1, 1), output_shapes=[(off_small_pool(1, keys.dtype.size),)],
+                     output_dtypes=[keys.dtype])
     return done
 
 
