@@ -553,6 +553,21 @@ def test_one_row_steps_run_as_one_kernel_per_block_when_asked(monkeypatch):
     pool_writes_case(monkeypatch, emulate=True, one_kernel=True)
 
 
+def paged_runner(model):
+    """A runner on a small pool of 4-slot blocks with the paged attention kernel on (its
+    kernels emulated or on CUDA), and the model's geometry."""
+    from unikern.stages.execute import runner as runner_module
+    from unikern.stages.execute.model import ModelGeometry
+    from unikern.stages.kv.pool import KVPool
+
+    geo = ModelGeometry(model)
+    pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, dtype=geo.dtype,
+                  block_size=4, kernel_block_size=4, num_blocks=16, slab_blocks=16)
+    runner = runner_module.ModelRunner(model, pool, paged_attention=True, geometry=geo)
+    assert runner.paged == "kernel"
+    return runner, geo
+
+
 @emulation
 def test_prompt_chunks_and_prefix_copies_go_into_the_pool_by_the_write_kernel(monkeypatch):
     """Where the paged attention kernel is on (CUDA), a prompt's chunks and a partial
@@ -565,8 +580,6 @@ def test_prompt_chunks_and_prefix_copies_go_into_the_pool_by_the_write_kernel(mo
     from unikern.stages.execute import paged_cache
     from unikern.stages.execute import runner as runner_module
     from unikern.stages.execute.cuda import paged_attention, pool_write
-    from unikern.stages.execute.model import ModelGeometry
-    from unikern.stages.kv.pool import KVPool
 
     launched, scatters = [], []
     monkeypatch.setattr(paged_cache, "WRITE_IN_PLACE", True)
@@ -578,11 +591,7 @@ def test_prompt_chunks_and_prefix_copies_go_into_the_pool_by_the_write_kernel(mo
     model = tiny("llama", hidden_size=128, intermediate_size=96)  # head_dim 32
     prompts = {"a": [5, 9, 11, 40, 7, 3, 8], "b": [6, 8, 21, 30, 2], "c": [5, 9, 11, 50, 51]}
     want = {r: greedy(model, p, 3) for r, p in prompts.items()}
-    geo = ModelGeometry(model)
-    pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, dtype=geo.dtype,
-                  block_size=4, kernel_block_size=4, num_blocks=16, slab_blocks=16)
-    runner = runner_module.ModelRunner(model, pool, paged_attention=True, geometry=geo)
-    assert runner.paged == "kernel"
+    runner, geo = paged_runner(model)
     params = m.SamplingParams(max_tokens=16)
     tables = {"a": (2, 4, 6), "b": (5, 3, 8), "c": (9, 11, 13)}  # 0, 1: reserved (paged_cache); none consecutive
 
@@ -610,8 +619,6 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int =
     from unikern.stages.execute import paged_cache, quantized
     from unikern.stages.execute import runner as runner_module
     from unikern.stages.execute.cuda import paged_attention, pool_write, q4_gemv, weight_kernels
-    from unikern.stages.execute.model import ModelGeometry
-    from unikern.stages.kv.pool import KVPool
 
     launched, swiglus = [], []
     monkeypatch.setattr(paged_cache, "WRITE_IN_PLACE", True)  # (the default: pinned for the test)
@@ -653,11 +660,7 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int =
         want = {"a": want["a"]}
     if fused:
         assert blocks.fuse_decode_blocks(model, use_kernel=True, ops_rows=8 if ops else 0, one_kernel=one_kernel) == 2
-    geo = ModelGeometry(model)
-    pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, dtype=geo.dtype,
-                  block_size=4, kernel_block_size=4, num_blocks=16, slab_blocks=16)
-    runner = runner_module.ModelRunner(model, pool, paged_attention=True, geometry=geo)
-    assert runner.paged == "kernel"
+    runner, geo = paged_runner(model)
     params = m.SamplingParams(max_tokens=16)
     tables = {"a": (2, 3, 4), "b": (5, 6, 7), "c": (8, 9), "d": (10, 11), "e": (12, 13)}  # 0, 1: reserved (paged_cache)
     if one_kernel:  # (a lone row of consecutive blocks reads the pool through slices: paged_cache's span)
