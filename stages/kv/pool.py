@@ -32,7 +32,6 @@ def slot_rows(pool: mx.array, slots: mx.array) -> mx.array:
     return pool.reshape(H * S, D)[flat]
 
 
-
 class KVPool:
     """Per layer, one keys and one values array [kv_heads, slots, head_dim].
 
