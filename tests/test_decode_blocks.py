@@ -904,3 +904,18 @@ def test_the_phase_timeline_reads_the_blocks_clocks_across_a_wrap():
     (p0, p1) = timeline([layer, later, layer])
     assert (p0["staged_first"], p0["staged_last"], p0["work_first"], p0["work_last"], p0["left"]) == (1, 2, 4, 5, 6)
     assert (p1["staged_first"], p1["staged_last"], p1["work_first"], p1["work_last"], p1["left"]) == (6.2, 6.5, 9, 10, 12)
+
+
+def test_a_prompt_chunks_pool_write_reads_no_strides():
+    """The write kernel for more than one token a row reads its inputs packed, so unikern
+    builds it into a cubin kept on disk (kernel_cache.Builder); a text that reads strides
+    goes through MLX's compiler in every process (on an H200 the warm-up's 112 such
+    launches made a warm start 2.2 s longer), which a decode step's views keep to."""
+    from unikern.platform import cuda_build
+    from unikern.stages.execute.cuda import pool_write, sources
+
+    text = sources.text("pool_write.cu")
+    packed = sources.fill(text, AT=pool_write.PACKED_AT)
+    strided = sources.fill(text, AT=pool_write.STRIDED_AT)
+    assert not any(cuda_build.reads(packed, name, "strides") for name in ("keys", "values"))
+    assert cuda_build.reads(strided, "keys", "strides")

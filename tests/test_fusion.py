@@ -46,3 +46,13 @@ async def test_an_engine_without_fusion_traces_op_by_op_and_matches_mlx_lm(tiny_
     for prompt, result in zip(batch, results, strict=True):
         ok, note = compare_greedy(result.token_ids, reference_greedy(tiny_llama, prompt, 16))
         assert ok, f"prompt of {len(prompt)} tokens: {note}"
+
+
+def test_auto_fuses_except_on_cuda():
+    """`auto` leaves MLX's fusion off on CUDA (each fused kernel is an NVRTC compile on a
+    machine's first start) and on elsewhere; the explicit settings win everywhere."""
+    from unikern.stages.execute.ranks import fuses_elementwise
+
+    assert not fuses_elementwise("auto", "cuda")
+    assert fuses_elementwise("auto", "cpu") and fuses_elementwise("auto", "metal")
+    assert fuses_elementwise("always", "cuda") and not fuses_elementwise("never", "cpu")

@@ -93,6 +93,14 @@ def fuses_quantized(setting: str, own_kernels: bool) -> bool:
     return setting == "always" or (setting == "auto" and own_kernels)
 
 
+def fuses_elementwise(setting: str, backend: str) -> bool:
+    """Whether traced steps fuse element-wise chains (execute.fuse_elementwise): "auto" is
+    off on CUDA, where MLX compiles each fused kernel with NVRTC on a machine's first start
+    (an H200's fresh 1B start took 40.0 s with fusion, 14.8 s without, the same machine;
+    tools/results/h200/startup-1b-h200-8db264e*.json), and on elsewhere."""
+    return switch(setting, auto=backend != "cuda")
+
+
 def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Prepared:
     """Load (this rank's shard of) the model, wire it and warm it up: on the model thread."""
     backend = current_platform().backend
@@ -155,7 +163,7 @@ def prepare_model(params: Any, world: World | None, wiring: WeightWiring) -> Pre
         prefill_rows = fused_rows(loaded.model) if paged and loaded.decode_blocks else 0
     # (the CPU kernels evaluate mid-forward, which a trace cannot: the runner checks too)
     compile_prefill = traces_prefill(params.compile_prefill, compile_decode, loaded.model) and not pipelined and not kernels
-    fuse_elementwise = switch(params.fuse_elementwise, auto=True)
+    fuse_elementwise = fuses_elementwise(params.fuse_elementwise, backend)
     if compile_decode or compile_prefill:  # before any trace: MLX fixes a trace's fusion when it makes it
         set_fusion(fuse_elementwise)
     warmup = None

@@ -122,11 +122,12 @@ class MLXExecuteParams(StageParams, frozen=True):
     already in the environment wins."""
     fuse_elementwise: Literal["auto", "always", "never"] = "auto"
     """Let MLX fuse each traced step's chains of element-wise ops into kernels of their own
-    (unikern.platform.fusion). MLX compiles each with NVRTC the first time a machine meets it, one after
-    another: on an H200 (1B) 8 of them took 31 s of a fresh machine's 64 s start; `never` started in
-    33 s. `auto`: on, as `never` moved a token off mlx-lm's (parity: one first token with a margin of
-    0.031) and the library ran no faster with it beyond the A/B's own bias (off/on 0.93x-1.19x;
-    tools/bench/bench_ab.py).
+    (unikern.platform.fusion). On CUDA MLX compiles each with NVRTC the first time a machine meets it,
+    one after another: on an H200 (1B) a fresh start took 40.0 s with them (four fused kernels) and
+    14.8 s without, the same machine. `auto`: off on CUDA, on elsewhere. Off, the library ran no slower
+    beyond the A/B's own bias (off/on 0.93x-1.19x, an earlier commit; tools/bench/bench_ab.py), and
+    greedy parity's one bf16 mismatch (a 300-token prompt's first token, margin 0.031) shows with it
+    on and off alike.
     Set for the whole process, before the warm-up; the stage restores MLX's default at stop."""
     compile_one_row: Literal["auto", "always", "never"] = "auto"
     """With `paged_attention`, one-row decode windows are traced (`mx.compile`) too, as windows of

@@ -116,6 +116,9 @@ def record_launches() -> list[Build]:
                 # the decode step's keys and values written into the pool in place
                 new = mx.zeros((3, Hk, 1, D), dtype=dtype)
                 pool_write.write(new, new, pool, pool, mx.zeros((3,), dtype=mx.int32))
+                # and a prompt chunk's, packed
+                chunk = mx.zeros((2, Hk, 5, D), dtype=dtype)
+                pool_write.write(chunk, chunk, pool, pool, mx.zeros((10,), dtype=mx.int32))
                 # a step of more rows' q/k/v rotated and written by one kernel (blocks.OPS_ROPE_WRITE)
                 for trad in (False, True):
                     pool_write.rope_write(mx.zeros((64, (H + 2 * Hk) * D), dtype=dtype),

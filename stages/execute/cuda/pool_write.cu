@@ -3,7 +3,8 @@
 // step's one token per row, a prompt's chunk, a prefix hit's copied slots. The pool arrays
 // are inputs: MLX sees no write to them, so whatever reads them back takes `done` as an
 // input of its own kernel, which orders it after this one (MLX's CUDA graph orders a
-// kernel after the kernels that wrote its inputs' buffers, nothing else).
+// kernel after the kernels that wrote its inputs' buffers, nothing else). Where keys and
+// values are read (k_at, v_at) pool_write.py fills in: through their strides or packed.
 
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;  // over B * tokens * Hk * D
     const int Hk = k_pool_shape[0], S = k_pool_shape[1], D = k_pool_shape[2], tokens = keys_shape[2];
@@ -12,10 +13,7 @@
         const size_t bt = i / ((size_t)D * Hk);  // the token: row bt / tokens, its t-th
         const size_t b = bt / tokens, t = bt % tokens;
         const size_t to = ((size_t)h * S + slots[bt]) * D + d;
-        // keys and values as they come (strided: the family's transposed views, which MLX
-        // would otherwise copy for the kernel, two copies per layer and step)
-        const size_t k_at = b * keys_strides[0] + h * keys_strides[1] + t * keys_strides[2] + d * keys_strides[3];
-        const size_t v_at = b * values_strides[0] + h * values_strides[1] + t * values_strides[2] + d * values_strides[3];
+//@ AT
         const_cast<T*>(k_pool)[to] = keys[k_at];
         const_cast<T*>(v_pool)[to] = values[v_at];
     }

@@ -11,6 +11,19 @@ from unikern.platform.kernel_cache import cuda_kernel, off_small_pool
 from unikern.stages.execute.cuda import sources
 
 WRITE_THREADS = 256
+# where the write kernel reads a token's keys and values: a decode step's as they come
+# (strided: the family's transposed views, which MLX would otherwise copy for the kernel,
+# two copies per layer and step), more tokens a row packed (row-major [B, Hk, T, D], MLX
+# copying a strided view first): a text that reads strides goes through MLX's compiler in
+# every process (kernel_cache.Kernel), one that does not is a cubin kept on disk, and a
+# prompt's chunks meet it in every layer
+STRIDED_AT = """\
+        const size_t k_at = b * keys_strides[0] + h * keys_strides[1] + t * keys_strides[2] + d * keys_strides[3];
+        const size_t v_at = b * values_strides[0] + h * values_strides[1] + t * values_strides[2] + d * values_strides[3];
+"""
+PACKED_AT = """\
+        const size_t k_at = ((b * Hk + h) * tokens + t) * D + d, v_at = k_at;
+"""
 # the RoPE store (rope_store.cu), its PAIR (the pair's other value) read from the row itself
 ROPE_WRITE_SOURCE = sources.fill(sources.text("rope_write.cu"), ROPE_STORE=sources.text("rope_store.cu"))
 
@@ -26,16 +39,19 @@ def write(keys: mx.array, values: mx.array, pool_k: mx.array, pool_v: mx.array, 
     pool back takes as an input of its kernel (paged_attention.decode's `after`: MLX
     orders a kernel after those that wrote its inputs, nothing else; through `mx.depends`
     on the marker the attention ran beside the write on an H200 and missed the step's
-    own key) or of the index of its gather (paged_cache's `after`). Keys and values may be
-    strided views (read through their strides, not copied); the pool arrays must be the
-    pool's own contiguous ones (the kernel indexes them as such)."""
+    own key) or of the index of its gather (paged_cache's `after`). A decode step's keys
+    and values may be strided views (read through their strides, not copied; more tokens
+    a row are packed first: STRIDED_AT); the pool arrays must be the pool's own contiguous
+    ones (the kernel indexes them as such)."""
     B, Hk, T, D = keys.shape
     if (values.shape != keys.shape or pool_k.dtype != keys.dtype or pool_k.shape[0] != Hk or pool_k.shape[2] != D
             or slots.size != B * T):
         raise ValueError(f"the pool write takes the pool's dtype and heads and a slot per token: keys {keys.shape} "
                          f"{keys.dtype}, values {values.shape}, pool {pool_k.shape} {pool_k.dtype}, slots {slots.shape}")
+    strided = T == 1
     kernel = cuda_kernel("unikern_pool_write", ("keys", "values", "k_pool", "v_pool", "slots"),
-                         sources.text("pool_write.cu"), outputs=("done",), contiguous=False)
+                         sources.fill(sources.text("pool_write.cu"), AT=STRIDED_AT if strided else PACKED_AT),
+                         outputs=("done",), contiguous=not strided)
     n = B * T * Hk * D
     (done,) = kernel(inputs=[keys, values, pool_k, pool_v, slots.reshape(-1).astype(mx.int32)],
                      template=[("T", keys.dtype)], grid=(-(-n // WRITE_THREADS) * WRITE_THREADS, 1, 1),
