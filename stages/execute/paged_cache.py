@@ -308,29 +308,28 @@ class PagedLayerCache:
                                    f"held block (position {lay.span_from})")
             return pool_k[None, :, base + lo : base + end], pool_v[None, :, base + lo : base + end]
         read = lay.read_slots
-        if (WRITE_IN_PLACE and T == 1 and self._kernel_reads(D, keys.dtype)
-                and lay.write_slots is not None):
-            # a decode step the paged kernel reads back: one kernel writes both in place
-            # (pool_write.write), the attention kernel takes its marker (`after`); the
-            # gathers below, for a call that falls back to them (attention sinks, a layer
-            # whose SDPA is not routed), take it through their slots
-            done = pool_write.write(keys, values, pool_k, pool_v, lay.write_slots)
-            self.written_in_place(after=done)
-            read = read + (done[:1] * 0).astype(read.dtype)
-        elif self._kernel_writes(keys) and not (self.paged is not None and T == 1 and self.window is None):
-            # a prompt's chunk (or a windowed layer's step) by the same kernel, where MLX's
-            # scatter would be a kernel its CUDA backend compiles at run time; the gathers
-            # below take the marker through their slots, a fresh prompt's own keys take it
+        # a decode step the routed SDPA reads from the pool itself (paged_decode), and of
+        # those the ones its kernel reads (the kernel takes the write's marker, `after`)
+        paged_read = self.paged is not None and T == 1 and self.window is None
+        kernel_read = T == 1 and self._kernel_reads(D, keys.dtype)
+        if self._kernel_writes(keys) and (kernel_read or not paged_read):
+            # one kernel writes both in place (pool_write.write), where MLX's scatter would
+            # be a kernel its CUDA backend compiles at run time (prompt chunks) or two
+            # launches a layer (decode steps); the gathers below take its marker through
+            # their slots (for a decode step: a call that falls back to them, attention
+            # sinks, a layer whose SDPA is not routed), a fresh prompt's own keys take it
             # so that the write is evaluated with them
             done = pool_write.write(keys, values, pool_k, pool_v, lay.write_slots)
             if read is None:
                 return tuple(mx.depends([keys, values], [done]))
+            if kernel_read:
+                self.written_in_place(after=done)
             read = read + (done[:1] * 0).astype(read.dtype)
         else:
             pool_k, pool_v = self._scatter(keys, values)
             if lay.read_slots is None:  # fresh prompts: nothing earlier to read back
                 return keys, values
-            if self.paged is not None and T == 1 and self.window is None:
+            if paged_read:
                 # the routed SDPA reads the pool itself (paged_decode); the gathers below
                 # stay lazy and unused, so MLX never computes them, unless a call falls
                 # back to them (attention sinks, a layer whose SDPA is not routed)
