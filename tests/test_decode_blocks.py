@@ -573,39 +573,50 @@ def test_prompt_chunks_and_prefix_copies_go_into_the_pool_by_the_write_kernel(mo
     """Where the paged attention kernel is on (CUDA), a prompt's chunks and a partial
     prefix hit's copied slots go into the pool by the write kernel (pool_write.write) as a
     decode step's do, not by MLX's scatter (a kernel its CUDA backend compiles at run
-    time), and a later chunk reads them back after it. The kernels in the emulation: two
-    prompts fed in two chunks, then a third that copies the first three slots of the
-    first's block, give the family's greedy tokens, and nothing scatters."""
+    time), and a later chunk reads them back after it; the embedding's lookup and those
+    reads go through unikern's row kernel (cuda/rows.py), not MLX's gather (another kernel
+    compiled at run time). The kernels in the emulation: two prompts fed in two chunks,
+    then a third that copies the first three slots of the first's block, give the
+    family's greedy tokens, and nothing scatters."""
     from unikern import messages as m
     from unikern.stages.execute import paged_cache
     from unikern.stages.execute import runner as runner_module
-    from unikern.stages.execute.cuda import paged_attention, pool_write
+    from unikern.stages.execute.cuda import paged_attention, pool_write, rows
 
     launched, scatters = [], []
     monkeypatch.setattr(paged_cache, "WRITE_IN_PLACE", True)
     monkeypatch.setattr(paged_attention, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
     monkeypatch.setattr(pool_write, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
+    monkeypatch.setattr(rows, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
     monkeypatch.setattr(runner_module, "cuda_is_default", lambda: True)  # the paged attention's kernel mode
+    monkeypatch.setattr(rows, "cuda_is_default", lambda: True)
     put = mx.put_along_axis
     monkeypatch.setattr(mx, "put_along_axis", lambda *a, **k: scatters.append(1) or put(*a, **k))
     model = tiny("llama", hidden_size=128, intermediate_size=96)  # head_dim 32
     prompts = {"a": [5, 9, 11, 40, 7, 3, 8], "b": [6, 8, 21, 30, 2], "c": [5, 9, 11, 50, 51]}
     want = {r: greedy(model, p, 3) for r, p in prompts.items()}
+    assert rows.route_embeddings(model) == 1
     runner, geo = paged_runner(model)
     params = m.SamplingParams(max_tokens=16)
     tables = {"a": (2, 4, 6), "b": (5, 3, 8), "c": (9, 11, 13)}  # 0, 1: reserved (paged_cache); none consecutive
 
-    def rows(names, start, end, sample):
+    def chunk(names, start, end, sample):
         return tuple(m.SeqWork(r, tuple(prompts[r][start:end]), start, tables[r], sample, params) for r in names)
 
     writes = lambda: launched.count("unikern_pool_write")  # noqa: E731
-    runner.run(m.Step(0, rows("ab", 0, 3, False), 1), {})  # fresh prompts: their own keys
+    reads = lambda: launched.count("unikern_rows")  # noqa: E731
+    read_before = reads()  # (the geometry's forwards)
+    runner.run(m.Step(0, chunk("ab", 0, 3, False), 1), {})  # fresh prompts: their own keys
     assert writes() == geo.num_layers  # one forward, a write per layer
-    first = runner.run(m.Step(1, rows("ab", 3, None, True), 1), {})  # the first chunks read back
-    before = writes()
+    assert reads() - read_before == 2  # the embedding's, the last positions' (rows_at)
+    first = runner.run(m.Step(1, chunk("ab", 3, None, True), 1), {})  # the first chunks read back
+    # a forward per row (lengths 4 and 2): the embedding's, each layer's keys and values, the last position's
+    assert reads() - read_before == 2 + 2 * (2 + 2 * geo.num_layers)
+    before, read_before = writes(), reads()
     # c: a's first three slots copied into c's first block (a partial prefix hit), then its rest
-    first.update(runner.run(m.Step(2, rows("c", 3, None, True), 1, copies=((2, 9, 3),)), {}))
+    first.update(runner.run(m.Step(2, chunk("c", 3, None, True), 1, copies=((2, 9, 3),)), {}))
     assert writes() - before == 2 * geo.num_layers  # the copy's and the forward's
+    assert reads() - read_before == 2 * geo.num_layers + 2 + 2 * geo.num_layers  # the copy's, the forward's
     work = tuple(m.SeqWork(r, (first[r][0],), len(p), tables[r], True, params, num_generated=1)
                  for r, p in prompts.items())
     got = runner.run(m.Step(3, work, 2), {})

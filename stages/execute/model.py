@@ -11,7 +11,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from unikern.platform import read_ahead
+from unikern.platform import cuda_is_default, read_ahead
+from unikern.stages.execute.cuda import rows
 from unikern.stages.execute.paged_cache import TOKEN_DTYPE
 from unikern.stages.execute.thread import ModelThread
 from unikern.stages.models import resolve_model_path
@@ -121,6 +122,7 @@ class LoadedModel:
     norm_blocks: int = 0  # blocks whose residual adds run with the norms after them (residual.py)
     decode_blocks: int = 0  # blocks whose decode steps of few rows run as four GEMV kernels (blocks.py)
     dense_mma_layers: int = 0  # bf16 linear layers whose steps of 5-64 rows take the tensor-core kernel
+    kernel_embeddings: int = 0  # embeddings whose lookups are unikern's row kernel (cuda/rows.py)
     # seconds per phase of load_model (stats.model.startup): build, fuse, read, geometry
     phases: dict[str, float] = field(default_factory=dict)
 
@@ -165,6 +167,8 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
             shard_tensor_parallel(model, config, world.group, family)
         else:
             split_layers(model, world.group, family)
+    # the embeddings' lookups by unikern's row kernel on CUDA, not MLX's run-time compiled gather
+    kernel_embeddings = rows.route_embeddings(model) if rows.KERNEL and cuda_is_default() else 0
     fused_groups = 0
     if fuse:
         from unikern.stages.execute.fused import fuse_projections
@@ -219,5 +223,6 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
         norm_blocks=norm_blocks,
         decode_blocks=decode_blocks,
         dense_mma_layers=dense_mma_layers,
+        kernel_embeddings=kernel_embeddings,
         phases={**clock.phases, **taken},
     )

@@ -12,7 +12,7 @@ import numpy as np
 from unikern.platform import cuda_is_default
 from unikern.platform.kernel_cache import off_small_pool
 from unikern.stages.execute import cpu_kernels
-from unikern.stages.execute.cuda import paged_attention, pool_write, step_layout
+from unikern.stages.execute.cuda import paged_attention, pool_write, rows, step_layout
 from unikern.stages.execute.windows import window_mask, window_start
 from unikern.stages.kv.pool import KVPool, SlotWrite, slot_rows
 
@@ -47,8 +47,9 @@ def pool_writer(paged: str | None) -> SlotWrite | None:
 def rows_at(x: mx.array, flat: mx.array) -> mx.array:
     """x [B, T, F] at one position per row, given as indices into the flattened B * T
     positions (TOKEN_DTYPE [B]: row i's position p is i * T + p): one single-index gather,
-    the token embedding's own kernel, where x[rows, positions] takes a two-index one."""
-    return x.reshape(-1, x.shape[-1])[flat]
+    the token embedding's own kernel (cuda/rows.py's on CUDA), where x[rows, positions]
+    takes a two-index one."""
+    return rows.take_rows(x.reshape(-1, x.shape[-1]), flat)
 
 
 def flat_positions(positions: list[int], T: int) -> mx.array:
@@ -335,8 +336,8 @@ class PagedLayerCache:
                 # back to them (attention sinks, a layer whose SDPA is not routed)
                 self.written_in_place()
         # [H, B, L, D] -> [B, H, L, D]: each (row, head) stays one contiguous L x D matrix
-        k = slot_rows(pool_k, read)
-        v = slot_rows(pool_v, read)
+        k = slot_rows(pool_k, read, rows.take_rows)
+        v = slot_rows(pool_v, read, rows.take_rows)
         self.head_major = True
         return k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3)
 

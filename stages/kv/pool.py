@@ -21,15 +21,20 @@ log = structlog.get_logger()
 SLOT_INDEX_DTYPE = mx.uint32
 # (keys, values [B, H, T, D], pool keys, pool values [H, S, D], slots [B * T]) -> a marker
 SlotWrite = Callable[[mx.array, mx.array, mx.array, mx.array, mx.array], mx.array]
+# (table [N, W], indices) -> table[indices]
+RowTake = Callable[[mx.array, mx.array], mx.array]
 
 
-def slot_rows(pool: mx.array, slots: mx.array) -> mx.array:
+def slot_rows(pool: mx.array, slots: mx.array, take: RowTake | None = None) -> mx.array:
     """A layer's pool array [H, S, D] at slots [B, L]: [H, B, L, D], by one single-index
     gather of the pool viewed as [H * S, D] rows (the token embedding's own kernel), where
-    pool[:, slots] takes a two-index gather with an arange over the heads."""
+    pool[:, slots] takes a two-index gather with an arange over the heads. `take`: what
+    gathers the rows (table, indices) in place of MLX's indexing (the execute stage's
+    kernel on CUDA, cuda/rows.py)."""
     H, S, D = pool.shape
     flat = mx.arange(H, dtype=SLOT_INDEX_DTYPE)[:, None, None] * S + slots.astype(SLOT_INDEX_DTYPE)[None]
-    return pool.reshape(H * S, D)[flat]
+    table = pool.reshape(H * S, D)
+    return table[flat] if take is None else take(table, flat)
 
 
 class KVPool:
@@ -235,21 +240,22 @@ class KVPool:
 
     # ---- copies between blocks ---------------------------------------------------------------
 
-    def copy_prefixes(self, copies: Collection[tuple[int, int, int]], write: SlotWrite | None = None) -> None:
+    def copy_prefixes(self, copies: Collection[tuple[int, int, int]], write: SlotWrite | None = None,
+                      take: RowTake | None = None) -> None:
         """For each (source, dest, n): the first n slots of logical block source into the
         same slots of block dest, in every layer's keys and values (a partial prefix hit).
         The reads are evaluated before the writes, so each write is in place: a write into
         an array with a read of it pending makes MLX copy the whole array (the budget).
         `write`: a kernel that writes a layer's keys and values [1, H, n, D] into its pool
         arrays at the given slots itself (cuda/pool_write.write, on CUDA) instead of MLX's
-        scatter, returning a marker to evaluate."""
+        scatter, returning a marker to evaluate. `take`: the reads' gather, as slot_rows's."""
         if not copies:
             return
         bs = self.block_size
         src = np.concatenate([np.arange(s * bs, s * bs + n, dtype=np.int32) for s, _, n in copies])
         dst = np.concatenate([np.arange(d * bs, d * bs + n, dtype=np.int32) for _, d, n in copies])
         src_slots, dst_slots = mx.array(src), mx.array(dst)
-        parts = [[slot_rows(a, src_slots[None])[:, 0] for a in arrays] for arrays in (self.keys, self.values)]
+        parts = [[slot_rows(a, src_slots[None], take)[:, 0] for a in arrays] for arrays in (self.keys, self.values)]
         mx.eval(parts)
         if write is not None:
             done = [write(k[None], v[None], self.keys[layer], self.values[layer], dst_slots)

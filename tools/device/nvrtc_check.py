@@ -81,6 +81,7 @@ def record_launches() -> list[Build]:
         residual_norm,
         step_layout,
     )
+    from unikern.stages.execute.cuda import rows as row_kernel
 
     builds: list[Build] = []
 
@@ -124,7 +125,11 @@ def record_launches() -> list[Build]:
                     pool_write.rope_write(mx.zeros((64, (H + 2 * Hk) * D), dtype=dtype),
                                                mx.zeros((64,), dtype=mx.int32), mx.zeros((D // 2,), dtype=mx.float32),
                                                H, D, trad, (pool, pool, mx.zeros((64,), dtype=mx.int32)))
+            # the embedding's rows, the last positions' and the pool's slots (rows.py)
+            row_kernel.take(mx.zeros((64, 2048), dtype=dtype), mx.zeros((3, 7), dtype=mx.uint32))
             if dtype == mx.bfloat16:  # (int32 and bool arrays only: once)
+                # a 4-bit embedding's packed weights and a table at int32 indices
+                row_kernel.take(mx.zeros((64, 256), dtype=mx.uint32), mx.zeros((5,), dtype=mx.int32))
                 # a decode window step's offsets, slots and mask (paged_cache.window_layout)
                 step_layout.step_layout(mx.zeros((5,), dtype=mx.int32), mx.array(1, dtype=mx.int32),
                                         mx.zeros((32, 5), dtype=mx.int32), mx.zeros((3, 48), dtype=mx.int32))
