@@ -581,21 +581,23 @@ def test_prompt_chunks_and_prefix_copies_go_into_the_pool_by_the_write_kernel(mo
     from unikern import messages as m
     from unikern.stages.execute import paged_cache
     from unikern.stages.execute import runner as runner_module
-    from unikern.stages.execute.cuda import paged_attention, pool_write, rows
+    from unikern.stages.execute.cuda import paged_attention, pool_write, rows, step_layout
+    from unikern.stages.execute.embeddings import route_embeddings
 
     launched, scatters = [], []
     monkeypatch.setattr(paged_cache, "WRITE_IN_PLACE", True)
     monkeypatch.setattr(paged_attention, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
     monkeypatch.setattr(pool_write, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
     monkeypatch.setattr(rows, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
+    monkeypatch.setattr(step_layout, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
     monkeypatch.setattr(runner_module, "cuda_is_default", lambda: True)  # the paged attention's kernel mode
-    monkeypatch.setattr(rows, "cuda_is_default", lambda: True)
+    monkeypatch.setattr(paged_cache, "cuda_is_default", lambda: True)  # the row kernel's reads, the step layout
     put = mx.put_along_axis
     monkeypatch.setattr(mx, "put_along_axis", lambda *a, **k: scatters.append(1) or put(*a, **k))
     model = tiny("llama", hidden_size=128, intermediate_size=96)  # head_dim 32
     prompts = {"a": [5, 9, 11, 40, 7, 3, 8], "b": [6, 8, 21, 30, 2], "c": [5, 9, 11, 50, 51]}
     want = {r: greedy(model, p, 3) for r, p in prompts.items()}
-    assert rows.route_embeddings(model) == 1
+    assert route_embeddings(model) == 1
     runner, geo = paged_runner(model)
     params = m.SamplingParams(max_tokens=16)
     tables = {"a": (2, 4, 6), "b": (5, 3, 8), "c": (9, 11, 13)}  # 0, 1: reserved (paged_cache); none consecutive

@@ -151,7 +151,7 @@ def test_unikerns_cuda_kernels_are_named_by_their_source():
     assert bases == {"unikern_q4_gemv", "unikern_q4_mma", "unikern_paged_decode_group",
                      "unikern_paged_decode_group_parts", "unikern_paged_decode_merge", "unikern_add_rms_norm",
                      "unikern_block_gemv", "unikern_pool_write", "unikern_rope_write", "unikern_block_step",
-                     "unikern_bf16_mma", "unikern_step_layout"}
+                     "unikern_bf16_mma", "unikern_step_layout", "unikern_rows"}
     for b in builds:  # the signature (inputs, outputs) is in the digest too
         signature = ",".join(n for n, _, _ in b.inputs), ",".join(n for n, _ in b.outputs)
         assert b.name == kernel_name(b.name.rsplit("_", 1)[0], b.source, b.header, *signature), b.label

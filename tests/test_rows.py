@@ -12,6 +12,7 @@ import pytest
 
 from tests import cuda_emulation
 from unikern.platform import cuda_is_default
+from unikern.stages.execute import embeddings
 from unikern.stages.execute.cuda import rows
 
 emulation = pytest.mark.skipif(not cuda_emulation.available(), reason="needs g++ with C++20 (the CUDA emulation)")
@@ -49,8 +50,8 @@ def test_route_embeddings_swaps_mlx_embeddings_only_and_keeps_their_weights(monk
     model.embed = nn.Embedding(10, 8)
     model.own = Family(10, 8)
     weight = model.embed.weight
-    assert rows.route_embeddings(model) == 1
-    assert type(model.embed) is rows.RowsEmbedding and type(model.own) is Family
+    assert embeddings.route_embeddings(model) == 1
+    assert type(model.embed) is embeddings.RowsEmbedding and type(model.own) is Family
     assert model.embed.weight is weight and "embed.weight" in dict(_flat(model.parameters()))
     ids = mx.array([[3, 9, 0]], dtype=mx.uint32)
     np.testing.assert_array_equal(np.array(model.embed(ids)), np.array(weight[ids]))
@@ -62,14 +63,14 @@ def test_route_embeddings_swaps_mlx_embeddings_only_and_keeps_their_weights(monk
 def test_a_quantized_embedding_takes_its_three_arrays_by_the_kernel(monkeypatch):
     """(The emulation runs float32 only: here `take` records its tables and gathers them.)"""
     taken = []
-    monkeypatch.setattr(rows, "take", lambda table, ids: taken.append(table.dtype) or table[ids])
+    monkeypatch.setattr(embeddings, "take", lambda table, ids: taken.append(table.dtype) or table[ids])
     embed = nn.Embedding(16, 64)
     embed.weight = mx.random.normal((16, 64), key=mx.random.key(0))
     model = nn.Module()
     model.embed = nn.QuantizedEmbedding.from_embedding(embed, group_size=32, bits=4)
     ids = mx.array([5, 0, 15], dtype=mx.uint32)
     want = np.array(model.embed(ids))
-    assert rows.route_embeddings(model) == 1
+    assert embeddings.route_embeddings(model) == 1
     np.testing.assert_array_equal(np.array(model.embed(ids)), want)
     assert taken == [mx.uint32, mx.float32, mx.float32]  # packed weights, scales, biases
 

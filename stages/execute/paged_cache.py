@@ -31,6 +31,10 @@ WRITE_IN_PLACE = True
 # a decode window step's layout by unikern's kernel on CUDA (window_layout; tests turn it
 # off, and UNIKERN_STEP_LAYOUT=0 does for a process, to compare the two on a GPU)
 STEP_LAYOUT_KERNEL = os.environ.get("UNIKERN_STEP_LAYOUT", "1") != "0"
+# the token embedding's lookup, the last positions' rows and the pool's slot reads by
+# unikern's row kernel on CUDA (cuda/rows.py), where MLX's gather is a kernel its backend
+# compiles at run time (UNIKERN_ROW_KERNEL=0 keeps MLX's, to compare the two on a GPU)
+ROW_KERNEL = os.environ.get("UNIKERN_ROW_KERNEL", "1") != "0"
 # the dtype of token ids as the model reads them, prompts and decode steps alike: the
 # sampler's argmax gives uint32, and on CUDA MLX compiles a gather kernel at run time per
 # (dtype, index dtype, index count): one dtype, one kernel (about 3 s each on a fresh H200)
@@ -44,12 +48,17 @@ def pool_writer(paged: str | None) -> SlotWrite | None:
     return pool_write.write if WRITE_IN_PLACE and paged == "kernel" else None
 
 
+def take_rows(table: mx.array, ids: mx.array) -> mx.array:
+    """table[ids] for a 2-d table: the row kernel on CUDA (ROW_KERNEL), MLX's gather elsewhere."""
+    return rows.take(table, ids) if ROW_KERNEL and cuda_is_default() else table[ids]
+
+
 def rows_at(x: mx.array, flat: mx.array) -> mx.array:
     """x [B, T, F] at one position per row, given as indices into the flattened B * T
     positions (TOKEN_DTYPE [B]: row i's position p is i * T + p): one single-index gather,
     the token embedding's own kernel (cuda/rows.py's on CUDA), where x[rows, positions]
     takes a two-index one."""
-    return rows.take_rows(x.reshape(-1, x.shape[-1]), flat)
+    return take_rows(x.reshape(-1, x.shape[-1]), flat)
 
 
 def flat_positions(positions: list[int], T: int) -> mx.array:
@@ -336,8 +345,8 @@ class PagedLayerCache:
                 # back to them (attention sinks, a layer whose SDPA is not routed)
                 self.written_in_place()
         # [H, B, L, D] -> [B, H, L, D]: each (row, head) stays one contiguous L x D matrix
-        k = slot_rows(pool_k, read, rows.take_rows)
-        v = slot_rows(pool_v, read, rows.take_rows)
+        k = slot_rows(pool_k, read, take_rows)
+        v = slot_rows(pool_v, read, take_rows)
         self.head_major = True
         return k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3)
 

@@ -13,7 +13,6 @@ from unikern import messages as m
 from unikern.platform import blas, cuda_is_default, shared_bridge
 from unikern.platform.bridge import Bridge, apply_torch_logits_processors
 from unikern.stages.execute.compiled import CompiledDecode, CompiledPrefill
-from unikern.stages.execute.cuda import rows
 from unikern.stages.execute.model import ModelGeometry
 from unikern.stages.execute.paged_cache import (
     TOKEN_DTYPE,
@@ -23,6 +22,7 @@ from unikern.stages.execute.paged_cache import (
     flat_positions,
     pool_writer,
     rows_at,
+    take_rows,
 )
 from unikern.stages.execute.prompt_logprobs import (
     pending_arrays,
@@ -237,7 +237,7 @@ class ModelRunner:
         highest = max([highest, *(max(source, dest) for source, dest, _ in step.copies)])
         self.pool.ensure_capacity(highest + 1)
         # partial prefix hits, before any row reads them; on CUDA by unikern's write kernel
-        self.pool.copy_prefixes(step.copies, pool_writer(self.paged), rows.take_rows)
+        self.pool.copy_prefixes(step.copies, pool_writer(self.paged), take_rows)
         if self.window_pool is not None:
             highest = max((max(w.window_table) for w in step.work if w.window_table), default=-1)
             self.window_pool.ensure_capacity(highest + 1)
