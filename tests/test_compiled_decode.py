@@ -9,8 +9,8 @@ import pytest
 import unikern
 from tests.conftest import SMALL_KV, compare_greedy, complete_all, reference_greedy
 from unikern import messages as m
+from unikern.stages.execute.layouts import length_bucket, row_bucket
 from unikern.stages.execute.model import ModelGeometry
-from unikern.stages.execute.paged_cache import length_bucket, row_bucket
 from unikern.stages.execute.runner import ModelRunner
 from unikern.stages.kv.pool import KVPool
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tests.test_prefill_layout import greedy
+from unikern.stages.execute.layouts import ZERO_BLOCK
 from unikern.stages.execute.model import ModelGeometry
-from unikern.stages.execute.paged_cache import ZERO_BLOCK
 from unikern.stages.execute.runner import ModelRunner
 from unikern.stages.kv.pool import KVPool
 

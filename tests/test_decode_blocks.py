@@ -579,7 +579,7 @@ def test_prompt_chunks_and_prefix_copies_go_into_the_pool_by_the_write_kernel(mo
     then a third that copies the first three slots of the first's block, give the
     family's greedy tokens, and nothing scatters."""
     from unikern import messages as m
-    from unikern.stages.execute import paged_cache
+    from unikern.stages.execute import layouts, paged_cache
     from unikern.stages.execute import runner as runner_module
     from unikern.stages.execute.cuda import paged_attention, pool_write, rows, step_layout
     from unikern.stages.execute.embeddings import route_embeddings
@@ -591,7 +591,8 @@ def test_prompt_chunks_and_prefix_copies_go_into_the_pool_by_the_write_kernel(mo
     monkeypatch.setattr(rows, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
     monkeypatch.setattr(step_layout, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
     monkeypatch.setattr(runner_module, "cuda_is_default", lambda: True)  # the paged attention's kernel mode
-    monkeypatch.setattr(paged_cache, "cuda_is_default", lambda: True)  # the row kernel's reads, the step layout
+    monkeypatch.setattr(paged_cache, "cuda_is_default", lambda: True)  # the row kernel's reads
+    monkeypatch.setattr(layouts, "cuda_is_default", lambda: True)  # the step layout's kernel
     put = mx.put_along_axis
     monkeypatch.setattr(mx, "put_along_axis", lambda *a, **k: scatters.append(1) or put(*a, **k))
     model = tiny("llama", hidden_size=128, intermediate_size=96)  # head_dim 32

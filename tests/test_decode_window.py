@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from unikern.stages.execute.paged_cache import BatchLayout, DecodeWindow
+from unikern.stages.execute.layouts import BatchLayout, DecodeWindow
 from unikern.stages.kv.pool import KVPool
 
 

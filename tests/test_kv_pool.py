@@ -30,7 +30,8 @@ cpu_only = pytest.mark.skipif(
 GROW_AND_RELEASE = textwrap.dedent("""
     import json
     import mlx.core as mx
-    from unikern.stages.execute.paged_cache import BatchLayout, PagedLayerCache
+    from unikern.stages.execute.layouts import BatchLayout
+    from unikern.stages.execute.paged_cache import PagedLayerCache
     from unikern.stages.kv.pool import KVPool
 
     def status():

@@ -9,8 +9,8 @@ import pytest
 from mlx_lm import load
 
 from unikern import messages as m
+from unikern.stages.execute.layouts import BatchLayout
 from unikern.stages.execute.model import ModelGeometry
-from unikern.stages.execute.paged_cache import BatchLayout
 from unikern.stages.execute.runner import ModelRunner
 from unikern.stages.kv.pool import KVPool
 
@@ -175,11 +175,11 @@ def test_warm_up_runs_the_prompts_going_on_after_written_blocks_through_each_poo
     a mask per row (several rows), slices (one row on consecutive blocks) or gathers with
     a causal mask (one row on scattered blocks). The warm-up runs all three, so that the
     kernels they need are built before ready and not inside the first such requests."""
-    from unikern.stages.execute import paged_cache
+    from unikern.stages.execute import layouts
     from unikern.stages.execute.warmup import warm_up
 
     seen = set()
-    build = paged_cache.BatchLayout.build.__func__
+    build = layouts.BatchLayout.build.__func__
 
     def recording(cls, pool, rows):
         layout = build(cls, pool, rows)
@@ -188,7 +188,7 @@ def test_warm_up_runs_the_prompts_going_on_after_written_blocks_through_each_poo
             seen.add((layout.batch_size, kind))
         return layout
 
-    monkeypatch.setattr(paged_cache.BatchLayout, "build", classmethod(recording))
+    monkeypatch.setattr(layouts.BatchLayout, "build", classmethod(recording))
     model, _ = load(tiny_llama)
     report = warm_up(model, ModelGeometry(model), False, False, paged_attention=True, prefill_rows=64)
     assert seen == {(2, "mask per row"), (1, "slices"), (1, "causal")}

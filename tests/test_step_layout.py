@@ -1,6 +1,6 @@
 """A decode window step's layout by unikern's kernel (stages/execute/cuda/step_layout.cu):
 its source run in the CPU emulation (tests/cuda_emulation.py), and on a CUDA machine the
-kernel itself, against paged_cache.window_layout's MLX ops, which the kernel replaces there."""
+kernel itself, against layouts.window_layout's MLX ops, which the kernel replaces there."""
 
 import mlx.core as mx
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 
 from tests import cuda_emulation
 from unikern.platform import cuda_is_default
-from unikern.stages.execute import paged_cache
+from unikern.stages.execute import layouts
 from unikern.stages.execute.cuda import sources, step_layout
 
 
@@ -24,12 +24,12 @@ def tables(B=3, padded=5, steps=4, L=40, seed=0):
 
 def by_ops(starts, step, write, read):
     """window_layout through MLX's ops (the CPU's path; on CUDA with the kernel off)."""
-    was, paged_cache.STEP_LAYOUT_KERNEL = paged_cache.STEP_LAYOUT_KERNEL, False
+    was, layouts.STEP_LAYOUT_KERNEL = layouts.STEP_LAYOUT_KERNEL, False
     try:
-        lay = paged_cache.window_layout(mx.array(starts), step, mx.array(write), mx.array(read),
+        lay = layouts.window_layout(mx.array(starts), step, mx.array(write), mx.array(read),
                                         mx.arange(read.shape[1], dtype=mx.int32)[None])
     finally:
-        paged_cache.STEP_LAYOUT_KERNEL = was
+        layouts.STEP_LAYOUT_KERNEL = was
     return {"offsets": np.array(lay.offsets), "lengths": np.array(lay.lengths), "write": np.array(lay.write_slots),
             "read": np.array(lay.read_slots), "seen": np.array(lay.mask).reshape(read.shape)}
 

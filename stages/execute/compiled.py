@@ -11,17 +11,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from unikern.stages.execute.paged_cache import (
+from unikern.stages.execute.layouts import (
     SCRATCH_BLOCK,
     BatchLayout,
     DecodeWindow,
-    PagedLayerCache,
     block_slots,
-    flat_positions,
     length_bucket,
-    rows_at,
     window_layout,
 )
+from unikern.stages.execute.paged_cache import PagedLayerCache, flat_positions, rows_at
 from unikern.stages.kv.pool import KVPool
 
 
@@ -48,7 +46,7 @@ class CompiledDecode:
 
     # MLX keeps every traced shape until the compiled function is dropped: the cache starts
     # over after this many (the shapes in use are traced again). The shapes are bounded:
-    # 11 row buckets to 64 rows (paged_cache.row_bucket), 4 length buckets per doubling,
+    # 11 row buckets to 64 rows (layouts.row_bucket), 4 length buckets per doubling,
     # one write table, one per pool capacity; 128 was below what one round of 64 staggered
     # requests could meet before the rows and write tables were bucketed
     max_traces = 256
@@ -93,7 +91,7 @@ class CompiledDecode:
 class CompiledPrefill:
     """A forward of fresh prompts (every row starts at position 0, so attention reads only
     the forward's own keys) as one `mx.compile`d function: the rows right-padded to a
-    length bucket (paged_cache.length_bucket: 16, 32, 48, 64, then four lengths per
+    length bucket (layouts.length_bucket: 16, 32, 48, 64, then four lengths per
     doubling), traced once per (rows, bucket, pool size) and replayed, instead of the
     model's graph built op by op in Python for every prompt. On an H200 the 64-token 1B
     prefill's build was 1.5-2.4 ms of a 5-8 ms step in the engine (tools/probe/step_gaps.py).

@@ -11,7 +11,8 @@ import mlx.core as mx
 import msgspec
 
 from unikern import messages as m
-from unikern.stages.execute.paged_cache import TOKEN_DTYPE, BatchLayout, flat_positions, rows_at
+from unikern.stages.execute.layouts import BatchLayout
+from unikern.stages.execute.paged_cache import TOKEN_DTYPE, flat_positions, rows_at
 from unikern.stages.execute.sampling import position_logprobs
 
 # (request id, target ids, alternatives wanted, the device arrays: picked[, ids, values])

@@ -13,11 +13,10 @@ from unikern import messages as m
 from unikern.platform import blas, cuda_is_default, shared_bridge
 from unikern.platform.bridge import Bridge, apply_torch_logits_processors
 from unikern.stages.execute.compiled import CompiledDecode, CompiledPrefill
+from unikern.stages.execute.layouts import BatchLayout, DecodeWindow
 from unikern.stages.execute.model import ModelGeometry
 from unikern.stages.execute.paged_cache import (
     TOKEN_DTYPE,
-    BatchLayout,
-    DecodeWindow,
     PagedLayerCache,
     flat_positions,
     pool_writer,
@@ -399,7 +398,7 @@ class ModelRunner:
         reported: list[tuple[mx.array, ...]] = []
         padding = window.rows_run - len(work) if compiled is not None else 0
         for i in range(step.num_steps):
-            if compiled is not None:  # its rows padded to the window's bucket (paged_cache.row_bucket)
+            if compiled is not None:  # its rows padded to the window's bucket (layouts.row_bucket)
                 fed = mx.concatenate([inputs, mx.zeros((padding,), inputs.dtype)]) if padding else inputs
                 logits = compiled(self.pool, window, fed, i)
                 logits = logits[: len(work)] if padding else logits

@@ -9,8 +9,8 @@ from typing import Any
 
 from unikern import messages as m
 from unikern.platform.kernel_cache import BUILDS
+from unikern.stages.execute.layouts import row_bucket
 from unikern.stages.execute.model import ModelGeometry
-from unikern.stages.execute.paged_cache import row_bucket
 from unikern.stages.execute.runner import ModelRunner
 from unikern.stages.kv.pool import KVPool
 

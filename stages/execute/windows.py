@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from unikern.stages.execute.paged_cache import BatchLayout
+    from unikern.stages.execute.layouts import BatchLayout
 
 
 def window_start(start: int, window: int | None) -> int:

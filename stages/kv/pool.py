@@ -43,7 +43,7 @@ class KVPool:
     A logical block (prefix hashing, offload, disk files) is `block_size` consecutive slots;
     a kernel block is `kernel_block_size` slots, the unit sequence lengths are padded to in
     a batch. Both are ranges of the same slot axis, never copies: a block table expands to
-    slots as b * block_size + arange(block_size) (see paged_cache.BatchLayout).
+    slots as b * block_size + arange(block_size) (see execute/layouts.BatchLayout).
 
     Head-major, because gathering slots into [B, H, L, D] for
     mx.fast.scaled_dot_product_attention is fast, while a slot-major pool's transposed

@@ -130,7 +130,7 @@ def record_launches() -> list[Build]:
             if dtype == mx.bfloat16:  # (int32 and bool arrays only: once)
                 # a 4-bit embedding's packed weights and a table at int32 indices
                 row_kernel.take(mx.zeros((64, 256), dtype=mx.uint32), mx.zeros((5,), dtype=mx.int32))
-                # a decode window step's offsets, slots and mask (paged_cache.window_layout)
+                # a decode window step's offsets, slots and mask (layouts.window_layout)
                 step_layout.step_layout(mx.zeros((5,), dtype=mx.int32), mx.array(1, dtype=mx.int32),
                                         mx.zeros((32, 5), dtype=mx.int32), mx.zeros((3, 48), dtype=mx.int32))
             for hidden in (2048, 4096):

@@ -120,7 +120,7 @@ Variants:
                -w1-u4, -w2-u2: 1 or 2 warps with that loop unrolled (GEMV_UNROLL)
   engine-paged-blocks-smallpool, engine-paged-q-blocks-smallpool  those with a decode
                window's per-row arrays of one row in MLX's pool of small arrays, as up to
-               2026-12-02 (paged_cache.PAD_STEP_ROWS = 0)
+               2026-12-02 (layouts.PAD_STEP_ROWS = 0)
   engine-paged-q-blocks-ops  engine-paged-q with every step of up to 64 rows through the
                fused block's MLX ops (4-bit blocks: execute.fuse_blocks_ops_rows=64)
   engine-paged-dmma  engine-paged with plain bf16 layers' steps of 5-64 rows through
@@ -237,7 +237,7 @@ SETTINGS = {"few-blocks": ("cuda.paged_attention", "FEW_BLOCKS"),
             "blocks-norm": ("blocks", "KERNEL_NORM"), "blocks-rope": ("blocks", "KERNEL_ROPE"),
             "pool-write": ("paged_cache", "WRITE_IN_PLACE"), "q-res": ("quantized", "GEMV_RESIDUAL"),
             "q-rope": ("quantized", "GEMV_ROPE"), "q-swiglu": ("quantized", "GEMV_SWIGLU"),
-            "step-pad": ("paged_cache", "PAD_STEP_ROWS"), "ops-rw": ("blocks", "OPS_ROPE_WRITE"),
+            "step-pad": ("layouts", "PAD_STEP_ROWS"), "ops-rw": ("blocks", "OPS_ROPE_WRITE"),
             "q-magic": ("cuda.q4_gemv", "GEMV_MAGIC_NIBBLES"), "q-features": ("cuda.q4_gemv", "GEMV_FEATURES"),
             "q-warps": ("cuda.q4_gemv", "GEMV_WARPS"), "q-unroll": ("cuda.q4_gemv", "GEMV_UNROLL"),
             "block-unroll": ("cuda.block_kernel", "UNROLL"),
@@ -435,7 +435,7 @@ def graph_census(runner, pool, rows, window: int) -> dict:
 
     import mlx.core as mx
 
-    from unikern.stages.execute.paged_cache import DecodeWindow
+    from unikern.stages.execute.layouts import DecodeWindow
 
     if runner.compiled is None:
         return {}

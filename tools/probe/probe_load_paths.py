@@ -98,7 +98,7 @@ def weights(model: Path) -> dict:
 
 SHAPES = [(1, 17, 17), (1, 24, 24), (1, 64, 64), (1, 100, 100), (1, 333, 333), (1, 1000, 1000), (1, 64, 1064),
           (1, 200, 1200), (4, 64, 64), (16, 64, 64)]
-# several rows going on after a cached prefix: a boolean mask per row (paged_cache.BatchLayout)
+# several rows going on after a cached prefix: a boolean mask per row (layouts.BatchLayout)
 MASKED = [(4, 296, 1280), (4, 300, 1280), (8, 296, 1280)]
 
 

@@ -43,7 +43,7 @@ def main() -> None:
     from mlx_lm.generate import generate_step
 
     from unikern import messages as m
-    from unikern.stages.execute import paged_cache
+    from unikern.stages.execute import layouts, paged_cache
     from unikern.stages.execute.model import ModelGeometry
     from unikern.stages.execute.runner import ModelRunner
     from unikern.stages.kv.pool import KVPool
@@ -107,7 +107,7 @@ def main() -> None:
         start = time.perf_counter()
         outs = []
         for i in range(args.tokens):
-            layout = paged_cache.BatchLayout.build(pool, [(table, len(prompt) + i, 1)])
+            layout = layouts.BatchLayout.build(pool, [(table, len(prompt) + i, 1)])
             logits = model(token, cache=runner._caches(layout))[:, -1, :]
             token = mx.argmax(logits, axis=-1)[:, None]
             mx.async_eval(token)

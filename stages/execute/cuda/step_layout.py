@@ -1,5 +1,5 @@
 """A decode window step's offsets, lengths, write slots, read slots and mask by one kernel
-(step_layout.cu) on CUDA: paged_cache.window_layout's element-wise ops and its write
+(step_layout.cu) on CUDA: layouts.window_layout's element-wise ops and its write
 table's gather, which inside a traced step MLX fuses into kernels it compiles at run time
 (NVRTC, one after another: 5 of the 15 modules a fresh H200 machine compiled at start-up,
 about 16 s, tools/results/h200/startup-1b-read-ahead.json). unikern's own kernels are built
