@@ -259,7 +259,7 @@ fi
 if want kernel-tests; then
   tests=${PYTEST_GPU:--p no:benchmark -n 4 tests/test_decode_blocks.py tests/test_quantized_rows.py \
 tests/test_paged_attention.py tests/test_dense_mma.py tests/test_residual_norms.py tests/test_fused_projections.py \
-tests/test_decode_window.py -k cuda}
+tests/test_decode_window.py tests/test_rows.py tests/test_step_layout.py -k cuda}
   TAIL=6 run_step kernel-tests $RES/kernel-tests.done ${KERNEL_TESTS_MIN_S:-300} bash -c "MLX_ENABLE_TF32=0 python3 -m pytest \
     -p no:cacheprovider -q -rA $tests && touch $RES/kernel-tests.done"
 fi
