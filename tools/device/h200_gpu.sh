@@ -23,7 +23,9 @@
 # its own), startup-tf (startup with the transformers wheel of .whl/tf), parity-8b-q4,
 # importtime (the worker's import, -X importtime), startup-nofuse, ab-fusion and
 # parity-1b-nofuse (execute.fuse_elementwise=never: a fresh start, against the default
-# through the library, greedy parity), startup-probe (tools/probe/probe_startup.py),
+# through the library, greedy parity), startup-rows-off (a fresh start with MLX's gather for
+# unikern's row kernel), engine-tests (the runner's kernels on CUDA), qwen2-place (tiny-qwen2
+# with the engine's kernels off one at a time), startup-probe (tools/probe/probe_startup.py),
 # ab-tree (this tree's engine against OLD_TREE's, interleaved), and h200_x2.sh's two-GPU steps:
 # nccl-tests, bench-tp-8b. The models a step needs are built first (bench_gpu.py models
 # and gguf; llama.cpp builds in the background from .whl/lc's source).
@@ -100,7 +102,7 @@ if any_wanted bench-1b bench-8b-q4 || named bench-1b-iso || named llama || named
 fi
 
 # ---- models: random Llama weights written by MLX, and as GGUF by llama.cpp's converter -----
-if any_wanted bench-1b parity-1b startup || named startup-probe || named startup-nofuse || named ab-fusion || named parity-1b-nofuse || named bench-1b-iso || named startup-tf || named ab-tree || named serve-1b; then
+if any_wanted bench-1b parity-1b startup || named startup-probe || named startup-nofuse || named startup-rows-off || named ab-fusion || named parity-1b-nofuse || named bench-1b-iso || named startup-tf || named ab-tree || named serve-1b; then
   run_step models-1b $M/llama-1b/config.json 60 python3 -m tools.bench.bench_gpu models --out $M --shapes 1b --quantize
 fi
 if any_wanted bench-1b || named bench-1b-iso || named serve-1b; then
@@ -146,6 +148,28 @@ fi
 if named startup-nofuse; then
   run_step startup-nofuse $RES/startup-1b-nofuse.json 120 python3 -m tools.bench.first_request --model $M/llama-1b \
     --cold-warm --warm-starts 1 --set execute.fuse_elementwise=never --json $RES/startup-1b-nofuse.json
+fi
+# a fresh start with MLX's gather in place of unikern's row kernel (cuda/rows.py): the A/B of
+# the kernel that leaves MLX nothing to compile at start
+if named startup-rows-off; then
+  run_step startup-rows-off $RES/startup-1b-rows-off.json 100 env UNIKERN_ROW_KERNEL=0 python3 -m tools.bench.first_request \
+    --model $M/llama-1b --cold-warm --warm-starts 1 --json $RES/startup-1b-rows-off.json
+fi
+# the engine's tests that run unikern's kernels through the runner on CUDA (tiny models of
+# their own), the failures named; then tiny-qwen2's launch failure placed by turning the
+# engine's kernels off one at a time (MLX_USE_CUDA_GRAPHS=0: the launch that fails names itself)
+if named engine-tests; then
+  TAIL=20 run_step engine-tests $RES/engine-tests.done 180 bash -c "MLX_ENABLE_TF32=0 python3 -m pytest -p no:cacheprovider \
+    -p no:benchmark -q -rf -n 4 tests/test_rows.py tests/test_partial_prefix.py tests/test_compiled_prefill.py \
+    tests/test_family_prefix.py tests/test_decode_blocks.py -k 'not qwen2' && touch $RES/engine-tests.done"
+fi
+if named qwen2-place; then
+  for s in none execute.block_kernel=never execute.fuse_blocks=never execute.paged_attention=never \
+      execute.fuse_projections=never execute.compile_prefill=never; do
+    sets=(); [ $s != none ] && sets=(--set $s)
+    TAIL=3 run_step "qwen2-${s#execute.}" $RES/qwen2-${s#execute.}.json 45 env MLX_USE_CUDA_GRAPHS=0 python3 -m \
+      tools.check.parity_check --model tiny-qwen2 --prompts 4 --max-tokens 8 "${sets[@]}" --json $RES/qwen2-${s#execute.}.json
+  done
 fi
 if named ab-fusion; then
   for order in 1 2; do
