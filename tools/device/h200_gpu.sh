@@ -164,6 +164,18 @@ if named engine-tests; then
     tests/test_family_prefix.py tests/test_decode_blocks.py -k 'not qwen2' && touch $RES/engine-tests.done"
 fi
 if named qwen2-place; then
+  # first MLX alone: mlx-lm generating from the model, and SDPA at head size 16 in bf16 with the
+  # boolean mask a decode window passes (the engine's attention there when the paged kernel,
+  # which takes head sizes of 32 lanes, does not)
+  TAIL=3 run_step qwen2-mlx-lm $RES/qwen2-mlx-lm.done 40 bash -c "MLX_USE_CUDA_GRAPHS=0 python3 -m mlx_lm generate \
+    --model \$(python3 -c 'from unikern.testing.modelgen import cached_model; print(cached_model(\"tiny-qwen2\"))') \
+    --prompt 'a b c' --max-tokens 8 && touch $RES/qwen2-mlx-lm.done"
+  TAIL=3 run_step qwen2-sdpa $RES/qwen2-sdpa.done 30 bash -c "MLX_USE_CUDA_GRAPHS=0 python3 -c '
+import mlx.core as mx
+for L in (16, 32, 256):
+    q, k = mx.ones((2, 4, 1, 16), mx.bfloat16), mx.ones((2, 4, L, 16), mx.bfloat16)
+    mx.eval(mx.fast.scaled_dot_product_attention(q, k, k, scale=0.25, mask=mx.ones((2, 1, 1, L), mx.bool_)))
+    print(\"sdpa head 16, bool mask, L\", L, \"ok\")' && touch $RES/qwen2-sdpa.done"
   for s in none execute.block_kernel=never execute.fuse_blocks=never execute.paged_attention=never \
       execute.fuse_projections=never execute.compile_prefill=never; do
     sets=(); [ $s != none ] && sets=(--set $s)
