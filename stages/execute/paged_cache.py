@@ -18,7 +18,7 @@ from unikern.stages.kv.pool import KVPool, SlotWrite, slot_rows
 # decode steps' keys and values written into the pool in place by one kernel
 # (cuda/pool_write.py) where the paged attention kernel reads them back, instead of two
 # scatters. The attention kernel takes the write's marker (`after`), so MLX orders it after
-# the write; its CUDA test and the parity run hold on an H200 (tests/test_pool_writes.py,
+# the write; its CUDA test and the parity run hold on an H200 (tests/test_decode_blocks.py,
 # tools/check/parity_check.py): an 8B-shape 4-bit token 4.94 -> 3.47 ms in the runner, 1B 64-row
 # steps 711 -> 629 primitives (tools/probe/probe_cuda.py's engine-paged-write)
 WRITE_IN_PLACE = True

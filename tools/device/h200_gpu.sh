@@ -161,7 +161,7 @@ fi
 if named engine-tests; then
   TAIL=20 run_step engine-tests $RES/engine-tests.done 180 bash -c "MLX_ENABLE_TF32=0 python3 -m pytest -p no:cacheprovider \
     -p no:benchmark -q -rf -n 4 tests/test_rows.py tests/test_partial_prefix.py tests/test_compiled_prefill.py \
-    tests/test_family_prefix.py tests/test_decode_blocks.py tests/test_pool_writes.py -k 'not qwen2' && touch $RES/engine-tests.done"
+    tests/test_family_prefix.py tests/test_decode_blocks.py -k 'not qwen2' && touch $RES/engine-tests.done"
 fi
 if named qwen2-place; then
   # first MLX alone: mlx-lm generating from the model, and SDPA at head size 16 in bf16 with the
@@ -293,7 +293,7 @@ fi
 
 # ---- the CUDA kernel tests: each kernel against MLX's own ops, float32 exact (TF32 off) -----
 if want kernel-tests; then
-  tests=${PYTEST_GPU:--p no:benchmark -n 4 tests/test_decode_blocks.py tests/test_pool_writes.py tests/test_quantized_rows.py \
+  tests=${PYTEST_GPU:--p no:benchmark -n 4 tests/test_decode_blocks.py tests/test_quantized_rows.py \
 tests/test_paged_attention.py tests/test_dense_mma.py tests/test_residual_norms.py tests/test_fused_projections.py \
 tests/test_decode_window.py tests/test_rows.py tests/test_step_layout.py -k cuda}
   TAIL=6 run_step kernel-tests $RES/kernel-tests.done ${KERNEL_TESTS_MIN_S:-300} bash -c "MLX_ENABLE_TF32=0 python3 -m pytest \
