@@ -1,7 +1,8 @@
 """unikern's row kernel (stages/execute/cuda/rows.cu) in the CPU emulation of CUDA: rows of
 a table at indices against numpy, whole 16-byte chunks and a row's short tail, an index
-past the table; and the engine's three users of it on CUDA (the token embedding, the last
-positions' rows, the pool's slot reads) giving the family's own tokens through it."""
+past the table; the embeddings routed to it; on a CUDA GPU, MLX's gather bit for bit. Its
+three users in the runner (the embedding, the last positions' rows, the pool's reads) give
+the family's tokens in tests/test_decode_blocks.py's chunked-prompt test."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from tests import cuda_emulation
 from unikern.platform import cuda_is_default
@@ -52,7 +54,7 @@ def test_route_embeddings_swaps_mlx_embeddings_only_and_keeps_their_weights(monk
     weight = model.embed.weight
     assert embeddings.route_embeddings(model) == 1
     assert type(model.embed) is embeddings.RowsEmbedding and type(model.own) is Family
-    assert model.embed.weight is weight and "embed.weight" in dict(_flat(model.parameters()))
+    assert model.embed.weight is weight and "embed.weight" in dict(tree_flatten(model.parameters()))
     ids = mx.array([[3, 9, 0]], dtype=mx.uint32)
     np.testing.assert_array_equal(np.array(model.embed(ids)), np.array(weight[ids]))
     assert launched == ["unikern_rows"]
@@ -83,9 +85,3 @@ def test_take_on_cuda_gives_mlxs_gather_bit_for_bit(dtype, width):
     table = (mx.random.uniform(shape=(1000, width), key=mx.random.key(1)) * 1000).astype(dtype)
     ids = mx.random.randint(0, 1000, (3, 37), key=mx.random.key(2)).astype(mx.uint32)
     assert mx.array_equal(rows.take(table, ids), table[ids]).item()
-
-
-def _flat(params):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(params)

@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from unikern.platform import cuda_is_default, read_ahead
+from unikern.platform import read_ahead
 from unikern.stages.execute import paged_cache
 from unikern.stages.execute.embeddings import route_embeddings
 from unikern.stages.execute.paged_cache import TOKEN_DTYPE
@@ -169,7 +169,7 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
         else:
             split_layers(model, world.group, family)
     # the embeddings' lookups by unikern's row kernel on CUDA, not MLX's run-time compiled gather
-    kernel_embeddings = route_embeddings(model) if paged_cache.ROW_KERNEL and cuda_is_default() else 0
+    kernel_embeddings = route_embeddings(model) if paged_cache.uses_row_kernel() else 0
     fused_groups = 0
     if fuse:
         from unikern.stages.execute.fused import fuse_projections

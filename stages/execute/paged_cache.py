@@ -39,9 +39,15 @@ def pool_writer(paged: str | None) -> SlotWrite | None:
     return pool_write.write if WRITE_IN_PLACE and paged == "kernel" else None
 
 
+def uses_row_kernel() -> bool:
+    """Whether gathers of rows (take_rows) and the model's embeddings go through the row
+    kernel: on CUDA, unless ROW_KERNEL is off."""
+    return ROW_KERNEL and cuda_is_default()
+
+
 def take_rows(table: mx.array, ids: mx.array) -> mx.array:
-    """table[ids] for a 2-d table: the row kernel on CUDA (ROW_KERNEL), MLX's gather elsewhere."""
-    return rows.take(table, ids) if ROW_KERNEL and cuda_is_default() else table[ids]
+    """table[ids] for a 2-d table: the row kernel where uses_row_kernel(), MLX's gather elsewhere."""
+    return rows.take(table, ids) if uses_row_kernel() else table[ids]
 
 
 def rows_at(x: mx.array, flat: mx.array) -> mx.array:
