@@ -306,6 +306,7 @@ def test_the_pool_copies_a_blocks_leading_slots_in_place():
 
     pool = KVPool(num_layers=2, num_kv_heads=2, head_dim=8, dtype=mx.float32, block_size=32,
                   kernel_block_size=16, num_blocks=16, slab_blocks=4)
+    pool.ensure_capacity(12)  # (a GPU's pool grows in slabs: none before the first step)
     for arrays in (pool.keys, pool.values):
         for layer in range(2):
             arrays[layer][:, 3 * 32 : 4 * 32] = mx.random.normal((2, 32, 8))

@@ -81,6 +81,7 @@ from unikern.stages.execute.cuda.block_gemv import (
 from unikern.stages.execute.cuda.pool_write import rope_write
 from unikern.stages.execute.cuda.q4_gemv import gemv_rope, gemv_swiglu
 from unikern.stages.execute.quantized import epilogue_gemv_applies
+from unikern.stages.execute.ropes import rope_class
 from unikern.stages.execute.routing import SDPA_NAME, layers_of, sdpa_module
 
 # block classes (module, name) whose attention and MLP run as the steps above
@@ -127,10 +128,11 @@ def inverse_frequencies(rope: Any, head_dim: int) -> tuple[mx.array, bool] | Non
     the kernel does not take (only part of the head rotated, other classes)."""
     from mlx_lm.models.rope_utils import Llama3RoPE
 
-    if type(rope) is nn.RoPE and rope.dims == head_dim:
+    kind = rope_class(rope)  # (under ropes.py's split call, where MLX's CUDA RoPE needs it)
+    if kind is nn.RoPE and rope.dims == head_dim:
         exponents = mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim
         return (rope.scale * mx.power(mx.array(rope.base, dtype=mx.float32), -exponents)), rope.traditional
-    if type(rope) is Llama3RoPE and rope.dims == head_dim:
+    if kind is Llama3RoPE and rope.dims == head_dim:
         return (1.0 / rope._freqs).astype(mx.float32), rope.traditional
     return None
 

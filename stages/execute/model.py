@@ -11,10 +11,11 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from unikern.platform import read_ahead
+from unikern.platform import cuda_is_default, read_ahead
 from unikern.stages.execute import paged_cache
 from unikern.stages.execute.embeddings import route_embeddings
 from unikern.stages.execute.paged_cache import TOKEN_DTYPE
+from unikern.stages.execute.ropes import route_ropes
 from unikern.stages.execute.thread import ModelThread
 from unikern.stages.models import resolve_model_path
 from unikern.startup import PhaseClock
@@ -124,6 +125,7 @@ class LoadedModel:
     decode_blocks: int = 0  # blocks whose decode steps of few rows run as four GEMV kernels (blocks.py)
     dense_mma_layers: int = 0  # bf16 linear layers whose steps of 5-64 rows take the tensor-core kernel
     kernel_embeddings: int = 0  # embeddings whose lookups are unikern's row kernel (cuda/rows.py)
+    split_ropes: int = 0  # RoPE modules whose many-row steps launch in parts on CUDA (ropes.py)
     # seconds per phase of load_model (stats.model.startup): build, fuse, read, geometry
     phases: dict[str, float] = field(default_factory=dict)
 
@@ -170,6 +172,8 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
             split_layers(model, world.group, family)
     # the embeddings' lookups by unikern's row kernel on CUDA, not MLX's run-time compiled gather
     kernel_embeddings = route_embeddings(model) if paged_cache.uses_row_kernel() else 0
+    # small heads' decode-step RoPE in launches MLX's CUDA kernel takes
+    split_ropes = route_ropes(model) if cuda_is_default() else 0
     fused_groups = 0
     if fuse:
         from unikern.stages.execute.fused import fuse_projections
@@ -225,5 +229,6 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
         decode_blocks=decode_blocks,
         dense_mma_layers=dense_mma_layers,
         kernel_embeddings=kernel_embeddings,
+        split_ropes=split_ropes,
         phases={**clock.phases, **taken},
     )

@@ -356,7 +356,7 @@ class MLXExecuteStage(StageBase):
                                         "pool_steps": fused_steps(loaded.model, "pool_steps"),
                                         "kernel_steps": fused_steps(loaded.model, "kernel_steps")},
                       "dense_mma": {"layers": loaded.dense_mma_layers},
-                      "kernel_embeddings": loaded.kernel_embeddings},
+                      "kernel_embeddings": loaded.kernel_embeddings, "split_ropes": loaded.split_ropes},
             "memory": {"wired_bytes": self.wired.wired_bytes, "wired_reason": self.wired.reason},
             "kernels": runner.kernels if runner else {"enabled": False, "reason": "no step run yet"},
             "paged_attention": {**runner.paged_report, "one_row_compiled": runner.compile_one_row,
