@@ -17,9 +17,11 @@ from unikern.stages.models import default_model_path
 from mlx_lm.utils import load_tokenizer
 tokenizer = load_tokenizer(default_model_path())
 report = {"ids": tokenizer.encode("hello world"), "torch_imported": "torch" in sys.modules,
-          "transformers_sees_torch": transformers.utils.is_torch_available()}
+          "transformers_sees_torch": transformers.utils.is_torch_available(), "trio_imported": "trio" in sys.modules}
 import torch
 report["torch_works"] = int(torch.arange(3).sum()) == 3
+import trio
+report["trio_works"] = trio.run(trio.sleep, 0) is None
 print(json.dumps(report))
 """
 
@@ -44,6 +46,7 @@ def test_tokenizer_stack_without_torch_then_torch_on_demand() -> None:
     assert hidden["ids"] == load_tokenizer(default_model_path()).encode("hello world")
     assert not hidden["torch_imported"] and not hidden["transformers_sees_torch"]
     assert hidden["torch_works"]  # the bridge and the CPU kernels import it directly
+    assert not hidden["trio_imported"] and hidden["trio_works"]  # (httpcore's import of it skipped)
 
 
 def test_a_process_that_chose_already_is_left_alone() -> None:

@@ -179,6 +179,33 @@ def test_the_gemv_holds_for_other_block_shapes_in_an_emulation(warps, features, 
 
 
 @pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+@pytest.mark.parametrize("rows,n,k,group_size,wide,warps", [(1, 8, 4096, 64, True, 1), (3, 12, 128, 32, False, 4),
+                                                            (21, 8, 256, 128, True, 2), (2, 4, 8192, 32, True, 4)])
+def test_the_gemv_sums_per_word_in_an_emulation(rows, n, k, group_size, wide, warps, monkeypatch):
+    """GEMV_SUMS: s * sum(x q) + b * sum(x) per word, the nibbles made floats by their bits
+    (all eight positions: random words hold every nibble value at each); still x times the
+    dequantized weights, the residual added, SwiGLU's pairs too."""
+    monkeypatch.setattr(q4_gemv, "GEMV_SUMS", True)
+    monkeypatch.setattr(q4_gemv, "GEMV_WIDE_LOADS", wide)
+    monkeypatch.setattr(q4_gemv, "GEMV_WARPS", warps)
+    mx.random.seed(rows + n)
+    w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=4)
+    x, res = mx.random.normal((rows, k)), mx.random.normal((rows, n))
+    inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases),
+              "res": np.array(res)}
+    constants, blocks = q4_gemv.gemv_launch(rows, n, k, group_size, res=True)
+    assert constants["SUMS"] == 1
+    y = np.array(x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=4).T)
+    got = cuda_emulation.run_kernel(q4_gemv.SOURCE, inputs, constants, blocks, warps * 32, (rows, n))
+    np.testing.assert_allclose(got, y + np.array(res), rtol=1e-4, atol=1e-4)
+    constants, blocks = q4_gemv.gemv_launch(rows, n, k, group_size)
+    got = cuda_emulation.run_kernel(q4_gemv.SOURCE, inputs, {**constants, "SWIGLU": 1}, blocks, warps * 32,
+                                    (rows, n // 2))
+    gate, up = y[:, : n // 2], y[:, n // 2 :]
+    np.testing.assert_allclose(got, gate / (1 + np.exp(-np.clip(gate, -80, 80))) * up, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
 @pytest.mark.parametrize("rows", [1, 3])
 def test_the_gemv_source_gives_swiglu_of_gate_and_up_in_an_emulation(rows):
     """SWIGLU: the gate/up GEMV (w's rows gate, then up) gives silu(gate) * up, [rows, N/2]."""
@@ -352,17 +379,18 @@ def test_steps_above_the_gemvs_rows_take_the_tensor_core_kernel_when_asked(monke
 
 @pytest.mark.skipif(not cuda_is_default(), reason="the kernels run on a CUDA GPU")
 @pytest.mark.parametrize("kernel,rows", [("gemv", r) for r in (1, 2, 5, 8, 16, 40)]
-                         + [("gemv-wide", r) for r in (1, 5, 16)] + [("mma", r) for r in (9, 16, 40, 64, 100)]
+                         + [("gemv-wide", r) for r in (1, 5, 16)] + [("gemv-sums", r) for r in (1, 2, 5, 16)] + [("mma", r) for r in (9, 16, 40, 64, 100)]
                          + [("mma-split", r) for r in (9, 64)] + [("mma-wide", r) for r in (9, 40, 100)])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_the_kernels_give_mlxs_quantized_matmul(kernel, rows, group_size, monkeypatch):
-    monkeypatch.setattr(q4_gemv, "GEMV_WIDE_LOADS", kernel == "gemv-wide")
+    monkeypatch.setattr(q4_gemv, "GEMV_WIDE_LOADS", kernel in ("gemv-wide", "gemv-sums"))
+    monkeypatch.setattr(q4_gemv, "GEMV_SUMS", kernel == "gemv-sums")
     monkeypatch.setattr(q4_gemv, "GEMV_MAGIC_NIBBLES", rows % 2 == 1)  # (the GEMV's two ways to make nibbles floats)
     monkeypatch.setattr(q4_mma, "MMA_SHAPE", "wide" if kernel == "mma-wide" else "narrow")
     mx.random.seed(rows)
     w, scales, biases = mx.quantize(mx.random.normal((4096, 2048)).astype(mx.bfloat16), group_size=group_size, bits=4)
     x = mx.random.normal((rows, 2048)).astype(mx.bfloat16)
-    run = {"gemv": q4_gemv.gemv, "gemv-wide": q4_gemv.gemv, "mma": q4_mma.mma, "mma-wide": q4_mma.mma,
+    run = {"gemv": q4_gemv.gemv, "gemv-wide": q4_gemv.gemv, "gemv-sums": q4_gemv.gemv, "mma": q4_mma.mma, "mma-wide": q4_mma.mma,
            "mma-split": functools.partial(q4_mma.mma, split=True)}
     got = run[kernel](x, w, scales, biases, group_size).astype(mx.float32)
     want = mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size,
@@ -419,3 +447,18 @@ def test_the_epilogue_gemvs_on_cuda_give_mlxs_ops(rows, dtype):
                                want[:, H * D : (H + Hk) * D], **close)
     np.testing.assert_allclose(f32(v_pool.astype(mx.float32))[:, written].transpose(1, 0, 2).reshape(rows, -1),
                                want[:, (H + Hk) * D :], **close)
+
+
+def test_the_gemv_constants_come_from_the_settings_variable(monkeypatch):
+    """UNIKERN_Q4_GEMV's "NAME=VALUE ..." sets q4_gemv's GEMV_<NAME> (for GPU comparisons in
+    servers); a name that is not one of them is refused with the ones there are."""
+    from unikern.errors import ConfigError
+
+    for name in ("GEMV_SUMS", "GEMV_WARPS", "GEMV_UNROLL"):
+        monkeypatch.setattr(q4_gemv, name, getattr(q4_gemv, name))  # (restored after the test)
+    assert quantized.set_gemv_constants("sums=1, WARPS=1 unroll=4") == {"GEMV_SUMS": 1, "GEMV_WARPS": 1,
+                                                                       "GEMV_UNROLL": 4}
+    assert q4_gemv.GEMV_SUMS is True and q4_gemv.GEMV_WARPS == 1
+    assert q4_gemv.gemv_launch(1, 8, 4096, 64)[0]["GEMV_U"] == 4
+    with pytest.raises(ConfigError, match="'BLOCKS=2' is not NAME=INTEGER with NAME one of .*'SUMS'"):
+        quantized.set_gemv_constants("BLOCKS=2")

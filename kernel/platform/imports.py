@@ -1,4 +1,4 @@
-"""The tokenizer's imports without PyTorch, for the `unikern` process.
+"""The tokenizer's imports without PyTorch (and trio), for the `unikern` process.
 
 mlx-lm's tokenizer utilities import transformers, and transformers 5 imports PyTorch
 wherever PyTorch is installed (`configuration_utils` through `modeling_rope_utils`); the
@@ -10,6 +10,7 @@ process start on the CPU machine.
 `import_tokenizer_stack()` imports them while `import torch` fails, so transformers records
 PyTorch as absent, then lets PyTorch be imported again: unikern's own users of it (the
 zero-copy bridge, the CPU backend's attention) import it directly and still get it.
+trio is hidden the same way (HIDDEN_WHILE_IMPORTING); anyio imports it again on demand.
 The command line does this first thing. A program embedding unikern may call it too, if it
 does not use transformers' PyTorch models: the first import of transformers decides for
 the whole process.
@@ -20,7 +21,11 @@ from __future__ import annotations
 import importlib
 import sys
 
-HIDDEN_WHILE_IMPORTING = ("torch",)  # hidden from transformers' first import only
+# hidden from the stack's first import only. trio: httpcore (huggingface_hub's HTTP client)
+# imports it wherever it is installed, for async use under trio, which nothing of the
+# command line's makes (it runs asyncio): 0.23 s of an H100 host's import (`-X importtime`,
+# tools/results/h200/importtime-worker-h100-74a3921.txt), 0.08 s on the CPU machine
+HIDDEN_WHILE_IMPORTING = ("torch", "trio")
 NEVER_USED = ("torchvision", "torchaudio")  # unikern never imports these: hidden for good
 # (unless the stack turns out to need PyTorch)
 

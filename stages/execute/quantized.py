@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -12,6 +13,7 @@ from mlx.nn.layers.distributed import (
     sum_gradients,
 )
 
+from unikern.stages.execute.cuda import q4_gemv
 from unikern.stages.execute.cuda.q4_gemv import gemv, gemv_applies
 from unikern.stages.execute.cuda.q4_mma import mma, mma_applies
 
@@ -49,6 +51,31 @@ GEMV_ROPE = True
 # token in the runner on an H200, 348 -> 252 kernels (tools/probe/probe_cuda.py's
 # engine-paged-q-blocks-s17 against -epi).
 GEMV_SWIGLU = True
+# UNIKERN_Q4_GEMV="SUMS=1 WARPS=1 UNROLL=4": the 4-bit GEMV's block shape and summing
+# (q4_gemv's GEMV_* constants) for a process, to compare them on a GPU in servers and
+# engines that tools/probe/bench_q4_gemv.py cannot reach (bench_http's peers)
+GEMV_SETTINGS_VARIABLE = "UNIKERN_Q4_GEMV"
+
+
+def set_gemv_constants(settings: str) -> dict[str, int]:
+    """q4_gemv's GEMV_<NAME> constants from "NAME=VALUE ..." (spaces or commas); returns
+    what it set. An unknown name raises ConfigError with the ones there are."""
+    from unikern.errors import ConfigError
+
+    known = sorted(name.removeprefix("GEMV_") for name in vars(q4_gemv) if name.startswith("GEMV_"))
+    chosen = {}
+    for item in settings.replace(",", " ").split():
+        name, _, value = item.partition("=")
+        if name.upper() not in known or not value.lstrip("-").isdigit():
+            raise ConfigError(f"{GEMV_SETTINGS_VARIABLE}: {item!r} is not NAME=INTEGER with NAME one of {known}")
+        chosen[f"GEMV_{name.upper()}"] = int(value)
+    for name, value in chosen.items():
+        setattr(q4_gemv, name, type(getattr(q4_gemv, name))(value))
+    return chosen
+
+
+if os.environ.get(GEMV_SETTINGS_VARIABLE):
+    set_gemv_constants(os.environ[GEMV_SETTINGS_VARIABLE])
 
 
 def epilogue_gemv_applies(layer: nn.Module, x: mx.array, setting: bool) -> bool:

@@ -102,7 +102,7 @@ if any_wanted bench-1b bench-8b-q4 || named bench-1b-iso || named llama || named
 fi
 
 # ---- models: random Llama weights written by MLX, and as GGUF by llama.cpp's converter -----
-if any_wanted bench-1b parity-1b startup || named startup-probe || named startup-nofuse || named startup-rows-off || named ab-fusion || named parity-1b-nofuse || named bench-1b-iso || named startup-tf || named ab-tree || named serve-1b; then
+if any_wanted bench-1b parity-1b startup || named parity-1b-cudnn || named startup-probe || named startup-nofuse || named startup-rows-off || named ab-fusion || named parity-1b-nofuse || named bench-1b-iso || named startup-tf || named ab-tree || named serve-1b; then
   run_step models-1b $M/llama-1b/config.json 60 python3 -m tools.bench.bench_gpu models --out $M --shapes 1b --quantize
 fi
 if any_wanted bench-1b || named bench-1b-iso || named serve-1b; then
@@ -111,6 +111,17 @@ if any_wanted bench-1b || named bench-1b-iso || named serve-1b; then
 fi
 
 # the steps that need no llama.cpp build run first, while it builds in the background
+
+# the 4-bit GEMV's variants at the 8B shapes against MLX's quantized matmul, CUPTI times
+# (tools/probe/bench_q4_gemv.py); the fastest at one row goes to $RES/q4-best.txt, and with
+# Q4_BEST=1 every later step of this call runs with it (UNIKERN_Q4_GEMV)
+if named q4-gemv; then
+  TAIL=16 run_step q4-gemv $RES/q4-gemv-8b.json 150 python3 -m tools.probe.bench_q4_gemv --rows 1 16 \
+    ${Q4_ARGS:-} --best $RES/q4-best.txt --json $RES/q4-gemv-8b.json
+fi
+if [ -n "${Q4_BEST:-}" ] && [ -s $RES/q4-best.txt ]; then
+  export UNIKERN_Q4_GEMV="$(cat $RES/q4-best.txt)"; say "UNIKERN_Q4_GEMV=$UNIKERN_Q4_GEMV"
+fi
 
 # bench_http runs its peers side by side on the one GPU (unikern serve, the library's
 # engine, mlx_lm.server, llama-server): each MLX process gets this share of the memory
@@ -133,6 +144,10 @@ fi
 if want parity-1b; then
   TAIL=12 run_step parity-1b $RES/parity-1b.json 90 python3 -m tools.check.parity_check --model $M/llama-1b \
     --prompts 16 --max-tokens 32 --json $RES/parity-1b.json
+fi
+if named parity-1b-cudnn; then  # with MLX's cuDNN SDPA for the prompts (mlx-lm's too: one process)
+  TAIL=12 run_step parity-1b-cudnn $RES/parity-1b-cudnn.json 90 env MLX_CUDA_USE_CUDNN_SDPA=1 python3 -m \
+    tools.check.parity_check --model $M/llama-1b --prompts 16 --max-tokens 32 --json $RES/parity-1b-cudnn.json
 fi
 if named parity-1b-nofuse; then
   TAIL=12 run_step parity-1b-nofuse $RES/parity-1b-nofuse.json 90 python3 -m tools.check.parity_check \
@@ -161,7 +176,7 @@ fi
 if named engine-tests; then
   TAIL=20 run_step engine-tests $RES/engine-tests.done 180 bash -c "MLX_ENABLE_TF32=0 python3 -m pytest -p no:cacheprovider \
     -p no:benchmark -q -rf -n 4 tests/test_rows.py tests/test_partial_prefix.py tests/test_compiled_prefill.py \
-    tests/test_family_prefix.py tests/test_decode_blocks.py -k 'not qwen2' && touch $RES/engine-tests.done"
+    tests/test_family_prefix.py tests/test_decode_blocks.py tests/test_ropes.py && touch $RES/engine-tests.done"
 fi
 if named qwen2-place; then
   # first MLX alone: mlx-lm generating from the model, and SDPA at head size 16 in bf16 with the

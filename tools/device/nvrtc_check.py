@@ -100,7 +100,7 @@ def record_launches() -> list[Build]:
         return launch
 
     saved = (mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, q4_gemv.GEMV_WIDE_LOADS, q4_mma.MMA_SHAPE,
-             q4_gemv.GEMV_MAGIC_NIBBLES)
+             q4_gemv.GEMV_MAGIC_NIBBLES, q4_gemv.GEMV_SUMS)
     mx.fast.cuda_kernel = fake_cuda_kernel
     kernel_cache.cuda_kernel.cache_clear()
     try:
@@ -181,11 +181,13 @@ def record_launches() -> list[Build]:
                     mx.zeros((1, 128), dtype=mx.int32), one, block_kernel.barrier(Hk))
             block_kernel.ATTN_SPLIT, block_kernel.PRELOAD, block_kernel.GRID_BLOCKS = attn_split, preload, grid
         w, scales, biases = mx.quantize(mx.zeros((64, 4096), dtype=mx.bfloat16), group_size=64, bits=4)
-        # the defaults, the nibbles made floats by their bits (GEMV_MAGIC_NIBBLES), then
-        # the 4-byte loads and narrow blocks (GEMV_WIDE_LOADS off, MMA_SHAPE "narrow")
-        for wide, magic in ((True, False), (True, True), (False, False)):
+        # the defaults, the nibbles made floats by their bits (GEMV_MAGIC_NIBBLES), the
+        # per-word sums (GEMV_SUMS), then the 4-byte loads and narrow blocks (GEMV_WIDE_LOADS
+        # off, MMA_SHAPE "narrow")
+        for wide, magic, sums in ((True, False, False), (True, True, False), (True, False, True),
+                                  (False, False, False)):
             q4_gemv.GEMV_WIDE_LOADS, q4_mma.MMA_SHAPE = wide, "wide" if wide else "narrow"
-            q4_gemv.GEMV_MAGIC_NIBBLES = magic
+            q4_gemv.GEMV_MAGIC_NIBBLES, q4_gemv.GEMV_SUMS = magic, sums
             kernel_cache.cuda_kernel.cache_clear()
             for rows in (1, 9, 64):
                 x = mx.zeros((rows, 4096), dtype=mx.bfloat16)
@@ -196,7 +198,7 @@ def record_launches() -> list[Build]:
                 bf16_mma.matmul(x, mx.zeros((64, 4096), dtype=mx.bfloat16))  # (execute.dense_mma)
         # the 8B shape's 4-bit q/k/v with RoPE (quantized.GEMV_ROPE), returned or into the
         # pool, and the gate/up GEMV's SwiGLU (GEMV_SWIGLU), with the default loads
-        q4_gemv.GEMV_WIDE_LOADS, q4_mma.MMA_SHAPE, q4_gemv.GEMV_MAGIC_NIBBLES = saved[2], saved[3], saved[4]
+        q4_gemv.GEMV_WIDE_LOADS, q4_mma.MMA_SHAPE, q4_gemv.GEMV_MAGIC_NIBBLES, q4_gemv.GEMV_SUMS = saved[2:6]
         qkv = nn.QuantizedLinear(4096, 48 * 128, bias=False, group_size=64, bits=4)
         qkv.set_dtype(mx.bfloat16)
         for rows in (1, 3):
@@ -207,7 +209,7 @@ def record_launches() -> list[Build]:
             q4_gemv.gemv_swiglu(x, qkv)  # (the gate/up kernel: the same build for any N)
     finally:  # the stand-in and its kernels go: a test process goes on with the real ones
         (mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, q4_gemv.GEMV_WIDE_LOADS, q4_mma.MMA_SHAPE,
-         q4_gemv.GEMV_MAGIC_NIBBLES) = saved
+         q4_gemv.GEMV_MAGIC_NIBBLES, q4_gemv.GEMV_SUMS) = saved
         kernel_cache.cuda_kernel.cache_clear()
     return builds
 

@@ -6,7 +6,8 @@
 // multiplies every row of x against them, so a row costs only its own FMAs; per-thread sums
 // meet by warp shuffles, then across the warps in shared memory. MLX's affine layout:
 // weight [N, K/8] uint32 (nibble i of a word is bits 4i..4i+3), scales and biases [N, K/GS];
-// rows come from x's shape at run time. ROPE (the 4-bit q/k/v projection, w's rows q then k
+// rows come from x's shape at run time. SUMS: each 8 weights' products summed as s * sum(x q) +
+// b * sum(x), MLX's order, the nibbles made floats by their bits; else x times s * q + b. ROPE (the 4-bit q/k/v projection, w's rows q then k
 // then v, QN and KN features): below QN + KN a block's F features are F / 2 rotation pairs
 // of one head (i and i + HD/2, or 2i and 2i + 1 with TRAD), rotated for each row's position
 // (pos; freq_pi: the inverse frequencies over pi) as MLX's RoPE rotates the rounded
@@ -63,6 +64,43 @@
         #pragma unroll
         for (int q = 0; q < WPL; ++q) {
             const int word = c * WPL + q;  // 8 weights from k = 8 * word
+            if (SUMS) {  // s * sum(x q) + b * sum(x) for these 8 weights (MLX's Metal qmv's order)
+                float qf[F][8];
+                #pragma unroll
+                for (int j = 0; j < F; ++j) {
+                    // nibble i exact as a float: its bits where that float's ulp is 1 (2^23,
+                    // 2^19, ..., 2^7), the power of two taken off; no conversion instruction
+                    const int lo = static_cast<int>(words[j][q]), hi = static_cast<int>(words[j][q] >> 12);
+                    qf[j][0] = __int_as_float((lo & 0xF) | 0x4B000000) - 8388608.f;
+                    qf[j][1] = __int_as_float((lo & 0xF0) | 0x49000000) - 524288.f;
+                    qf[j][2] = __int_as_float((lo & 0xF00) | 0x47000000) - 32768.f;
+                    qf[j][3] = __int_as_float((lo & 0xF000) | 0x45000000) - 2048.f;
+                    qf[j][4] = __int_as_float((lo & 0xF0000) | 0x43000000) - 128.f;
+                    qf[j][5] = __int_as_float((hi & 0xF00) | 0x47000000) - 32768.f;
+                    qf[j][6] = __int_as_float((hi & 0xF000) | 0x45000000) - 2048.f;
+                    qf[j][7] = __int_as_float((hi & 0xF0000) | 0x43000000) - 128.f;
+                }
+                #pragma unroll
+                for (int r = 0; r < MT; ++r) {
+                    if (r0 + r >= M) break;
+                    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(r0 + r) * K + (size_t)word * 8);
+                    float xv[8], xsum = 0.f;
+                    #pragma unroll
+                    for (int v = 0; v < 8 / PACK; ++v) {
+                        const uint4 raw = xr[v];
+                        const T* xs = reinterpret_cast<const T*>(&raw);
+                        for (int i = 0; i < PACK; ++i) xv[v * PACK + i] = static_cast<float>(xs[i]);
+                    }
+                    for (int i = 0; i < 8; ++i) xsum += xv[i];
+                    #pragma unroll
+                    for (int j = 0; j < F; ++j) {
+                        float dot = 0.f;
+                        for (int i = 0; i < 8; ++i) dot += xv[i] * qf[j][i];
+                        acc[r][j] += s[j] * dot + b[j] * xsum;
+                    }
+                }
+                continue;
+            }
             float wf[F][8];
             #pragma unroll
             for (int j = 0; j < F; ++j)

@@ -29,6 +29,12 @@ GEMV_WARPS = 4  # warps per block, splitting K between them
 # gate/up GEMV 1,240 against 1,155 us per token, so the conversions are not what bounds
 # it: off.
 GEMV_MAGIC_NIBBLES = False
+# SUMS: a thread's 8 weights of a word summed as s * sum(x q) + b * sum(x) (MLX's Metal
+# qmv's order), the nibbles made floats exactly by their bits where that float's ulp is 1
+# (an AND/OR and a subtraction; no I2F and no per-weight dequantizing FMA): about 3.5
+# instructions a weight at one row against 5 with one of them at an eighth of the FMA rate.
+# Off until measured on a GPU (tools/probe/bench_q4_gemv.py)
+GEMV_SUMS = False
 GEMV_FEATURES = 4  # output features per block, each weight word read once for all rows
 GEMV_PASS_ROWS = 16  # rows per pass at most (registers: a thread keeps rows x features sums)
 # iterations of a thread's loop over K per pass, unrolled: with fewer warps per block
@@ -52,7 +58,8 @@ def gemv_launch(rows: int, n: int, k: int, group_size: int, res: bool = False,
     `rope`: ROPE's parameters (ROPE, HD, QN, KN, TRAD, POOL; see q4_gemv.cu)."""
     per_pass = 1 << (min(rows, GEMV_PASS_ROWS) - 1).bit_length()
     constants = {"K": k, "GS": group_size, "MT": per_pass, "GEMV_W": GEMV_WARPS, "GEMV_F": GEMV_FEATURES,
-                 "GEMV_U": GEMV_UNROLL, "GEMV_WPL": 4 if GEMV_WIDE_LOADS else 1, "MAGIC": int(GEMV_MAGIC_NIBBLES), "RES": int(res),
+                 "GEMV_U": GEMV_UNROLL, "GEMV_WPL": 4 if GEMV_WIDE_LOADS else 1, "MAGIC": int(GEMV_MAGIC_NIBBLES),
+                 "SUMS": int(GEMV_SUMS), "RES": int(res),
                  "SWIGLU": 0, **(rope or {"ROPE": 0, "HD": 2, "QN": 0, "KN": 0, "TRAD": 0, "POOL": 0})}
     return constants, -(-rows // per_pass) * -(-n // GEMV_FEATURES)
 
