@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 DEFAULT_VARIANTS = ["mlx", "default", "SUMS=1", "WARPS=1,UNROLL=4", "SUMS=1,WARPS=1,UNROLL=4",
-                    "WARPS=2,UNROLL=2", "SUMS=1,WARPS=2,UNROLL=2", "SUMS=1,FEATURES=2", "SUMS=1,WARPS=2",
-                    "SUMS=1,WARPS=8", "SUMS=1,WARPS=1,FEATURES=8,UNROLL=2", "MAGIC_NIBBLES=1"]
+                    "SUMS=1,WARPS=2,UNROLL=2", "SUMS=1,FEATURES=2", "SUMS=1,WARPS=1,FEATURES=8,UNROLL=2",
+                    "SUMS=1,WARPS=8"]
 
 
 def main() -> None:
