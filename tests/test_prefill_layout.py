@@ -218,17 +218,20 @@ def test_the_model_reads_one_token_dtype_through_single_index_gathers(tiny_llama
     pool.ensure_capacity(24)
     runner = ModelRunner(model, pool)
     fed = []
-    forward = runner.model.__call__
 
-    class Recording:
+    class Recording:  # the token ids fed to the model, or to its inner model (runner.head's path)
+        def __init__(self, target):
+            self.target = target
+
         def __getattr__(self, name):
-            return getattr(model, name)
+            value = getattr(self.target, name)
+            return Recording(value) if name == "model" else value
 
         def __call__(self, inputs, cache=None):
             fed.append(inputs.dtype)
-            return forward(inputs, cache=cache)
+            return self.target(inputs, cache=cache)
 
-    runner.model = Recording()
+    runner.model = Recording(model)
     rows = [((2, 3, 4, 5), 0, 13), ((6, 7, 8, 9), 0, 9)]
     logits = runner._logits(rows, [list(range(5, 18)), list(range(3, 12))])
     assert gather_index_counts(logits) == [1, 1]  # the embedding's, the rows' last positions

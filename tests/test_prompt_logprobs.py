@@ -43,22 +43,34 @@ def reference(path: str, tokens: list[int]) -> np.ndarray:
     return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
-def check(reports: list, tokens: list[int], ref: np.ndarray, top: int) -> None:
+def reference_in_pieces(path: str, tokens: list[int], piece: int) -> np.ndarray:
+    """reference() with mlx-lm's forward run `piece` tokens at a time on its own cache."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = _MODELS[path][0]
+    cache = make_prompt_cache(model)
+    logits = mx.concatenate([model(mx.array([tokens[s : s + piece]]), cache=cache)[0]
+                             for s in range(0, len(tokens), piece)]).astype(mx.float32)
+    return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+def check(reports: list, tokens: list[int], ref: np.ndarray, top: int, tolerance: float = TOLERANCE) -> None:
     """Reports as the done event gives them (structs, or their JSON as dicts)."""
     get = (lambda r, k: r[k]) if isinstance(reports[1], dict) else getattr
     assert reports[0] is None and len(reports) == len(tokens)
     for p in range(1, len(tokens)):
         r, dist = reports[p], ref[p - 1]
         assert get(r, "token_id") == tokens[p]
-        assert abs(get(r, "logprob") - dist[tokens[p]]) < TOLERANCE, (p, get(r, "logprob"), dist[tokens[p]])
+        assert abs(get(r, "logprob") - dist[tokens[p]]) < tolerance, (p, get(r, "logprob"), dist[tokens[p]])
         listed = get(r, "top_logprobs")
         ids, values = [get(x, "token_id") for x in listed], [get(x, "logprob") for x in listed]
         assert len(ids) == top and values == sorted(values, reverse=True), p
         best = np.sort(dist)[::-1][:top]
-        assert np.allclose(values, best, atol=TOLERANCE), p
+        assert np.allclose(values, best, atol=tolerance, rtol=0.0), p
         # the ids are the reference's top ones, but for ties at the cut
         for token, value in zip(ids, values, strict=True):
-            assert abs(dist[token] - value) < TOLERANCE and (top == 0 or dist[token] >= best[-1] - TOLERANCE)
+            assert abs(dist[token] - value) < tolerance and (top == 0 or dist[token] >= best[-1] - tolerance)
 
 
 # ---- library ------------------------------------------------------------------------------
@@ -114,7 +126,11 @@ async def test_batched_prompts_each_get_their_own(tiny_llama):
 @pytest.mark.parametrize("family", ["qwen3-next", "gemma3"])
 async def test_families_with_state_checkpoints_and_windows(family):
     """A hybrid recurrent model (its chunks run in pieces to the state checkpoints at block
-    boundaries) and a sliding-window one, each with a prefix in the cache."""
+    boundaries) and a sliding-window one, each with a prefix in the cache. The recurrent
+    model is held within what mlx-lm's own forward moves by when it runs the prompt in the
+    same pieces (at least TOLERANCE): its gated delta rule rounds otherwise in pieces, by
+    more on some CPUs' BLAS kernels than 1e-4 (on one 2-core EPYC host mlx-lm itself moved
+    by 1.0e-3 in pieces of 16, and unikern was 2.1e-4 from its whole forward; gemma3 3e-6)."""
     path = family_model(family)
     prompt = PROMPT + PROMPT[:30]  # 100 tokens: past gemma3's window of 48
     overrides = {"kv": OVERRIDES["kv"], "schedule": {"max_prefill_chunk": 40}}
@@ -123,7 +139,11 @@ async def test_families_with_state_checkpoints_and_windows(family):
         again = await eng.complete(prompt_tokens=prompt, max_tokens=2)
         asked = await eng.complete(prompt_tokens=prompt, max_tokens=2, prompt_logprobs=2)
     assert again.usage.cached_tokens > 0, again.usage
-    check(list(asked.prompt_logprobs), prompt, reference(path, prompt), top=2)
+    whole = reference(path, prompt)
+    tolerance = TOLERANCE
+    if family == "qwen3-next":  # (16: the checkpoints' block size, OVERRIDES)
+        tolerance = max(TOLERANCE, float(np.abs(reference_in_pieces(path, prompt, 16) - whole).max()))
+    check(list(asked.prompt_logprobs), prompt, whole, top=2, tolerance=tolerance)
     assert asked.token_ids == plain.token_ids
 
 
