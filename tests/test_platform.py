@@ -18,8 +18,9 @@ def fake_psutil(total: int) -> SimpleNamespace:
     return SimpleNamespace(virtual_memory=lambda: SimpleNamespace(total=total))
 
 
-def fake_mx(*, metal: bool = False, cuda: bool = False, gpu_info: dict | None = None):
+def fake_mx(*, metal: bool = False, cuda: bool = False, gpu_info: dict | None = None, limit: int = 0):
     return SimpleNamespace(
+        get_memory_limit=lambda: limit,
         cpu="cpu",
         gpu="gpu",
         metal=SimpleNamespace(
@@ -44,6 +45,9 @@ def test_this_machine_is_a_unified_cpu() -> None:
     assert found.pin_memory is False
     assert found.total_memory == psutil.virtual_memory().total
     assert found.blas == blas.info().library
+    import mlx.core as mx
+
+    assert found.memory_limit == mx.get_memory_limit() > 0
 
 
 def test_metal_uses_system_ram_and_never_pins() -> None:
@@ -82,6 +86,7 @@ def test_to_stats_has_exactly_the_documented_keys() -> None:
         "pin_memory",
         "blas",
         "device_name",
+        "memory_limit",
     }
     assert stats["total_memory"] == 8 * GIB
 
@@ -155,3 +160,36 @@ def test_unikerns_cuda_kernels_are_named_by_their_source():
     for b in builds:  # the signature (inputs, outputs) is in the digest too
         signature = ",".join(n for n, _, _ in b.inputs), ",".join(n for n, _ in b.outputs)
         assert b.name == kernel_name(b.name.rsplit("_", 1)[0], b.source, b.header, *signature), b.label
+
+
+def test_kv_budget_stays_inside_mlxs_memory_limit() -> None:
+    """A process whose MLX may allocate less than memory_fraction x total (its own
+    mx.set_memory_limit, or a GPU shared with other servers) gets a budget inside that
+    limit, which the weights count against. (Two MLX servers and llama-server on one GPU,
+    each MLX process limited to 30 GiB while its budget was 0.5 x the card: one engine
+    failed with cudaMallocAsync out of memory on an H200, 2026-12-05.)"""
+    found = Platform.detect(fake_mx(cuda=True, gpu_info={"total_memory": 80 * GIB}, limit=30 * GIB), fake_psutil(GIB))
+    assert found.memory_limit == 30 * GIB
+    assert found.kv_budget_bytes(0.5, 5 * GIB, GIB) == 24 * GIB  # not 40 - 6
+    assert found.kv_budget_bytes(0.25, 5 * GIB, GIB) == 14 * GIB  # 20 GiB is inside the limit
+    small = Platform.detect(fake_mx(cuda=True, gpu_info={"total_memory": 80 * GIB}, limit=5 * GIB), fake_psutil(GIB))
+    with pytest.raises(ConfigError, match="MLX's memory limit 5368709120 bytes .*mx.set_memory_limit"):
+        small.kv_budget_bytes(0.5, 5 * GIB, GIB)
+
+
+@pytest.mark.anyio
+async def test_an_engine_under_a_lower_mlx_limit_budgets_inside_it(tiny_llama) -> None:
+    import mlx.core as mx
+
+    import unikern
+
+    limit = 1 << 30  # well below memory_fraction x this machine's RAM (the reserve is 512 MiB)
+    previous = mx.set_memory_limit(limit)
+    try:
+        async with unikern.Engine.from_pipeline("generate", model=tiny_llama) as engine:
+            memory = engine.stats()["memory"]
+            platform = engine.stats()["platform"]
+    finally:
+        mx.set_memory_limit(previous)
+    assert platform["memory_limit"] == limit
+    assert 0 < memory["kv_budget_bytes"] <= limit - (512 << 20)

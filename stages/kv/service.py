@@ -38,8 +38,9 @@ class KVManagerParams(StageParams, frozen=True):
     block's written units to such copies too (a conversation's next turn). Models with full
     attention only; the others reuse whole blocks."""
     memory_fraction: float = 0.5
-    """The KV budget as a fraction (0 to 1] of the platform's total memory, less the weights and
-    `activation_reserve_bytes`. Ignored when `kv_budget_bytes` is set."""
+    """The KV budget as a fraction (0 to 1] of the platform's total memory (no more than MLX's
+    memory limit, `mx.set_memory_limit`), less the weights and `activation_reserve_bytes`.
+    Ignored when `kv_budget_bytes` is set."""
     kv_budget_bytes: int | None = None
     """The KV budget in bytes (> 0), instead of `memory_fraction`; null: from `memory_fraction`."""
     activation_reserve_bytes: int = 512 * MiB
