@@ -368,12 +368,15 @@ def library_child(args: argparse.Namespace) -> int:
                 batch = json.loads(line)
 
                 async def send(messages: list[dict], batch=batch) -> dict:
-                    sent, arrivals, tokens = time.perf_counter(), [], 0
+                    sent, arrivals, tokens, last = time.perf_counter(), [], 0, None
                     async for event in engine.generate(messages=messages, max_tokens=batch["max_tokens"],
                                                        temperature=0.0):
+                        last = event
                         if getattr(event, "token_id", None) is not None:
                             arrivals.append(time.perf_counter())
                             tokens += 1
+                    if not arrivals:  # (an error event, say: its code and message are the reason)
+                        raise RuntimeError(f"the library: a request produced no tokens; its last event: {last!r}")
                     return timing(sent, arrivals, tokens)
 
                 shares, starts = split_streams(batch)
