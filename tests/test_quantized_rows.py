@@ -462,3 +462,42 @@ def test_the_gemv_constants_come_from_the_settings_variable(monkeypatch):
     assert q4_gemv.gemv_launch(1, 8, 4096, 64)[0]["GEMV_U"] == 4
     with pytest.raises(ConfigError, match="'BLOCKS=2' is not NAME=INTEGER with NAME one of .*'SUMS'"):
         quantized.set_gemv_constants("BLOCKS=2")
+
+
+@pytest.mark.skipif(not cuda_emulation.available(), reason="the emulation needs g++ (C++20)")
+@pytest.mark.parametrize("n,k,shape", [(8, 14336, "wide"), (32, 4096, "many"), (16, 1024, "default")])
+def test_one_row_steps_take_their_block_shape_and_the_same_values_in_an_emulation(n, k, shape, monkeypatch):
+    """A one-row step of a weight of K >= ONE_ROW_WIDE_K runs 8 warps with the per-word sums,
+    one of N >= ONE_ROW_MANY_N (lowered here to 32 for the emulation's sake) 2 warps with the
+    loop unrolled twice; two rows keep the defaults. Each gives x times the dequantized
+    weights, with the residual added."""
+    monkeypatch.setattr(q4_gemv, "ONE_ROW_MANY_N", 32)
+    mx.random.seed(n + k)
+    w, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=64, bits=4)
+    x, res = mx.random.normal((1, k)), mx.random.normal((1, n))
+    constants, blocks = q4_gemv.gemv_launch(1, n, k, 64, res=True)
+    want_shape = {"wide": q4_gemv.ONE_ROW_WIDE, "many": q4_gemv.ONE_ROW_MANY, "default": {}}[shape]
+    assert {name: constants[name] for name in want_shape} == want_shape
+    if shape == "default":
+        assert (constants["GEMV_W"], constants["SUMS"]) == (q4_gemv.GEMV_WARPS, int(q4_gemv.GEMV_SUMS))
+    assert q4_gemv.gemv_launch(2, n, k, 64)[0]["GEMV_W"] == q4_gemv.GEMV_WARPS
+    inputs = {"x": np.array(x), "w": np.array(w), "scales": np.array(scales), "biases": np.array(biases),
+              "res": np.array(res)}
+    got = cuda_emulation.run_kernel(q4_gemv.SOURCE, inputs, constants, blocks, constants["GEMV_W"] * 32, (1, n))
+    want = x @ mx.dequantize(w, scales, biases, group_size=64, bits=4).T + res
+    np.testing.assert_allclose(got, np.array(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not cuda_is_default(), reason="the kernels run on a CUDA GPU")
+@pytest.mark.parametrize("n,k", [(4096, 14336), (16384, 2048)])
+def test_one_row_shapes_on_cuda_give_mlxs_quantized_matmul(n, k):
+    """The one-row block shapes (8 warps for a wide K, 2 warps unrolled for many features) on
+    the GPU against MLX's quantized matmul, with the residual added."""
+    mx.random.seed(n)
+    w, scales, biases = mx.quantize(mx.random.normal((n, k)).astype(mx.bfloat16), group_size=64, bits=4)
+    x, res = mx.random.normal((1, k)).astype(mx.bfloat16), mx.random.normal((1, n)).astype(mx.bfloat16)
+    assert q4_gemv.one_row_shape(n, k)
+    got = q4_gemv.gemv(x, w, scales, biases, 64, res=res).astype(mx.float32)
+    want = (mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=64, bits=4)
+            + res).astype(mx.float32)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-2, atol=2e-2 * float(mx.abs(want).max()))

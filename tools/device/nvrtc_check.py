@@ -100,7 +100,7 @@ def record_launches() -> list[Build]:
         return launch
 
     saved = (mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, q4_gemv.GEMV_WIDE_LOADS, q4_mma.MMA_SHAPE,
-             q4_gemv.GEMV_MAGIC_NIBBLES, q4_gemv.GEMV_SUMS)
+             q4_gemv.GEMV_MAGIC_NIBBLES, q4_gemv.GEMV_SUMS, q4_gemv.ONE_ROW_MANY_N)
     mx.fast.cuda_kernel = fake_cuda_kernel
     kernel_cache.cuda_kernel.cache_clear()
     try:
@@ -196,6 +196,18 @@ def record_launches() -> list[Build]:
                 for split in (False, True):
                     q4_mma.mma(x, w, scales, biases, 64, split=split)
                 bf16_mma.matmul(x, mx.zeros((64, 4096), dtype=mx.bfloat16))  # (execute.dense_mma)
+        # one-row steps' own block shapes (q4_gemv.one_row_shape): many features (the
+        # threshold lowered to this weight's 64; plain and SwiGLU) and a wide K (down's 14,336)
+        q4_gemv.GEMV_WIDE_LOADS, q4_gemv.GEMV_MAGIC_NIBBLES, q4_gemv.GEMV_SUMS = saved[2], saved[4], saved[5]
+        q4_gemv.ONE_ROW_MANY_N = 64
+        one = mx.zeros((1, 4096), dtype=mx.bfloat16)
+        q4_gemv.gemv(one, w, scales, biases, 64)
+        gate_up = nn.QuantizedLinear(4096, 64, bias=False, group_size=64, bits=4)
+        gate_up.set_dtype(mx.bfloat16)
+        q4_gemv.gemv_swiglu(one, gate_up)
+        wide = mx.quantize(mx.zeros((64, 14336), dtype=mx.bfloat16), group_size=64, bits=4)
+        q4_gemv.gemv(mx.zeros((1, 14336), dtype=mx.bfloat16), *wide, 64, res=mx.zeros((1, 64), dtype=mx.bfloat16))
+        q4_gemv.ONE_ROW_MANY_N = saved[6]
         # the 8B shape's 4-bit q/k/v with RoPE (quantized.GEMV_ROPE), returned or into the
         # pool, and the gate/up GEMV's SwiGLU (GEMV_SWIGLU), with the default loads
         q4_gemv.GEMV_WIDE_LOADS, q4_mma.MMA_SHAPE, q4_gemv.GEMV_MAGIC_NIBBLES, q4_gemv.GEMV_SUMS = saved[2:6]
@@ -209,7 +221,7 @@ def record_launches() -> list[Build]:
             q4_gemv.gemv_swiglu(x, qkv)  # (the gate/up kernel: the same build for any N)
     finally:  # the stand-in and its kernels go: a test process goes on with the real ones
         (mx.fast.cuda_kernel, paged_attention.POSITIONS_IN_FLIGHT, q4_gemv.GEMV_WIDE_LOADS, q4_mma.MMA_SHAPE,
-         q4_gemv.GEMV_MAGIC_NIBBLES, q4_gemv.GEMV_SUMS) = saved
+         q4_gemv.GEMV_MAGIC_NIBBLES, q4_gemv.GEMV_SUMS, q4_gemv.ONE_ROW_MANY_N) = saved
         kernel_cache.cuda_kernel.cache_clear()
     return builds
 

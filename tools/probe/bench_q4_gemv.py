@@ -7,9 +7,10 @@ GEMVs would take (layers x the four projections + the output head). Needs CUDA.
         [--hidden 4096 --heads 32 --kv-heads 8 --mlp 14336 --vocab 128256 --layers 32]
         [--json out.json]
 
-A variant is "mlx" (mx.quantized_matmul) or q4_gemv's GEMV_* constants as
-UNIKERN_Q4_GEMV takes them ("SUMS=1,WARPS=1,UNROLL=4"; "default": as the module has
-them). The projections run as the 4-bit blocks call them: q/k/v plain (its RoPE epilogue
+A variant is "mlx" (mx.quantized_matmul), "default" (q4_gemv as it ships, one-row steps
+shaped by the weight's shape: GEMV_ONE_ROW_SHAPES) or q4_gemv's GEMV_* constants as
+UNIKERN_Q4_GEMV takes them ("SUMS=1,WARPS=1,UNROLL=4"), which set every shape's block
+alike (the one-row shapes off unless the variant names ONE_ROW_SHAPES). The projections run as the 4-bit blocks call them: q/k/v plain (its RoPE epilogue
 costs the same loads), o and down with the residual added inside, gate/up with SwiGLU.
 Each shape runs over `--distinct` weight matrices (so they come from HBM, not L2).
 `--best FILE` writes the variant with the lowest one-row token estimate there, as
@@ -25,9 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_VARIANTS = ["mlx", "default", "SUMS=1", "WARPS=1,UNROLL=4", "SUMS=1,WARPS=1,UNROLL=4",
-                    "SUMS=1,WARPS=2,UNROLL=2", "SUMS=1,FEATURES=2", "SUMS=1,WARPS=1,FEATURES=8,UNROLL=2",
-                    "SUMS=1,WARPS=8"]
+DEFAULT_VARIANTS = ["mlx", "default", "ONE_ROW_SHAPES=0", "SUMS=1", "WARPS=1,UNROLL=4", "SUMS=1,WARPS=2,UNROLL=2",
+                    "SUMS=1,FEATURES=2", "SUMS=1,WARPS=8", "WARPS=8", "WARPS=2,UNROLL=2"]
 
 
 def main() -> None:
@@ -96,6 +96,7 @@ def main() -> None:
         for name, value in defaults.items():
             setattr(q4_gemv, name, value)
         if variant not in ("mlx", "default"):
+            q4_gemv.GEMV_ONE_ROW_SHAPES = False
             quantized.set_gemv_constants(variant)
         for rows in args.rows:
             per_shape = {}
