@@ -25,7 +25,9 @@
 # parity-1b-nofuse (execute.fuse_elementwise=never: a fresh start, against the default
 # through the library, greedy parity), startup-rows-off (a fresh start with MLX's gather for
 # unikern's row kernel), engine-tests (the runner's kernels on CUDA), qwen2-place (tiny-qwen2
-# with the engine's kernels off one at a time), startup-probe (tools/probe/probe_startup.py),
+# with the engine's kernels off one at a time), q4-gemv (the 4-bit GEMV's variants,
+# tools/probe/bench_q4_gemv.py), parity-1b-cudnn (parity-1b with cuDNN's SDPA),
+# startup-probe (tools/probe/probe_startup.py),
 # ab-tree (this tree's engine against OLD_TREE's, interleaved), and h200_x2.sh's two-GPU steps:
 # nccl-tests, bench-tp-8b. The models a step needs are built first (bench_gpu.py models
 # and gguf; llama.cpp builds in the background from .whl/lc's source).

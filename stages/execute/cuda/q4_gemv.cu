@@ -6,8 +6,9 @@
 // multiplies every row of x against them, so a row costs only its own FMAs; per-thread sums
 // meet by warp shuffles, then across the warps in shared memory. MLX's affine layout:
 // weight [N, K/8] uint32 (nibble i of a word is bits 4i..4i+3), scales and biases [N, K/GS];
-// rows come from x's shape at run time. SUMS: each 8 weights' products summed as s * sum(x q) +
-// b * sum(x), MLX's order, the nibbles made floats by their bits; else x times s * q + b. ROPE (the 4-bit q/k/v projection, w's rows q then k
+// rows come from x's shape at run time. SUMS: each 8 weights' products summed as
+// s * sum(x q) + b * sum(x) (MLX's Metal qmv's order), the nibbles made floats by their
+// bits; else x times s * q + b. ROPE (the 4-bit q/k/v projection, w's rows q then k
 // then v, QN and KN features): below QN + KN a block's F features are F / 2 rotation pairs
 // of one head (i and i + HD/2, or 2i and 2i + 1 with TRAD), rotated for each row's position
 // (pos; freq_pi: the inverse frequencies over pi) as MLX's RoPE rotates the rounded
