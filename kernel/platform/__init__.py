@@ -45,10 +45,22 @@ def cuda_sm_count(library: str = "libcuda.so.1") -> int | None:
 
 
 @functools.cache
-def current_platform() -> Platform:
+def _detected() -> Platform:
     from unikern.platform.facts import Platform
 
     return Platform.detect()
+
+
+def current_platform() -> Platform:
+    """This machine's facts, detected once per process, with MLX's memory limit as it is
+    now (a program may set it at any time: the KV budget of an engine started after reads
+    the new one)."""
+    import mlx.core as mx
+    import msgspec
+
+    found = _detected()
+    limit = int(mx.get_memory_limit())
+    return found if limit == found.memory_limit else msgspec.structs.replace(found, memory_limit=limit)
 
 
 @functools.cache
