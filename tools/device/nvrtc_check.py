@@ -196,9 +196,10 @@ def record_launches() -> list[Build]:
                 for split in (False, True):
                     q4_mma.mma(x, w, scales, biases, 64, split=split)
                 bf16_mma.matmul(x, mx.zeros((64, 4096), dtype=mx.bfloat16))  # (execute.dense_mma)
+        # the rest with the default loads and summing
+        q4_gemv.GEMV_WIDE_LOADS, q4_mma.MMA_SHAPE, q4_gemv.GEMV_MAGIC_NIBBLES, q4_gemv.GEMV_SUMS = saved[2:6]
         # one-row steps' own block shapes (q4_gemv.one_row_shape): many features (the
         # threshold lowered to this weight's 64; plain and SwiGLU) and a wide K (down's 14,336)
-        q4_gemv.GEMV_WIDE_LOADS, q4_gemv.GEMV_MAGIC_NIBBLES, q4_gemv.GEMV_SUMS = saved[2], saved[4], saved[5]
         q4_gemv.ONE_ROW_MANY_N = 64
         one = mx.zeros((1, 4096), dtype=mx.bfloat16)
         q4_gemv.gemv(one, w, scales, biases, 64)
@@ -209,8 +210,7 @@ def record_launches() -> list[Build]:
         q4_gemv.gemv(mx.zeros((1, 14336), dtype=mx.bfloat16), *wide, 64, res=mx.zeros((1, 64), dtype=mx.bfloat16))
         q4_gemv.ONE_ROW_MANY_N = saved[6]
         # the 8B shape's 4-bit q/k/v with RoPE (quantized.GEMV_ROPE), returned or into the
-        # pool, and the gate/up GEMV's SwiGLU (GEMV_SWIGLU), with the default loads
-        q4_gemv.GEMV_WIDE_LOADS, q4_mma.MMA_SHAPE, q4_gemv.GEMV_MAGIC_NIBBLES, q4_gemv.GEMV_SUMS = saved[2:6]
+        # pool, and the gate/up GEMV's SwiGLU (GEMV_SWIGLU)
         qkv = nn.QuantizedLinear(4096, 48 * 128, bias=False, group_size=64, bits=4)
         qkv.set_dtype(mx.bfloat16)
         for rows in (1, 3):

@@ -10,8 +10,9 @@ GEMVs would take (layers x the four projections + the output head). Needs CUDA.
 A variant is "mlx" (mx.quantized_matmul), "default" (q4_gemv as it ships, one-row steps
 shaped by the weight's shape: GEMV_ONE_ROW_SHAPES) or q4_gemv's GEMV_* constants as
 UNIKERN_Q4_GEMV takes them ("SUMS=1,WARPS=1,UNROLL=4"), which set every shape's block
-alike (the one-row shapes off unless the variant names ONE_ROW_SHAPES). The projections run as the 4-bit blocks call them: q/k/v plain (its RoPE epilogue
-costs the same loads), o and down with the residual added inside, gate/up with SwiGLU.
+alike (the one-row shapes off unless the variant names ONE_ROW_SHAPES). The projections
+run as the 4-bit blocks call them: q/k/v plain (its RoPE epilogue costs the same loads),
+o and down with the residual added inside, gate/up with SwiGLU.
 Each shape runs over `--distinct` weight matrices (so they come from HBM, not L2).
 `--best FILE` writes the variant with the lowest one-row token estimate there, as
 UNIKERN_Q4_GEMV takes it (tools/device/h200_gpu.sh's q4-gemv step hands it to the later
