@@ -328,7 +328,7 @@ def test_quantized_blocks_rotate_inside_the_gemv_without_a_pool(monkeypatch):
     want = decode_logits(model, [5, 9, 11], 2)
     fuse_projections(model, quantized=True)
     quantized.route_quantized_layers(model, 8, gemv=True)
-    monkeypatch.setattr(q4_gemv, "GEMV_WARPS", 2)  # (each emulated CUDA thread is an OS thread)
+    monkeypatch.setattr(q4_gemv, "GEMV_WARPS", 2)  # (each emulated CUDA thread is a fiber, switched at every barrier)
     monkeypatch.setattr(weight_kernels, "cuda_kernel", cuda_emulation.emulated_cuda_kernels())
     monkeypatch.setattr(quantized, "GEMV_ROPE", True)
     monkeypatch.setattr(blocks, "gemv_rope", lambda *a: ropes.append(a[-1]) or q4_gemv.gemv_rope(*a))
@@ -637,7 +637,7 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int =
     launched, swiglus = [], []
     monkeypatch.setattr(paged_cache, "WRITE_IN_PLACE", True)  # (the default: pinned for the test)
     if emulate:
-        # fewer warps per block: each emulated CUDA thread is an OS thread (the kernels take any count)
+        # fewer warps per block: each emulated CUDA thread is a fiber, switched at every barrier (the kernels take any count)
         monkeypatch.setattr(block_gemv, "WARPS", 2)
         monkeypatch.setattr(q4_gemv, "GEMV_WARPS", 2)
         monkeypatch.setattr(block_gemv, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(
@@ -650,7 +650,7 @@ def pool_writes_case(monkeypatch, emulate: bool, fused: bool = True, bits: int =
         monkeypatch.setattr(pool_write, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
         monkeypatch.setattr(runner_module, "cuda_is_default", lambda: True)  # the paged attention's kernel mode
         monkeypatch.setattr(weight_kernels, "cuda_kernel", cuda_emulation.emulated_cuda_kernels(launched))
-    # head_dim 32; the 4-bit case smaller (each emulated CUDA thread is an OS thread)
+    # head_dim 32; the 4-bit case smaller (each emulated CUDA thread is a fiber, switched at every barrier)
     heads = (2, 1) if bits else (4, 2)
     model = tiny("llama", hidden_size=32 * heads[0], num_attention_heads=heads[0], num_key_value_heads=heads[1],
                  intermediate_size=64 if bits else 96)  # (4-bit: the o and down GEMVs one build)
