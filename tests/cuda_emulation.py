@@ -33,7 +33,8 @@ _FLAGS = ["-O1", "-std=c++20"]
 
 @functools.cache
 def available() -> bool:
-    """A C++20 compiler with std::barrier (g++ 11 or later) to build the emulation with."""
+    """A C++20 compiler with std::atomic_ref and ucontext (g++ 10 or later on glibc) to build
+    the emulation with."""
     if shutil.which("g++") is None:
         return False
     probe = subprocess.run(["g++", "-std=c++20", "-fsyntax-only", "-x", "c++", "-"],
