@@ -1,8 +1,8 @@
 // The runtime of tests/cuda_emulation.py's programs: the CUDA threads of a block as
 // fibers (a ucontext with a stack of its own each) that a scheduler on one OS thread
 // switches between. A fiber runs until it waits at a barrier; the last to arrive goes on,
-// and the scheduler resumes the ones whose barrier has moved on. (One OS thread per CUDA
-// thread, as before, spent most of a launch in futex calls on the 2 shared cores of CI.)
+// and the scheduler resumes the ones whose barrier has moved on. (With an OS thread per
+// CUDA thread, a launch spends most of its time in futex calls on CI's 2 shared cores.)
 #include "cuda_emulation.h"
 
 #include <cstdlib>
