@@ -27,3 +27,8 @@ class StageError(UnikernError):
         super().__init__(f"stage {stage!r} failed: {detail}")
         self.stage = stage
         self.cause = cause
+
+
+class DeviceMemoryError(UnikernError):
+    """A model step asked the device for memory it did not have (MLX's allocator failed);
+    the message says what MLX held then and which settings lower what the engine asks."""

@@ -14,6 +14,7 @@ from unikern.platform import blas, cuda_is_default, shared_bridge
 from unikern.platform.bridge import Bridge, apply_torch_logits_processors
 from unikern.stages.execute.compiled import CompiledDecode, CompiledPrefill
 from unikern.stages.execute.layouts import BatchLayout, DecodeWindow
+from unikern.stages.execute.memory import device_memory_error, is_out_of_memory
 from unikern.stages.execute.model import ModelGeometry
 from unikern.stages.execute.paged_cache import (
     TOKEN_DTYPE,
@@ -231,7 +232,16 @@ class ModelRunner:
 
     def execute(self, step: m.Step, seeds: dict[str, int]) -> m.StepDone:
         """Run the step: its tokens, the log-probabilities asked for, the requests whose
-        grammar completed and those that failed on their own (processor, grammar)."""
+        grammar completed and those that failed on their own (processor, grammar). MLX's
+        allocation failure comes out as DeviceMemoryError, naming what to change."""
+        try:
+            return self._execute(step, seeds)
+        except RuntimeError as exc:
+            if is_out_of_memory(exc):
+                raise device_memory_error(exc, mx, self.pool.resident_bytes) from exc
+            raise
+
+    def _execute(self, step: m.Step, seeds: dict[str, int]) -> m.StepDone:
         highest = max((max(w.block_table) for w in step.work if w.block_table), default=-1)
         highest = max([highest, *(max(source, dest) for source, dest, _ in step.copies)])
         self.pool.ensure_capacity(highest + 1)
