@@ -4,7 +4,6 @@ execute stage raises DeviceMemoryError with what MLX held and the settings that 
 from __future__ import annotations
 
 import anyio
-import mlx.core as mx
 import pytest
 
 import unikern
@@ -29,7 +28,7 @@ def test_other_errors_are_not(exc: BaseException) -> None:
 
 
 def test_the_message_says_what_mlx_held_and_what_to_change() -> None:
-    text = str(device_memory_error(RuntimeError(CUDA_OOM), mx, pool_bytes=3 << 30))
+    text = str(device_memory_error(RuntimeError(CUDA_OOM), pool_bytes=3 << 30))
     assert CUDA_OOM in text and "KV pool committed 3.00 GiB" in text
     for part in ("active ", "cached ", "peak ", "limit ", "kv.memory_fraction", "schedule.max_num_seqs",
                  "mx.set_memory_limit"):

@@ -5,7 +5,7 @@ the settings that lower what the engine asks for. Plain synchronous code."""
 
 from __future__ import annotations
 
-from typing import Any
+import mlx.core as mx
 
 from unikern.errors import DeviceMemoryError
 
@@ -19,7 +19,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(mark in str(exc).lower() for mark in OUT_OF_MEMORY_MARKS)
 
 
-def device_memory_error(exc: BaseException, mx: Any, pool_bytes: int | None = None) -> DeviceMemoryError:
+def device_memory_error(exc: BaseException, pool_bytes: int | None = None) -> DeviceMemoryError:
     """`exc` (MLX's allocation failure in a step) as a DeviceMemoryError: MLX's active,
     cached and peak bytes and its memory limit, the KV pool's committed bytes when known,
     and what to change."""
