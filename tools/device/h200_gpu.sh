@@ -35,7 +35,7 @@
 # Environment: OUT (results: $OUT/gpu/, one log per step and summary.txt; default
 # /tmp/h200-out), GPU_STEPS, GPU_BUDGET_S (seconds this call may use, 570), BENCH_ARGS
 # (more bench_gpu.py bench arguments), PYTEST_GPU, WARM_STARTS, STARTUP_ARGS, AB_REPEATS (6),
-# SERVE_ARGS, OLD_TREE, AB_ROUNDS (2),
+# SERVE_ARGS, PARITY_ARGS (more parity_check.py arguments for parity-1b and parity-8b-q4), OLD_TREE, AB_ROUNDS (2),
 # MLX_MEMORY_LIMIT_GIB (60; SERVE_MLX_GIB (30) for each of bench_http's MLX peers), KERNEL_TESTS_MIN_S (300), PROBE_SPY (startup-probe under
 # py-spy, its wheel carried in the set-up's folders: slow, see tools/probe/probe_startup.py).
 set -uo pipefail
@@ -145,7 +145,7 @@ fi
 # ---- greedy parity and start-up, 1B bf16 ----------------------------------------------------
 if want parity-1b; then
   TAIL=12 run_step parity-1b $RES/parity-1b.json 90 python3 -m tools.check.parity_check --model $M/llama-1b \
-    --prompts 16 --max-tokens 32 --json $RES/parity-1b.json
+    --prompts 16 --max-tokens 32 ${PARITY_ARGS:-} --json $RES/parity-1b.json
 fi
 if named parity-1b-cudnn; then  # with MLX's cuDNN SDPA for the prompts (mlx-lm's too: one process)
   TAIL=12 run_step parity-1b-cudnn $RES/parity-1b-cudnn.json 90 env MLX_CUDA_USE_CUDNN_SDPA=1 python3 -m \
@@ -305,7 +305,7 @@ if named serve-8b-q4; then
 fi
 if named parity-8b-q4; then
   TAIL=12 run_step parity-8b-q4 $RES/parity-8b-q4.json 150 python3 -m tools.check.parity_check \
-    --model $M/llama-8b-q4 --prompts 16 --max-tokens 32 --json $RES/parity-8b-q4.json
+    --model $M/llama-8b-q4 --prompts 16 --max-tokens 32 ${PARITY_ARGS:-} --json $RES/parity-8b-q4.json
 fi
 
 # ---- the CUDA kernel tests: each kernel against MLX's own ops, float32 exact (TF32 off) -----
