@@ -330,12 +330,15 @@ FIRST = PREFIX + [(13 * j) % 900 + 5 for j in range(200)]
 FOLLOWERS = [PREFIX + [20 + i, 30 + i] for i in range(6)]
 
 
+def engine_settings(partial: bool) -> dict:
+    return {"kv": {"kv_budget_bytes": 64 << 20, "block_size": 256, "partial_prefix": partial},
+            "schedule": {"max_num_batched_tokens": 512}}
+
+
 async def run_engine(tiny_llama: str, partial: bool) -> tuple[list, dict]:
     import unikern
 
-    overrides = {"kv": {"kv_budget_bytes": 64 << 20, "block_size": 256, "partial_prefix": partial},
-                 "schedule": {"max_num_batched_tokens": 512}}
-    async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=overrides) as engine:
+    async with unikern.Engine.from_pipeline("generate", model=tiny_llama, overrides=engine_settings(partial)) as engine:
         await engine.complete(prompt_tokens=FIRST, max_tokens=2)
         alone = await engine.complete(prompt_tokens=FOLLOWERS[0], max_tokens=8)
         together = await complete_all(engine, FOLLOWERS[1:], 8)  # in flight together: several copies a step

@@ -24,54 +24,44 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PREFIX = [(11 * j) % 1000 + 7 for j in range(600)]
 DEFAULT_SETS = ["none", "execute.paged_attention=never", "execute.block_kernel=never", "execute.fuse_blocks=never",
                 "execute.fuse_projections=never", "execute.compile_prefill=never", "execute.compile_decode=never",
                 "execute.fuse_elementwise=never", "env:UNIKERN_ROW_KERNEL=0", "env:UNIKERN_STEP_LAYOUT=0"]
 
 
-def scenario(name: str) -> tuple[str, str, dict, list[list[int]], int, bool]:
-    """(model dir, pipeline, overrides, prompts, max_tokens, first request alone first)"""
+def scenario(name: str) -> tuple[str, dict, list[tuple[list[int], int]], int]:
+    """(model dir, engine settings, each request's prompt and max_tokens, how many of them
+    go one by one before the rest are sent together), as the test sets them up"""
     sys.path.insert(0, str(REPO))
     if name == "gpt-oss":
         from tests.test_families import family_model
+        from tests.test_family_prefix import MAX_TOKENS, PREFIX
 
-        return family_model("gpt-oss"), "generate", {"kv": {"kv_budget_bytes": 32 << 20}}, [PREFIX + [42]], 8, False
-    from tests.test_partial_prefix import FIRST, FOLLOWERS
+        return family_model("gpt-oss"), {"kv": {"kv_budget_bytes": 32 << 20}}, [(PREFIX + [42], MAX_TOKENS)], 0
+    from tests.test_partial_prefix import FIRST, FOLLOWERS, engine_settings
     from unikern.testing.modelgen import cached_model
 
-    overrides = {"kv": {"kv_budget_bytes": 64 << 20, "block_size": 256, "partial_prefix": name == "partial"},
-                 "schedule": {"max_num_batched_tokens": 512}}
-    return str(cached_model("tiny-llama")), "generate", overrides, [FIRST, *FOLLOWERS], 8, True
+    # the request that fills the cache (2 tokens), one follower alone, the others together
+    asked = [(FIRST, 2)] + [(p, 8) for p in FOLLOWERS]
+    return str(cached_model("tiny-llama")), engine_settings(name == "partial"), asked, 2
 
 
-def run(path: str, pipeline: str, overrides: dict, batch: list[list[int]], max_tokens: int, first_alone: bool,
-        setting: str) -> list[list[int]]:
+def run(path: str, overrides: dict, asked: list[tuple[list[int], int]], alone: int, setting: str) -> list[list[int]]:
     import anyio
 
     import unikern
+    from tests.conftest import complete_all
     from tools.common.runs import engine_overrides
 
     sets = [] if setting == "none" or setting.startswith("env:") else [setting]
-    merged = engine_overrides(overrides, sets)
 
     async def main():
-        async with unikern.Engine.from_pipeline(pipeline, model=path, overrides=merged) as engine:
-            out = []
-            rest = batch
-            if first_alone:  # the request that fills the cache, then one follower alone, the others together
-                out.append((await engine.complete(prompt_tokens=batch[0], max_tokens=2)).token_ids)
-                out.append((await engine.complete(prompt_tokens=batch[1], max_tokens=max_tokens)).token_ids)
-                rest = batch[2:]
-            results: list = [None] * len(rest)
-
-            async def one(i):
-                results[i] = (await engine.complete(prompt_tokens=rest[i], max_tokens=max_tokens)).token_ids
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(rest)):
-                    tg.start_soon(one, i)
-            return out + results
+        async with unikern.Engine.from_pipeline("generate", model=path,
+                                                overrides=engine_overrides(overrides, sets)) as engine:
+            out = [await engine.complete(prompt_tokens=p, max_tokens=n) for p, n in asked[:alone]]
+            together = asked[alone:]  # one max_tokens among them
+            out += await complete_all(engine, [p for p, _ in together], together[0][1])
+            return [r.token_ids for r in out]
 
     return anyio.run(main)
 
@@ -94,15 +84,13 @@ def main() -> int:
 
         from unikern.testing.reference import greedy_reference
 
-        path, _, _, batch, max_tokens, first_alone = scenario(args.cpu_child)
+        path, _, asked, _ = scenario(args.cpu_child)
         model, tokenizer = load(path)
-        refs = [greedy_reference(model, tokenizer, p, 2 if first_alone and i == 0 else max_tokens)
-                for i, p in enumerate(batch)]
+        refs = [greedy_reference(model, tokenizer, p, n) for p, n in asked]
         print(json.dumps([{"tokens": r.tokens, "margins": r.margins} for r in refs]))
         return 0
     if args.child:  # one engine run in a process of its own (environment switches are read at import)
-        path, pipeline, overrides, batch, max_tokens, first_alone = scenario(args.child[0])
-        print(json.dumps(run(path, pipeline, overrides, batch, max_tokens, first_alone, args.child[1])))
+        print(json.dumps(run(*scenario(args.child[0]), args.child[1])))
         return 0
 
     import mlx.core as mx
@@ -112,9 +100,8 @@ def main() -> int:
 
     report = []
     for name in args.scenario:
-        path, _, _, batch, max_tokens, first_alone = scenario(name)
+        path, _, asked, _ = scenario(name)
         model, tokenizer = load(path)
-        asked = [(p, 2 if first_alone and i == 0 else max_tokens) for i, p in enumerate(batch)]
         refs = [greedy_reference(model, tokenizer, p, n) for p, n in asked]
         cpu_refs = None
         if args.cpu_reference:  # a process of its own: mlx-lm takes its stream's device at import
