@@ -26,7 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SETS = ["none", "execute.paged_attention=never", "execute.block_kernel=never", "execute.fuse_blocks=never",
                 "execute.fuse_projections=never", "execute.compile_prefill=never", "execute.compile_decode=never",
-                "execute.fuse_elementwise=never", "env:UNIKERN_ROW_KERNEL=0", "env:UNIKERN_STEP_LAYOUT=0"]
+                "execute.fuse_elementwise=never", "env:UNIKERN_ROW_KERNEL=0", "env:UNIKERN_STEP_LAYOUT=0",
+                "attr:unikern.stages.execute.paged_cache.WRITE_IN_PLACE=False"]
 
 
 def scenario(name: str) -> tuple[str, dict, list[tuple[list[int], int]], int]:
@@ -53,7 +54,14 @@ def run(path: str, overrides: dict, asked: list[tuple[list[int], int]], alone: i
     from tests.conftest import complete_all
     from tools.common.runs import engine_overrides
 
-    sets = [] if setting == "none" or setting.startswith("env:") else [setting]
+    if setting.startswith("attr:"):  # a module's switch, set before the engine starts
+        import ast
+        import importlib
+
+        name, value = setting[5:].split("=", 1)
+        module, attr = name.rsplit(".", 1)
+        setattr(importlib.import_module(module), attr, ast.literal_eval(value))
+    sets = [] if setting == "none" or setting.startswith(("env:", "attr:")) else [setting]
 
     async def main():
         async with unikern.Engine.from_pipeline("generate", model=path,
@@ -70,7 +78,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", nargs="+", default=["gpt-oss", "partial", "partial-off"])
     parser.add_argument("--set", nargs="+", default=DEFAULT_SETS, dest="sets",
-                        help="none, STAGE.KEY=VALUE, or env:NAME=VALUE (set for a child process)")
+                        help="none, STAGE.KEY=VALUE, env:NAME=VALUE (set for a child process) or "
+                             "attr:MODULE.NAME=LITERAL (a module's switch, set in the child)")
     parser.add_argument("--cpu-reference", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--child", nargs=2, metavar=("SCENARIO", "SETTING"), help=argparse.SUPPRESS)
