@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,55 +32,84 @@ HOOKED = [("mlx_lm.models.llama", "TransformerBlock", "Attention"),
 
 
 class Recorder:
-    """Each hooked call's output at its last position, for calls of several tokens (a
-    prefill), kept lazy until the forward is evaluated; `forwards()` splits them into
-    forwards (a block seen again starts the next)."""
+    """Outputs at the last position of each call of several tokens (a prefill): each
+    block's (`block3`), its attention module's (`attn3`), and inside the block each
+    `mx.fast.rope` (`rope3.0` the queries, `rope3.1` the keys) and
+    `mx.fast.scaled_dot_product_attention` (`sdpa3.0`). Kept lazy and evaluated with the
+    forward (through `mx.depends`, on the forward's thread); a block seen again starts
+    the next forward."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[int, str, object]] = []
-        self.on = True
+        self.forwards: list[dict[str, object]] = []
+        self._seen: set[int] = set()
+        self._layer = -1
+        self._counts: dict[str, int] = {}
 
-    def hook(self) -> None:
-        import importlib
-
-        for module, block, attention in HOOKED:
-            mod = importlib.import_module(module)
-            for name, kind in ((block, "block"), (attention, "attn")):
-                self._wrap(getattr(mod, name), kind)
-
-    def _wrap(self, cls: type, kind: str) -> None:
-        import mlx.core as mx
-
-        original = cls.__call__
-        recorder = self
-
-        def call(self, x, *args, **kwargs):
-            out = original(self, x, *args, **kwargs)
-            if recorder.on and x.ndim == 3 and x.shape[1] > 1:
-                record = out[:, -1].astype(mx.float32)
-                recorder.calls.append((id(self), kind, record))
-                # evaluated with the forward (on its thread), its values untouched
-                out = mx.depends([out], [record])[0]
-            return out
-
-        cls.__call__ = call
+    def clear(self) -> None:
+        self.forwards, self._seen, self._layer = [], set(), -1
 
     def last_forward(self) -> dict[str, np.ndarray]:
         """The last forward's outputs (an earlier chunk's last layers may never have been
         evaluated: a chunk that samples nothing evaluates only the pool)."""
-        return {k: np.array(v) for k, v in self.forwards()[-1].items()}
+        return {k: np.array(v) for k, v in self.forwards[-1].items()}
 
-    def forwards(self) -> list[dict[str, object]]:
-        out: list[dict[str, np.ndarray]] = []
-        seen: dict[tuple[int, str], int] = {}
-        for key, kind, array in ((c[0], c[1], c[2]) for c in self.calls):
-            if (key, kind) in seen or not out:
-                out.append({})
-                seen = {}
-            layer = sum(1 for k in seen if k[1] == kind)
-            seen[(key, kind)] = layer
-            out[-1][f"{kind}{layer}"] = array
-        return out
+    def _record(self, name: str, out, axis: int):
+        import mlx.core as mx
+
+        if self._layer < 0:
+            return out
+        index = self._counts.get(name, 0)
+        self._counts[name] = index + 1
+        key = f"{name}{self._layer}" if name in ("block", "attn") else f"{name}{self._layer}.{index}"
+        record = mx.take(out, out.shape[axis] - 1, axis=axis).reshape(-1).astype(mx.float32)
+        self.forwards[-1][key] = record
+        return mx.depends([out], [record])[0]
+
+    def hook(self) -> None:
+        import importlib
+
+        import mlx.core as mx
+
+        for module, block, attention in HOOKED:
+            mod = importlib.import_module(module)
+            self._wrap_block(getattr(mod, block))
+            self._wrap_attention(getattr(mod, attention))
+        for name, short in (("rope", "rope"), ("scaled_dot_product_attention", "sdpa")):
+            self._wrap_function(mx.fast, name, short)
+
+    def _wrap_block(self, cls: type) -> None:
+        original, recorder = cls.__call__, self
+
+        def call(self, x, *args, **kwargs):
+            if x.ndim != 3 or x.shape[1] == 1:
+                return original(self, x, *args, **kwargs)
+            if id(self) in recorder._seen or not recorder.forwards:
+                recorder.forwards.append({})
+                recorder._seen = set()
+            recorder._seen.add(id(self))
+            recorder._layer, recorder._counts = len(recorder._seen) - 1, {}
+            out = original(self, x, *args, **kwargs)
+            out = recorder._record("block", out, 1)
+            recorder._layer = -1
+            return out
+
+        cls.__call__ = call
+
+    def _wrap_attention(self, cls: type) -> None:
+        original, recorder = cls.__call__, self
+
+        def call(self, x, *args, **kwargs):
+            return recorder._record("attn", original(self, x, *args, **kwargs), 1)
+
+        cls.__call__ = call
+
+    def _wrap_function(self, owner, name: str, short: str) -> None:
+        original, recorder = getattr(owner, name), self
+
+        def call(x, *args, **kwargs):
+            return recorder._record(short, original(x, *args, **kwargs), 2)
+
+        setattr(owner, name, call)
 
 
 def scenario(name: str):
@@ -115,12 +145,12 @@ def child(name: str, out: Path) -> None:
         async with unikern.Engine.from_pipeline("generate", model=path, overrides=overrides) as engine:
             for p in before:
                 await engine.complete(prompt_tokens=p, max_tokens=2)
-            recorder.calls.clear()
+            recorder.clear()
             result = await engine.complete(prompt_tokens=prompt, max_tokens=1)
             return list(result.token_ids), recorder.last_forward()
 
     tokens, engine_layers = anyio.run(engine_run)
-    recorder.calls.clear()
+    recorder.clear()
     model, _ = mlx_lm.load(path)
     logits = model(mx.array([prompt]), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
     mx.eval(logits)
@@ -131,6 +161,23 @@ def child(name: str, out: Path) -> None:
     (out / f"{name}.json").write_text(json.dumps({"engine_token": tokens[0], "ref_top2": [int(t) for t in top],
                                                   "ref_margin": float(logits[top[0]] - logits[top[1]]),
                                                   "device": str(mx.default_device())}))
+
+
+STAGES = ["rope", "sdpa", "attn", "block"]  # their order inside a block
+
+
+def order(key: str) -> tuple[int, int, str]:
+    """(layer, where in the block, which call): rope3.1 -> (3, 0, "1")."""
+    match = re.fullmatch(r"([a-z]+)(\d+)(?:\.(\d+))?", key)
+    assert match is not None, key
+    return int(match[2]), STAGES.index(match[1]), match[3] or ""
+
+
+def common(arrays: dict[str, np.ndarray]) -> set[str]:
+    """The records both the engine and mlx-lm made (the engine's routed attention may
+    not call mx.fast's SDPA)."""
+    names = {side: {k.split(".", 1)[1] for k in arrays if k.startswith(side + ".")} for side in ("engine", "ref")}
+    return names["engine"] & names["ref"]
 
 
 def diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -167,7 +214,7 @@ def main() -> int:
         arrays, _ = runs["default"]
         cpu = runs.get("cpu", (None, None))[0]
         rows = []
-        keys = sorted({k.split(".", 1)[1] for k in arrays}, key=lambda k: (int(k.lstrip("abcdefghijklmnopqrstuvwxyz")), k))
+        keys = sorted({k.split(".", 1)[1] for k in arrays if k.split(".", 1)[1] in common(arrays)}, key=order)
         for k in keys:
             row = {"what": k, "engine_vs_ref": diff(arrays[f"engine.{k}"], arrays[f"ref.{k}"])}
             if cpu is not None:
