@@ -185,3 +185,68 @@ def emulated_cuda_kernels(launched: list[str] | None = None, header: str | None 
         return launch
 
     return build
+
+
+def evaluated(array) -> bool:
+    """Whether MLX has computed `array`: reading it from a thread with no stream of its own
+    succeeds only for an evaluated array (an unevaluated one would need the thread's
+    stream to compute it on)."""
+    import threading
+
+    result: list[bool] = []
+
+    def read() -> None:
+        try:
+            np.array(array)
+            result.append(True)
+        except RuntimeError:
+            result.append(False)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    reader.join()
+    return result[0]
+
+
+class LazyWrites:
+    """The pool write kernel (cuda/pool_write.py) emulated as MLX runs it on a GPU: the
+    real kernel writes the pool arrays in place, which MLX does not see, so it runs only
+    when something evaluated takes its marker. The emulation runs a kernel at its launch;
+    this takes the pool's contents before each launch and, at `settle()` (after a step),
+    puts them back for every launch whose marker MLX never evaluated: the writes a GPU
+    would never have made. Installed as pool_write's `cuda_kernel`; the emulated row
+    kernel must stay off (its launch reads its inputs, evaluating the forward itself)."""
+
+    def __init__(self, launched: list[str] | None = None) -> None:
+        self._build = emulated_cuda_kernels(launched)
+        self._pending: list[tuple] = []
+        self.lost = 0  # writes taken back so far
+
+    def __call__(self, base: str, input_names: tuple[str, ...], source: str, header: str = "",
+                 outputs: tuple[str, ...] = ("out",), contiguous: bool = True):
+        import mlx.core as mx
+
+        launch = self._build(base, input_names, source, header, outputs, contiguous)
+
+        def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            named = dict(zip(input_names, inputs, strict=True))
+            pools = [named[n] for n in written_inputs(source)]
+            mx.eval(pools)
+            before = [np.array(p).copy() for p in pools]
+            marker = launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes)[0] + 0  # lazy
+            self._pending.append((marker, pools, before))
+            return [marker]
+
+        return run
+
+    def settle(self) -> int:
+        """Take back, newest first, the writes whose marker was never evaluated; how many."""
+        lost = 0
+        for marker, pools, before in reversed(self._pending):
+            if not evaluated(marker):
+                for pool, old in zip(pools, before, strict=True):
+                    np.array(pool, copy=False)[...] = old
+                lost += 1
+        self._pending.clear()
+        self.lost += lost
+        return lost

@@ -66,21 +66,24 @@ class CompiledDecode:
         self.traces += 1  # runs only while tracing
         self._traces_kept += 1
         layout = window_layout(starts, step, write_table, read_slots, mx.arange(read_slots.shape[1])[None])
-        arrays = PoolArrays(list(keys), list(values))
-        caches = [PagedLayerCache(arrays, i, layout, paged=self.paged) for i in range(self.num_layers)]
+        arrays, writes = PoolArrays(list(keys), list(values)), []
+        caches = [PagedLayerCache(arrays, i, layout, paged=self.paged, writes=writes) for i in range(self.num_layers)]
         logits = self.model(tokens[:, None], cache=caches)[:, -1, :]
-        return logits, arrays.keys, arrays.values
+        return logits, arrays.keys, arrays.values, writes
 
-    def __call__(self, pool: KVPool, window: DecodeWindow, tokens: mx.array, i: int) -> mx.array:
+    def __call__(self, pool: KVPool, window: DecodeWindow, tokens: mx.array, i: int,
+                 writes: list[mx.array]) -> mx.array:
+        """The step's logits; the write kernel's markers go into `writes` (runner._written)."""
         if self._traces_kept >= self.max_traces:  # dropping the function frees its traces
             self._step = mx.compile(self._forward)
             self._traces_kept = 0
             self.resets += 1
         step = mx.array(i, dtype=mx.int32)
         traced, started = self.traces, time.perf_counter()
-        logits, pool.keys, pool.values = self._step(
+        logits, pool.keys, pool.values, markers = self._step(
             tokens, window.starts, step, window.write_slots, window.read_slots, pool.keys, pool.values
         )
+        writes.extend(markers)
         if self.traces != traced:
             self.trace_s += time.perf_counter() - started
             B, L = window.read_slots.shape
@@ -130,17 +133,20 @@ class CompiledPrefill:
         self._traces_kept += 1
         B, T = tokens.shape
         layout = BatchLayout(B, T, 0, write_slots, None, "causal", [])
-        arrays = PoolArrays(list(keys), list(values))
-        caches = [PagedLayerCache(arrays, i, layout, paged=self.paged) for i in range(self.num_layers)]
+        arrays, writes = PoolArrays(list(keys), list(values)), []
+        caches = [PagedLayerCache(arrays, i, layout, paged=self.paged, writes=writes) for i in range(self.num_layers)]
         if self.head is not None:
             logits = self.head(rows_at(self.model.model(tokens, cache=caches), last))
         else:
             logits = rows_at(self.model(tokens, cache=caches), last)
-        return logits, arrays.keys, arrays.values
+        # the write kernel's markers are outputs: the pool arrays come back as the very
+        # inputs (written in place), so evaluating them alone would not run the forward
+        return logits, arrays.keys, arrays.values, writes
 
     def __call__(self, pool: KVPool, rows: list[tuple[tuple[int, ...], int, int]], tokens: list[list[int]],
-                 bucket: int) -> mx.array:
-        """Logits [B, vocab] at each row's last token; the pool's arrays are the forward's."""
+                 bucket: int, writes: list[mx.array]) -> mx.array:
+        """Logits [B, vocab] at each row's last token; the pool's arrays are the forward's,
+        the write kernel's markers go into `writes` (runner._written)."""
         if self._traces_kept >= self.max_traces:
             self._forward_fn = mx.compile(self._forward)
             self._traces_kept = 0
@@ -153,8 +159,9 @@ class CompiledPrefill:
         self.forwards += 1
         last = flat_positions([n - 1 for _, _, n in rows], bucket)
         traced, started = self.traces, time.perf_counter()
-        logits, pool.keys, pool.values = self._forward_fn(
+        logits, pool.keys, pool.values, markers = self._forward_fn(
             mx.array(padded), mx.array(write.reshape(-1)), last, pool.keys, pool.values)
+        writes.extend(markers)
         if self.traces != traced:
             self.trace_s += time.perf_counter() - started
             self.shapes[f"{len(rows)}x{bucket}/{pool.keys[0].shape[1]}"] += 1

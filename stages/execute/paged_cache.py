@@ -86,12 +86,16 @@ class PagedLayerCache:
 
     def __init__(
         self, pool: KVPool, layer: int, layout: BatchLayout, kernels: bool = False, window: int | None = None,
-        paged: str | None = None,
+        paged: str | None = None, writes: list | None = None,
     ) -> None:
         self.pool = pool
         self.layer = layer
         self.layout = layout
         self.window = window
+        # the write kernel's markers (pool_write.write), for whoever ends the step to evaluate
+        # with the pool: MLX sees no write to the pool arrays, so a forward whose outputs
+        # nobody evaluates (a chunk that samples nothing) would never run its writes
+        self.writes = writes
         self.head_major = False  # update_and_fetch returned [H, B, L, D] gathers, transposed
         # decode steps read straight from the pool (cuda/paged_attention.py): "kernel" (CUDA)
         # or "reference" (MLX ops); None: the gathered SDPA
@@ -149,6 +153,8 @@ class PagedLayerCache:
             # sinks, a layer whose SDPA is not routed), a fresh prompt's own keys take it
             # so that the write is evaluated with them
             done = pool_write.write(keys, values, pool_k, pool_v, lay.write_slots)
+            if self.writes is not None:
+                self.writes.append(done)
             if read is None:
                 return tuple(mx.depends([keys, values], [done]))
             if kernel_read:

@@ -150,22 +150,27 @@ class ModelRunner:
         # step, or a one-step step), on the device, in that step's row order: a window
         # planned before they came back (SeqWork.continues) feeds them
         self._carried: tuple[tuple[str, ...], mx.array] | None = None
+        # this step's pool write kernel markers (PagedLayerCache.writes), evaluated with the
+        # pool (_written): a forward whose outputs nobody evaluates runs its writes no other way
+        self._writes: list[mx.array] = []
 
     def _caches(self, layout: BatchLayout, slots: list[int] | None = None, window_layout: BatchLayout | None = None) -> list:
         """The per-layer caches of one forward; `slots`: the rows' state slots;
         `window_layout`: the windowed layers' own (split layer groups)."""
         kernels = self.kernels["enabled"]
         if self.layers is None:
-            return [PagedLayerCache(self.pool, i, layout, kernels, paged=self.paged) for i in range(self.num_layers)]
+            return [PagedLayerCache(self.pool, i, layout, kernels, paged=self.paged, writes=self._writes)
+                    for i in range(self.num_layers)]
         slot_array = mx.array(slots) if self.states is not None else None
         caches = []
         for s in self.layers:
             if s.kind == "state":
                 caches.append(StateLayerCache(self.states, s.index, slot_array))
             elif s.kind == "window" and window_layout is not None:
-                caches.append(PagedLayerCache(self.window_pool, s.index, window_layout, kernels, s.window, self.paged))
+                caches.append(PagedLayerCache(self.window_pool, s.index, window_layout, kernels, s.window, self.paged,
+                                              self._writes))
             else:
-                caches.append(PagedLayerCache(self.pool, s.index, layout, kernels, s.window, self.paged))
+                caches.append(PagedLayerCache(self.pool, s.index, layout, kernels, s.window, self.paged, self._writes))
         return caches
 
     def _written(self) -> list:
@@ -175,8 +180,12 @@ class ModelRunner:
         (nemotron-h's M*M-) holds the attention's read of the pool in its state's pending
         graph, which evaluating the pool alone leaves pending; the next write into a pool
         array with a read pending is not done in place: MLX copies the whole array (on
-        cpu, the whole budget, committed)."""
-        written: list = [self.pool.keys, self.pool.values]
+        cpu, the whole budget, committed). And the step's write kernel markers: the kernel
+        writes the pool arrays in place, which MLX does not see, so it runs only when
+        something evaluated takes its marker; a chunk that samples nothing evaluates
+        nothing else (on an H100 its keys and values never reached the pool, and the
+        prompt's next chunk and every later prefix hit read what was there before)."""
+        written: list = [self.pool.keys, self.pool.values, *self._writes]
         if self.window_pool is not None:
             written += [self.window_pool.keys, self.window_pool.values]
         if self.states is not None:
@@ -192,7 +201,7 @@ class ModelRunner:
         if self.compiled_prefill is not None and not window_rows:
             bucket = self.compiled_prefill.bucket(rows)
             if bucket is not None:
-                return self.compiled_prefill(self.pool, rows, tokens, bucket)
+                return self.compiled_prefill(self.pool, rows, tokens, bucket, self._writes)
         layout = BatchLayout.build(self.pool, rows)
         window_layout = BatchLayout.build(self.window_pool, window_rows) if window_rows else None
         caches = self._caches(layout, slots, window_layout)
@@ -242,6 +251,7 @@ class ModelRunner:
             raise
 
     def _execute(self, step: m.Step, seeds: dict[str, int]) -> m.StepDone:
+        self._writes.clear()  # the last step's, evaluated with it
         highest = max((max(w.block_table) for w in step.work if w.block_table), default=-1)
         highest = max([highest, *(max(source, dest) for source, dest, _ in step.copies)])
         self.pool.ensure_capacity(highest + 1)
@@ -410,7 +420,7 @@ class ModelRunner:
         for i in range(step.num_steps):
             if compiled is not None:  # its rows padded to the window's bucket (layouts.row_bucket)
                 fed = mx.concatenate([inputs, mx.zeros((padding,), inputs.dtype)]) if padding else inputs
-                logits = compiled(self.pool, window, fed, i)
+                logits = compiled(self.pool, window, fed, i, self._writes)
                 logits = logits[: len(work)] if padding else logits
             else:
                 window_layout = None

@@ -440,10 +440,11 @@ def graph_census(runner, pool, rows, window: int) -> dict:
     if runner.compiled is None:
         return {}
     layout = DecodeWindow(pool, rows, window, bucketed=True)
-    logits = runner.compiled(pool, layout, mx.zeros((layout.rows_run,), dtype=mx.uint32), 0)
+    writes: list = []
+    logits = runner.compiled(pool, layout, mx.zeros((layout.rows_run,), dtype=mx.uint32), 0, writes)
     token = mx.argmax(logits, axis=-1)
     with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
-        mx.export_to_dot(f.name, token, *pool.keys, *pool.values)
+        mx.export_to_dot(f.name, token, *pool.keys, *pool.values, *writes)
         labels = re.findall(r'label ="([^"]+)"', f.read())
     counts: dict[str, int] = {}
     for label in labels:
