@@ -3,9 +3,11 @@
 only when something evaluated takes its marker. A prompt's chunk that samples nothing
 evaluates none of its forward's outputs, so the runner evaluates the markers with the
 pool arrays (runner._written), and the traced prefill returns them as outputs (its pool
-arrays come back as its very inputs). Without that, on an H100 a 512-token chunk's keys
-and values never reached the pool: the prompt's next chunk and later prefix hits read
-what was there before (tests/test_partial_prefix.py failed there, at a margin of 0.40)."""
+arrays come back as its very inputs). Without that a chunk's keys and values never reach
+the pool, and the prompt's next chunk and later prefix hits read what was there before:
+tests/test_partial_prefix.py, whose first request's 512-token chunk goes through the
+traced prefill and samples nothing, failed on an H100 at a margin of 0.40 (before this
+was found; the GPU has not run it since)."""
 
 from __future__ import annotations
 

@@ -183,8 +183,9 @@ class ModelRunner:
         cpu, the whole budget, committed). And the step's write kernel markers: the kernel
         writes the pool arrays in place, which MLX does not see, so it runs only when
         something evaluated takes its marker; a chunk that samples nothing evaluates
-        nothing else (on an H100 its keys and values never reached the pool, and the
-        prompt's next chunk and every later prefix hit read what was there before)."""
+        nothing else, so its keys and values would never reach the pool, and the prompt's
+        next chunk and every later prefix hit would read what was there before
+        (tests/test_pool_write_markers.py)."""
         written: list = [self.pool.keys, self.pool.values, *self._writes]
         if self.window_pool is not None:
             written += [self.window_pool.keys, self.window_pool.values]
