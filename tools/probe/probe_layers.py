@@ -26,14 +26,14 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-# (module, block class, attention class) of the scenarios' families
-HOOKED = [("mlx_lm.models.llama", "TransformerBlock", "Attention"),
-          ("mlx_lm.models.gpt_oss", "TransformerBlock", "AttentionBlock")]
+# (module, block class, attention class, MLP class) of the scenarios' families
+HOOKED = [("mlx_lm.models.llama", "TransformerBlock", "Attention", "MLP"),
+          ("mlx_lm.models.gpt_oss", "TransformerBlock", "AttentionBlock", "MLPBlock")]
 
 
 class Recorder:
     """Outputs at the last position of each call of several tokens (a prefill): each
-    block's (`block3`), its attention module's (`attn3`), and inside the block each
+    block's (`block3`), its attention and MLP modules' (`attn3`, `mlp3`), and inside the block each
     `mx.fast.rope` (`rope3.0` the queries, `rope3.1` the keys) and
     `mx.fast.scaled_dot_product_attention` (`sdpa3.0`). Kept lazy and evaluated with the
     forward (through `mx.depends`, on the forward's thread); a block seen again starts
@@ -60,7 +60,7 @@ class Recorder:
             return out
         index = self._counts.get(name, 0)
         self._counts[name] = index + 1
-        key = f"{name}{self._layer}" if name in ("block", "attn") else f"{name}{self._layer}.{index}"
+        key = f"{name}{self._layer}" if name in ("block", "attn", "mlp") else f"{name}{self._layer}.{index}"
         record = mx.take(out, out.shape[axis] - 1, axis=axis).reshape(-1).astype(mx.float32)
         self.forwards[-1][key] = record
         return mx.depends([out], [record])[0]
@@ -70,10 +70,11 @@ class Recorder:
 
         import mlx.core as mx
 
-        for module, block, attention in HOOKED:
+        for module, block, attention, mlp in HOOKED:
             mod = importlib.import_module(module)
             self._wrap_block(getattr(mod, block))
-            self._wrap_attention(getattr(mod, attention))
+            self._wrap_module(getattr(mod, attention), "attn")
+            self._wrap_module(getattr(mod, mlp), "mlp")
         for name, short in (("rope", "rope"), ("scaled_dot_product_attention", "sdpa")):
             self._wrap_function(mx.fast, name, short)
 
@@ -95,11 +96,11 @@ class Recorder:
 
         cls.__call__ = call
 
-    def _wrap_attention(self, cls: type) -> None:
+    def _wrap_module(self, cls: type, name: str) -> None:
         original, recorder = cls.__call__, self
 
         def call(self, x, *args, **kwargs):
-            return recorder._record("attn", original(self, x, *args, **kwargs), 1)
+            return recorder._record(name, original(self, x, *args, **kwargs), 1)
 
         cls.__call__ = call
 
@@ -163,7 +164,7 @@ def child(name: str, out: Path) -> None:
                                                   "device": str(mx.default_device())}))
 
 
-STAGES = ["rope", "sdpa", "attn", "block"]  # their order inside a block
+STAGES = ["rope", "sdpa", "attn", "mlp", "block"]  # their order inside a block
 
 
 def order(key: str) -> tuple[int, int, str]:
