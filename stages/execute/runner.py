@@ -150,9 +150,7 @@ class ModelRunner:
         # step, or a one-step step), on the device, in that step's row order: a window
         # planned before they came back (SeqWork.continues) feeds them
         self._carried: tuple[tuple[str, ...], mx.array] | None = None
-        # this step's pool write kernel markers (PagedLayerCache.writes), evaluated with the
-        # pool (_written): a forward whose outputs nobody evaluates runs its writes no other way
-        self._writes: list[mx.array] = []
+        self._writes: list[mx.array] = []  # this step's pool write markers (_written)
 
     def _caches(self, layout: BatchLayout, slots: list[int] | None = None, window_layout: BatchLayout | None = None) -> list:
         """The per-layer caches of one forward; `slots`: the rows' state slots;
@@ -180,11 +178,9 @@ class ModelRunner:
         (nemotron-h's M*M-) holds the attention's read of the pool in its state's pending
         graph, which evaluating the pool alone leaves pending; the next write into a pool
         array with a read pending is not done in place: MLX copies the whole array (on
-        cpu, the whole budget, committed). And the step's write kernel markers: the kernel
-        writes the pool arrays in place, which MLX does not see, so it runs only when
-        something evaluated takes its marker; a chunk that samples nothing evaluates
-        nothing else, so its keys and values would never reach the pool, and the prompt's
-        next chunk and every later prefix hit would read what was there before
+        cpu, the whole budget, committed). And the step's pool write kernel markers: the
+        kernel writes in place, unseen by MLX, so it runs only when something evaluated
+        takes its marker, and a chunk that samples nothing evaluates nothing else
         (tests/test_pool_write_markers.py)."""
         written: list = [self.pool.keys, self.pool.values, *self._writes]
         if self.window_pool is not None:
