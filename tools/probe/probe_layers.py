@@ -33,8 +33,9 @@ HOOKED = [("mlx_lm.models.llama", "TransformerBlock", "Attention", "MLP"),
 
 class Recorder:
     """Outputs at the last position of each call of several tokens (a prefill): each
-    block's (`block3`), its attention and MLP modules' (`attn3`, `mlp3`), and inside the block each
-    `mx.fast.rope` (`rope3.0` the queries, `rope3.1` the keys) and
+    block's (`block3`), its attention and MLP modules' (`attn3`, `mlp3`; the MLP's input,
+    `mlpin3`), and inside the block each `mx.fast.rope` (`rope3.0` the queries, `rope3.1`
+    the keys) and
     `mx.fast.scaled_dot_product_attention` (`sdpa3.0`). Kept lazy and evaluated with the
     forward (through `mx.depends`, on the forward's thread); a block seen again starts
     the next forward."""
@@ -60,7 +61,7 @@ class Recorder:
             return out
         index = self._counts.get(name, 0)
         self._counts[name] = index + 1
-        key = f"{name}{self._layer}" if name in ("block", "attn", "mlp") else f"{name}{self._layer}.{index}"
+        key = f"{name}{self._layer}" if name in ("block", "attn", "mlpin", "mlp") else f"{name}{self._layer}.{index}"
         record = mx.take(out, out.shape[axis] - 1, axis=axis).reshape(-1).astype(mx.float32)
         self.forwards[-1][key] = record
         return mx.depends([out], [record])[0]
@@ -100,6 +101,8 @@ class Recorder:
         original, recorder = cls.__call__, self
 
         def call(self, x, *args, **kwargs):
+            if name == "mlp":  # its input too: the residual stream, which RMS norms hide the scale of
+                x = recorder._record("mlpin", x, 1)
             return recorder._record(name, original(self, x, *args, **kwargs), 1)
 
         cls.__call__ = call
@@ -164,7 +167,7 @@ def child(name: str, out: Path) -> None:
                                                   "device": str(mx.default_device())}))
 
 
-STAGES = ["rope", "sdpa", "attn", "mlp", "block"]  # their order inside a block
+STAGES = ["rope", "sdpa", "attn", "mlpin", "mlp", "block"]  # their order inside a block
 
 
 def order(key: str) -> tuple[int, int, str]:
