@@ -65,7 +65,6 @@ def test_the_traced_prefill_hands_back_its_write_markers(monkeypatch):
     from unikern.stages.execute.runner import ModelRunner
 
     kernel_mode(monkeypatch)
-    markers = []
 
     def write(keys, values, pool_k, pool_v, slots):
         return keys.reshape(-1)[:4] * 0 + values.reshape(-1)[:4] * 0 + 1
@@ -73,8 +72,8 @@ def test_the_traced_prefill_hands_back_its_write_markers(monkeypatch):
     monkeypatch.setattr(paged_cache.pool_write, "write", write)
     monkeypatch.setattr(paged_cache, "pool_writer", lambda paged: write if paged == "kernel" else None)
     model = tiny("llama", hidden_size=128, intermediate_size=96)
-    _, geo = paged_runner(model)
-    runner = ModelRunner(model, paged_runner(model)[0].pool, paged_attention=True, geometry=geo, compile_decode=True,
+    plain, geo = paged_runner(model)
+    runner = ModelRunner(model, plain.pool, paged_attention=True, geometry=geo, compile_decode=True,
                          compile_prefill=True)
     assert runner.paged == "kernel" and runner.compiled_prefill is not None
     params = m.SamplingParams(max_tokens=4)
