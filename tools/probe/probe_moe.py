@@ -9,6 +9,7 @@ H100 (probe_layers: attention exact, the MLP's output 0.98 off).
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
