@@ -220,7 +220,6 @@ class LazyWrites:
     def __init__(self, launched: list[str] | None = None) -> None:
         self._build = emulated_cuda_kernels(launched)
         self._pending: list[tuple] = []
-        self.lost = 0  # writes taken back so far
 
     def __call__(self, base: str, input_names: tuple[str, ...], source: str, header: str = "",
                  outputs: tuple[str, ...] = ("out",), contiguous: bool = True):
@@ -248,5 +247,4 @@ class LazyWrites:
                     np.array(pool, copy=False)[...] = old
                 lost += 1
         self._pending.clear()
-        self.lost += lost
         return lost

@@ -66,24 +66,23 @@ class CompiledDecode:
         self.traces += 1  # runs only while tracing
         self._traces_kept += 1
         layout = window_layout(starts, step, write_table, read_slots, mx.arange(read_slots.shape[1])[None])
-        arrays, writes = PoolArrays(list(keys), list(values)), []
-        caches = [PagedLayerCache(arrays, i, layout, paged=self.paged, writes=writes) for i in range(self.num_layers)]
+        arrays = PoolArrays(list(keys), list(values))
+        # no write markers out: every row samples, and each layer's read of the pool takes
+        # its write's marker, so the sampled tokens run every write (CompiledPrefill's differ)
+        caches = [PagedLayerCache(arrays, i, layout, paged=self.paged) for i in range(self.num_layers)]
         logits = self.model(tokens[:, None], cache=caches)[:, -1, :]
-        return logits, arrays.keys, arrays.values, writes
+        return logits, arrays.keys, arrays.values
 
-    def __call__(self, pool: KVPool, window: DecodeWindow, tokens: mx.array, i: int,
-                 writes: list[mx.array]) -> mx.array:
-        """The step's logits; the write kernel's markers go into `writes` (runner._written)."""
+    def __call__(self, pool: KVPool, window: DecodeWindow, tokens: mx.array, i: int) -> mx.array:
         if self._traces_kept >= self.max_traces:  # dropping the function frees its traces
             self._step = mx.compile(self._forward)
             self._traces_kept = 0
             self.resets += 1
         step = mx.array(i, dtype=mx.int32)
         traced, started = self.traces, time.perf_counter()
-        logits, pool.keys, pool.values, markers = self._step(
+        logits, pool.keys, pool.values = self._step(
             tokens, window.starts, step, window.write_slots, window.read_slots, pool.keys, pool.values
         )
-        writes.extend(markers)
         if self.traces != traced:
             self.trace_s += time.perf_counter() - started
             B, L = window.read_slots.shape

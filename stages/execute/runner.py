@@ -417,7 +417,7 @@ class ModelRunner:
         for i in range(step.num_steps):
             if compiled is not None:  # its rows padded to the window's bucket (layouts.row_bucket)
                 fed = mx.concatenate([inputs, mx.zeros((padding,), inputs.dtype)]) if padding else inputs
-                logits = compiled(self.pool, window, fed, i, self._writes)
+                logits = compiled(self.pool, window, fed, i)
                 logits = logits[: len(work)] if padding else logits
             else:
                 window_layout = None

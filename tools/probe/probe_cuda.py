@@ -440,11 +440,10 @@ def graph_census(runner, pool, rows, window: int) -> dict:
     if runner.compiled is None:
         return {}
     layout = DecodeWindow(pool, rows, window, bucketed=True)
-    writes: list = []
-    logits = runner.compiled(pool, layout, mx.zeros((layout.rows_run,), dtype=mx.uint32), 0, writes)
+    logits = runner.compiled(pool, layout, mx.zeros((layout.rows_run,), dtype=mx.uint32), 0)
     token = mx.argmax(logits, axis=-1)
     with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
-        mx.export_to_dot(f.name, token, *pool.keys, *pool.values, *writes)
+        mx.export_to_dot(f.name, token, *pool.keys, *pool.values)
         labels = re.findall(r'label ="([^"]+)"', f.read())
     counts: dict[str, int] = {}
     for label in labels:

@@ -1,9 +1,10 @@
-"""Where in the model a prompt's last position parts from mlx-lm's: every decoder block's
-and attention's output at the prompt's last token, the engine's last prefill forward
-against mlx-lm's forward of the whole prompt, on the default device and (in a process
-of its own) on MLX's CPU device. The first layer where the engine and mlx-lm part on
-the GPU while they agree on the CPU is where to look (probe_exact.py says which
-setting, this says which layer and whether attention or the MLP).
+"""Where in the model a prompt's last position parts from mlx-lm's: each decoder block's
+outputs at the prompt's last token (Recorder: RoPE, SDPA, attention, the MLP's input and
+output, the block), the engine's last prefill forward against mlx-lm's forward of the
+whole prompt, on the default device and (in a process of its own) on MLX's CPU device.
+The first layer where the engine and mlx-lm part on the GPU while they agree on the CPU
+is where to look (probe_exact.py says which setting, this says which layer and whether
+attention or the MLP).
 
 Scenarios as probe_exact.py's, one request each (max_tokens 1):
   gpt-oss   tests/test_family_prefix.py's windowed prompt, no cache
@@ -35,10 +36,9 @@ class Recorder:
     """Outputs at the last position of each call of several tokens (a prefill): each
     block's (`block3`), its attention and MLP modules' (`attn3`, `mlp3`; the MLP's input,
     `mlpin3`), and inside the block each `mx.fast.rope` (`rope3.0` the queries, `rope3.1`
-    the keys) and
-    `mx.fast.scaled_dot_product_attention` (`sdpa3.0`). Kept lazy and evaluated with the
-    forward (through `mx.depends`, on the forward's thread); a block seen again starts
-    the next forward."""
+    the keys) and `mx.fast.scaled_dot_product_attention` (`sdpa3.0`). Kept lazy and
+    evaluated with the forward (through `mx.depends`, on the forward's thread); a block
+    seen again starts the next forward."""
 
     def __init__(self) -> None:
         self.forwards: list[dict[str, object]] = []

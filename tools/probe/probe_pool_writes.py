@@ -19,30 +19,31 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 
 
-def pool_after(path: str, tokens: list[int], sample: bool, compiled: bool, in_place: bool) -> list[np.ndarray]:
+def pool_after(model, tokens: list[int], sample: bool, compiled: bool, in_place: bool) -> list[np.ndarray]:
     import mlx.core as mx
-    from mlx_lm import load
 
     from unikern import messages as m
     from unikern.stages.execute import paged_cache
+    from unikern.stages.execute.layouts import block_slots
     from unikern.stages.execute.model import ModelGeometry
     from unikern.stages.execute.runner import ModelRunner
     from unikern.stages.kv.pool import KVPool
 
     paged_cache.WRITE_IN_PLACE = in_place
-    model, _ = load(path)
     geo = ModelGeometry(model)
     bs = 256
-    blocks = tuple(range(2, 2 + -(-len(tokens) // bs)))
+    n = -(-len(tokens) // bs)
+    # blocks in descending order: not consecutive, so the forward writes by slots (the
+    # kernel), not through slices as one row over consecutive blocks would
+    blocks = tuple(range(1 + n, 1, -1))
     pool = KVPool(num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, dtype=geo.dtype,
-                  block_size=bs, kernel_block_size=16, num_blocks=2 + len(blocks), slab_blocks=2 + len(blocks))
+                  block_size=bs, kernel_block_size=16, num_blocks=2 + n, slab_blocks=2 + n)
     runner = ModelRunner(model, pool, paged_attention=True, geometry=geo, compile_decode=True,
                          compile_prefill=compiled)
     params = m.SamplingParams(max_tokens=4)
     runner.run(m.Step(0, (m.SeqWork("a", tuple(tokens), 0, blocks, sample, params),), 1), {})
-    slots = mx.array(np.arange(blocks[0] * bs, blocks[0] * bs + len(tokens), dtype=np.int32))
-    out = [np.array(a[:, slots].astype(mx.float32)) for a in pool.keys + pool.values]
-    return out
+    slots = mx.array(block_slots(blocks, bs)[: len(tokens)])
+    return [np.array(a[:, slots].astype(mx.float32)) for a in pool.keys + pool.values]
 
 
 def main() -> int:
@@ -51,16 +52,17 @@ def main() -> int:
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     import mlx.core as mx
+    from mlx_lm import load
 
     from unikern.testing.modelgen import cached_model
 
-    path = str(cached_model("tiny-llama"))
+    model, _ = load(str(cached_model("tiny-llama")))
     tokens = [(11 * j) % 1000 + 7 for j in range(args.tokens)]
-    want = pool_after(path, tokens, True, False, in_place=False)
+    want = pool_after(model, tokens, True, False, in_place=False)
     print(f"device {mx.default_device()}, {args.tokens} tokens; max |pool - MLX scatter's| over the layers:")
     for compiled in (False, True):
         for sample in (True, False):
-            got = pool_after(path, tokens, sample, compiled, in_place=True)
+            got = pool_after(model, tokens, sample, compiled, in_place=True)
             worst = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want, strict=True))
             zero = sum(int(not g.any()) for g in got)
             print(f"  {'traced' if compiled else 'op by op'}, {'sampled' if sample else 'unsampled'}: "
