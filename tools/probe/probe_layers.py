@@ -45,9 +45,12 @@ class Recorder:
         self._seen: set[int] = set()
         self._layer = -1
         self._counts: dict[str, int] = {}
+        # layer 0's MLP of each forward, whole: (the module, its input, its output), to
+        # run again on the same input (replay_first_mlp)
+        self.first_mlp: list[tuple[object, object, object]] = []
 
     def clear(self) -> None:
-        self.forwards, self._seen, self._layer = [], set(), -1
+        self.forwards, self._seen, self._layer, self.first_mlp = [], set(), -1, []
 
     def last_forward(self) -> dict[str, np.ndarray]:
         """The last forward's outputs (an earlier chunk's last layers may never have been
@@ -103,7 +106,10 @@ class Recorder:
         def call(self, x, *args, **kwargs):
             if name == "mlp":  # its input too: the residual stream, which RMS norms hide the scale of
                 x = recorder._record("mlpin", x, 1)
-            return recorder._record(name, original(self, x, *args, **kwargs), 1)
+            out = original(self, x, *args, **kwargs)
+            if name == "mlp" and recorder._layer == 0:
+                recorder.first_mlp.append((self, x, out))
+            return recorder._record(name, out, 1)
 
         cls.__call__ = call
 
@@ -114,6 +120,26 @@ class Recorder:
             return recorder._record(short, original(x, *args, **kwargs), 2)
 
         setattr(owner, name, call)
+
+
+def replay_first_mlp(recorder: Recorder) -> dict[str, object]:
+    """Layer 0's MLP of the last forward run again on its very input, on this thread and
+    the default device, and on MLX's CPU: whether the engine's MLP output follows from its
+    input (the same module on the same input gives it again) or the forward computed it
+    otherwise (another stream, another thread's state)."""
+    import mlx.core as mx
+
+    module, x, out = recorder.first_mlp[-1]
+    x_np, out_np = np.array(x), np.array(out)  # evaluated with the forward
+    x = mx.array(x_np)
+    again = np.array(module(x))
+    with mx.stream(mx.cpu):
+        cpu = np.array(module(x))
+    return {"input_shape": list(x_np.shape), "input_finite": bool(np.isfinite(x_np).all()),
+            "forward_vs_again": diff(out_np, again), "forward_vs_cpu": diff(out_np, cpu),
+            "again_vs_cpu": diff(again, cpu),
+            "last_row": {"forward_vs_again": diff(out_np[:, -1], again[:, -1]),
+                         "forward_vs_cpu": diff(out_np[:, -1], cpu[:, -1])}}
 
 
 def scenario(name: str):
@@ -154,6 +180,7 @@ def child(name: str, out: Path) -> None:
             return list(result.token_ids), recorder.last_forward()
 
     tokens, engine_layers = anyio.run(engine_run)
+    replay = replay_first_mlp(recorder) if recorder.first_mlp else None
     recorder.clear()
     model, _ = mlx_lm.load(path)
     logits = model(mx.array([prompt]), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
@@ -164,7 +191,8 @@ def child(name: str, out: Path) -> None:
              **{f"ref.{k}": v for k, v in ref_layers.items()})
     (out / f"{name}.json").write_text(json.dumps({"engine_token": tokens[0], "ref_top2": [int(t) for t in top],
                                                   "ref_margin": float(logits[top[0]] - logits[top[1]]),
-                                                  "device": str(mx.default_device())}))
+                                                  "device": str(mx.default_device()),
+                                                  "engine_first_mlp_replay": replay}))
 
 
 STAGES = ["rope", "sdpa", "attn", "mlpin", "mlp", "block"]  # their order inside a block
