@@ -158,6 +158,16 @@ class Logprobs(msgspec.Struct, frozen=True):
     top: tuple[TopLogprob, ...] = ()
 
 
+class WindowTokens(Message, frozen=True):
+    """A decode window's tokens so far, sent while the window still runs
+    (execute.stream_interval_ms): each row's first tokens of the window, in order. Only for
+    streaming: the StepDone that ends the window carries every token again, and the books
+    (blocks, positions, finishes) move only with it."""
+
+    step_id: int
+    sampled: dict[str, list[int]]
+
+
 class StepDone(Message, frozen=True):
     step_id: int
     # request_id -> sampled token ids (one per step of a lookahead run), for every

@@ -16,7 +16,7 @@ from unikern.stage import Stage
 # the sections `stats` may carry (DESIGN section 3, plus each member's own)
 KNOWN_SECTIONS = {
     "platform", "memory", "kv", "tiers", "bridge", "model", "kernels", "compiled_decode", "compiled_prefill",
-    "warmup", "schedule", "offload", "structured", "paged_attention",
+    "warmup", "schedule", "offload", "structured", "paged_attention", "window_tokens",
 }
 
 # a built-in pipeline in which each type runs

@@ -32,6 +32,7 @@ from unikern.stages.execute.prompt_logprobs import (
 )
 from unikern.stages.execute.recurrent import StateLayerCache, prepare_states
 from unikern.stages.execute.sampling import SamplingBatch, row_is_usable
+from unikern.stages.execute.streaming import WindowStream
 from unikern.stages.execute.structured import GrammarStep
 from unikern.stages.kv.pool import KVPool
 from unikern.stages.kv.state_pool import StatePool
@@ -142,15 +143,15 @@ class ModelRunner:
                                  if compile_prefill and traceable and self.states is None else None)
         # one-row windows traced too: only with no mask to give MLX's SDPA (paged above)
         self.compile_one_row = compile_one_row and self.paged is not None and self.compiled is not None
-        # rows read the pool through the paged attention: only full-attention layers, no
-        # state slots (a row per token would run a recurrence on every row)
+        # rows read the pool through the paged attention: full attention only, no state slots (no recurrences)
         self.prefill_rows = prefill_rows if self.paged is not None and self.layers is None else 0
         self.row_prefills = 0  # forwards that ran prompts by rows (stats)
-        # the rows the last step sampled and the tokens it sampled last (a window's last
-        # step, or a one-step step), on the device, in that step's row order: a window
-        # planned before they came back (SeqWork.continues) feeds them
+        # the rows the last step sampled and the tokens it sampled last (a window's last step, or a
+        # one-step step), on the device, in its row order: a window planned before they came back
+        # (SeqWork.continues) feeds them
         self._carried: tuple[tuple[str, ...], mx.array] | None = None
         self._writes: list[mx.array] = []  # this step's pool write markers (_written)
+        self.window_stream: WindowStream | None = None  # windows' tokens as they come (streaming.py)
 
     def _caches(self, layout: BatchLayout, slots: list[int] | None = None, window_layout: BatchLayout | None = None) -> list:
         """The per-layer caches of one forward; `slots`: the rows' state slots;
@@ -401,10 +402,9 @@ class ModelRunner:
         batch = SamplingBatch(work, seeds, step.num_steps)
         inputs = self._window_inputs(work)
         rows = [(w.block_table, w.start_pos) for w in work]
-        # a single row reads and writes the pool through slices (BatchLayout's span): its
-        # attention needs no mask, which keeps MLX on its fused decode kernel; several
-        # rows read one host-built slot table, masked, through the compiled step if any
-        # (one row too when the attention reads the pool itself: compile_one_row)
+        # a single row reads and writes the pool through slices (BatchLayout's span): no mask, which keeps
+        # MLX on its fused decode kernel; several rows read one host-built slot table, masked, through
+        # the compiled step if any (one row too when the attention reads the pool itself: compile_one_row)
         compiled = self.compiled if len(work) > 1 or self.compile_one_row else None
         window = split = None
         if len(work) > 1 or compiled is not None:
@@ -440,6 +440,8 @@ class ModelRunner:
             mx.async_eval(inputs)
             sampled.append(inputs)
         self._carried = (tuple(w.request_id for w in work), inputs)
+        if self.window_stream is not None and not reported:  # (log-probabilities: with the StepDone)
+            self.window_stream.follow(step.step_id, [w.request_id for w in work], sampled)
         columns = mx.stack(sampled, axis=1)  # one sync for the window's tokens and writes
         mx.eval(columns, *(a for r in reported for a in r), *self._written())
         tokens = {w.request_id: row for row, w in zip(columns.tolist(), work, strict=True)}

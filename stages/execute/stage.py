@@ -27,6 +27,7 @@ from unikern.stages.execute.ranks import (
     watch_world,
 )
 from unikern.stages.execute.residual import handed_counts
+from unikern.stages.execute.streaming import WindowStream, serve_in_order
 from unikern.stages.execute.thread import ModelThread
 from unikern.stages.models import DEFAULT_MODEL
 
@@ -142,6 +143,11 @@ class MLXExecuteParams(StageParams, frozen=True):
     bucket) through one `mx.compile`d function per shape. `auto`: where `compile_decode` is on,
     `cpu_kernels` off and the model has no quantized layers. On an H200 (1B) 64 requests went 21,769 ->
     24,163 tok/s (tools/bench/bench_ab.py)."""
+    stream_interval_ms: float | None = 50.0
+    """While a decode window runs (schedule.decode_lookahead), hand its tokens so far on this often (ms,
+    >= 0; 0: after each step) rather than all at the window's end (null), so that a stream's tokens
+    come steadily (stages/execute/streaming.py). One rank only; a window with log-probabilities sends
+    them all at its end."""
     gil_switch_ms: float | Literal["auto"] | None = "auto"
     """Python's GIL switch interval while the stage runs, in ms (> 0; the process's setting, restored at
     stop): how long the model thread can wait for the GIL. `auto`: 0.5 on CUDA, Python's own elsewhere;
@@ -169,6 +175,9 @@ class MLXExecuteParams(StageParams, frozen=True):
             problems.append(f"dequantize_rows: must be >= 1, \"auto\" or \"never\", got {self.dequantize_rows}")
         if isinstance(self.fuse_blocks_ops_rows, int) and self.fuse_blocks_ops_rows < 0:
             problems.append(f"fuse_blocks_ops_rows: must be >= 0 (0: off) or \"auto\", got {self.fuse_blocks_ops_rows}")
+        if self.stream_interval_ms is not None and not self.stream_interval_ms >= 0:
+            problems.append(f"stream_interval_ms: must be >= 0 (ms; 0: after each step) or unset for a "
+                            f"window's tokens at its end, got {self.stream_interval_ms}")
         if self.gil_switch_ms not in (None, "auto") and not self.gil_switch_ms > 0:
             problems.append(f"gil_switch_ms: must be > 0 (ms), \"auto\" or unset for Python's own 5 ms, "
                             f"got {self.gil_switch_ms}")
@@ -189,7 +198,7 @@ class MLXExecuteParams(StageParams, frozen=True):
 class MLXExecuteStage(StageBase):
     Params = MLXExecuteParams
     consumes = (m.Step,)
-    produces = (m.StepDone,)
+    produces = (m.StepDone, m.WindowTokens)
     provides = ("model",)
     uses = ("kv",)  # the pool, whose service starts after the model exists
     fuse_elementwise = True  # as prepare_model set it for the process (execute.fuse_elementwise)
@@ -255,7 +264,10 @@ class MLXExecuteStage(StageBase):
                 await ctx.send(await thread.run(execute, step, seeds_of(step)))
 
             if world is None:
-                await serve_in_order(ctx, thread, lambda step: (runner.execute, step, seeds_of(step)))
+                if p.stream_interval_ms is not None:
+                    self.stream = runner.window_stream = WindowStream(p.stream_interval_ms / 1e3)
+                await serve_in_order(ctx, thread, lambda step: (runner.execute, step, seeds_of(step)),
+                                     getattr(self, "stream", None))
             else:
                 await self._serve_world(ctx, handle, world)
         finally:
@@ -376,6 +388,8 @@ class MLXExecuteStage(StageBase):
                 "trace_s": round(traced.trace_s, 3) if traced else 0.0,
                 "shapes": dict(traced.shapes) if traced else {},
             },
+            "window_tokens": {"interval_ms": self.params.stream_interval_ms,
+                              "sent": self.stream.sent if getattr(self, "stream", None) else 0},
             "warmup": getattr(self, "warmup", {"ran": False}),
             **self._world_stats(),
         }
@@ -385,33 +399,6 @@ class MLXExecuteStage(StageBase):
         if world is None:
             return {}
         return {"platform": {"world": world.describe()}, "kv": {"ranks": world.ranks}}
-
-
-async def serve_in_order(ctx: StageContext, thread: ModelThread, call) -> None:
-    """Each Step goes to the model thread as it arrives, `call(step)` giving what to run;
-    the StepDones go out in the steps' order. A step sent while the one before runs
-    (schedule's overlap_windows) then starts the moment that one ends, without waiting
-    for the event loop to take its StepDone."""
-    try:
-        async with anyio.create_task_group() as tg:
-            previous: anyio.Event | None = None
-            async for step in ctx.inbox:
-                sent = anyio.Event()
-                tg.start_soon(_deliver, ctx, thread, thread.submit(*call(step)), previous, sent)
-                previous = sent
-    except BaseExceptionGroup as group:  # the failed step's own error, as the stage's
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
-
-
-async def _deliver(ctx: StageContext, thread: ModelThread, future, previous: anyio.Event | None,
-                   sent: anyio.Event) -> None:
-    done = await thread.result(future)
-    if previous is not None:
-        await previous.wait()
-    await ctx.send(done)
-    sent.set()
 
 
 def gil_switch_ms(setting: float | str | None) -> float | None:

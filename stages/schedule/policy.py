@@ -320,7 +320,8 @@ class Scheduler(DecodeWindows):
             if work.request_id in failed:
                 outcome.finished.append(self._finish(seq, "error", failed[work.request_id]))
                 continue
-            tokens = sampled[work.request_id]
+            tokens, streamed = sampled[work.request_id], seq.streamed
+            seq.streamed = 0
             if isinstance(tokens, int):
                 tokens = [tokens]
             if not tokens:
@@ -334,10 +335,28 @@ class Scheduler(DecodeWindows):
             first = seq.num_generated == 0
             seq.tokens.extend(tokens)
             self._commit_full_blocks(seq)
-            outcome.tokens.extend(self._token_outs(seq, tokens, logprobs.get(work.request_id), first, reason))
+            outs = self._token_outs(seq, tokens, logprobs.get(work.request_id), first, reason)
+            outcome.tokens.extend(outs[streamed:])  # the first went out while the window ran
             if reason is not None:
                 outcome.finished.append(self._finish(seq, reason))
         return outcome
+
+    def on_window_tokens(self, step: m.Step, sampled: dict[str, list[int]]) -> list[m.TokenOut]:
+        """A running window's tokens so far (WindowTokens): each row's TokenOuts not sent
+        yet, short of a token the row would finish at, which goes with the StepDone (the
+        only place a row finishes and the books move). A row's first token waits too: it
+        carries the request's stop strings and context (_token_outs)."""
+        outs = []
+        for work in step.work:
+            seq, tokens = self.by_id.get(work.request_id), sampled.get(work.request_id)
+            if not tokens or seq is None or seq.num_computed != work.start_pos or seq.num_generated == 0 \
+                    or seq not in self.running:
+                continue
+            take, reason = self._window_end(seq, tokens, False)
+            shown = take - (reason is not None)
+            outs.extend(m.TokenOut(seq.request_id, t) for t in tokens[seq.streamed:shown])
+            seq.streamed = max(seq.streamed, shown)
+        return outs
 
     def _window_end(self, seq: Sequence, tokens: list[int], grammar_complete: bool) -> tuple[int, m.FinishReason | None]:
         """How many of a row's sampled tokens stand, and why the row finishes at the last

@@ -42,6 +42,7 @@ class Sequence:
     # from a lower tier), so nothing evicts them while it waits
     pinned: list[int] = field(default_factory=list)
     held: bool = False  # not admissible yet: its prefix is still loading
+    streamed: int = 0  # tokens of the window in flight already sent out (WindowTokens)
     # a partial prefix hit's cached source block, one reference held from admission until
     # the step that copies it comes back, or until the sequence ends or is preempted first
     copy_source: int | None = None

@@ -72,7 +72,7 @@ class ScheduleParams(StageParams, frozen=True):
 
 class ScheduleStage(StageBase):
     Params = ScheduleParams
-    consumes = (m.Tokenized, m.Abort, m.StepDone)
+    consumes = (m.Tokenized, m.Abort, m.StepDone, m.WindowTokens)
     produces = (m.Step, m.StepOutput, m.ErrorEvent)
     requires = ("kv", "model", "tokenizer")
 
@@ -159,6 +159,11 @@ class ScheduleStage(StageBase):
                 outcome = sched.on_step_done(step, sampled, message.logprobs, message.failed, message.stopped,
                                              message.prompt_logprobs)
                 return m.StepOutput(tuple(outcome.tokens), tuple(outcome.finished))
+            case m.WindowTokens(step_id=step_id, sampled=sampled):  # the window in flight, first of all
+                step = self.in_flight[0] if self.in_flight else None
+                if step is None or step.step_id != step_id:
+                    raise RuntimeError(f"tokens of step {step_id} came, but step {step and step.step_id} was in flight")
+                return m.StepOutput(tuple(sched.on_window_tokens(step, sampled)))
         return None
 
     def stats(self) -> dict[str, Any]:

@@ -326,15 +326,33 @@ def install_stand_in(setting: str, model: str) -> None:
     gpu_ms, host_us = (float(x) for x in setting.split(","))
     vocab = json.loads((resolve_model_path(model) / "config.json").read_text())["vocab_size"]
 
+    class Computed:
+        """A step's tokens, there once the step's GPU time has passed (as an MLX array's
+        `tolist` waits for its step): what the runner's window stream reads step by step."""
+
+        def __init__(self, tokens: list[int]) -> None:
+            self.tokens, self.waited = tokens, False
+
+        def tolist(self) -> list[int]:
+            if not self.waited:
+                time.sleep(gpu_ms / 1e3)
+                self.waited = True
+            return self.tokens
+
     def execute(self, step: m.Step, seeds: dict[str, int]) -> m.StepDone:
-        for _ in range(step.num_steps):
+        rows = [w for w in step.work if w.sample]
+        tokens = {w.request_id: [5 + (hash(w.request_id) + w.num_generated + i) % (vocab - 10)
+                                 for i in range(step.num_steps)] for w in rows}
+        for _ in range(step.num_steps):  # the steps' graphs, then the device's time step by step
             end = time.thread_time() + host_us / 1e6
             while time.thread_time() < end:
                 pass
-            time.sleep(gpu_ms / 1e3)
-        return m.StepDone(step.step_id, {
-            w.request_id: [5 + (hash(w.request_id) + w.num_generated + i) % (vocab - 10) for i in range(step.num_steps)]
-            for w in step.work if w.sample})
+        steps = [Computed([tokens[w.request_id][i] for w in rows]) for i in range(step.num_steps)]
+        if self.window_stream is not None and step.num_steps > 1:
+            self.window_stream.follow(step.step_id, [w.request_id for w in rows], steps)
+        for computed in steps:
+            computed.tolist()
+        return m.StepDone(step.step_id, tokens)
 
     ModelRunner.execute = execute
 

@@ -1,0 +1,115 @@
+"""Steps to the model thread and their StepDones back in order (serve_in_order), with a
+decode window's tokens handed on while the window runs (execute.stream_interval_ms).
+
+A lookahead window queues all its steps on the device before reading any token back,
+and its StepDone comes when the last step is done: 23 tokens a row arrived at once, 98
+to 326 ms apart through `unikern serve` at the 8B shape on an H100
+(tools/bench/bench_http.py), where llama-server sends each token as it comes. Here the
+model thread reads each step's tokens as that step finishes (the steps were queued one
+`async_eval` each, so reading step i waits for step i alone) and, once `interval_s` has
+passed since the window began or since its last hand-on, puts every row's tokens so far
+on the step's queue, which the event loop sends on as WindowTokens. The interval bounds
+the rate of extra messages, whatever the step rate. The window's last step goes with its
+StepDone, as before."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+
+import anyio
+import anyio.to_thread
+import mlx.core as mx
+
+from unikern import messages as m
+from unikern.stage import StageContext
+from unikern.stages.execute.thread import ModelThread
+
+# what the model thread puts after a step's last WindowTokens (stage.py's _deliver)
+STEP_END = object()
+
+
+class WindowStream:
+    """Hands a window's tokens to the queue of its step, registered by the execute stage
+    before the step goes to the model thread (`open`) and drained on the event loop."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._queues: dict[int, queue.SimpleQueue] = {}
+        self.sent = 0  # WindowTokens handed on (stats)
+
+    def open(self, step_id: int) -> queue.SimpleQueue:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues[step_id] = q
+        return q
+
+    def close(self, step_id: int) -> None:
+        """The step is done on the model thread: its queue ends (STEP_END)."""
+        q = self._queues.pop(step_id, None)
+        if q is not None:
+            q.put(STEP_END)
+
+    def follow(self, step_id: int, request_ids: list[str], sampled: list[mx.array]) -> None:
+        """Read `sampled` (one [rows] array per step, each already queued) step by step and
+        hand on each row's tokens so far whenever `interval_s` has passed; the last
+        step's are left to the StepDone. On the model thread."""
+        q = self._queues.get(step_id)
+        if q is None or len(sampled) < 2:
+            return
+        rows: list[list[int]] = [[] for _ in request_ids]
+        last = time.perf_counter()
+        for tokens in sampled[:-1]:
+            for row, token in zip(rows, tokens.tolist(), strict=True):
+                row.append(token)
+            now = time.perf_counter()
+            if now - last >= self.interval_s:
+                q.put(dict(zip(request_ids, [list(r) for r in rows], strict=True)))
+                self.sent += 1
+                last = now
+
+
+def run_step(stream: WindowStream, step_id: int, fn: Callable, *args):
+    """fn(*args) on the model thread, then the end of the step's queue (also on failure)."""
+    try:
+        return fn(*args)
+    finally:
+        stream.close(step_id)
+
+
+async def serve_in_order(ctx: StageContext, thread: ModelThread, call, stream: WindowStream | None = None) -> None:
+    """Each Step goes to the model thread as it arrives, `call(step)` giving what to run;
+    the StepDones go out in the steps' order. A step sent while the one before runs
+    (schedule's overlap_windows) then starts the moment that one ends, without waiting
+    for the event loop to take its StepDone. With `stream`, a window's WindowTokens go
+    out while it runs, after the StepDone of the step before it."""
+    try:
+        async with anyio.create_task_group() as tg:
+            previous: anyio.Event | None = None
+            async for step in ctx.inbox:
+                sent = anyio.Event()
+                fn, *args = call(step)
+                tokens = None
+                if stream is not None and step.num_steps > 1:
+                    tokens = stream.open(step.step_id)
+                    fn, args = run_step, [stream, step.step_id, fn, *args]
+                tg.start_soon(_deliver, ctx, thread, thread.submit(fn, *args), previous, sent, step.step_id, tokens)
+                previous = sent
+    except BaseExceptionGroup as group:  # the failed step's own error, as the stage's
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
+async def _deliver(ctx: StageContext, thread: ModelThread, future, previous: anyio.Event | None,
+                   sent: anyio.Event, step_id: int, tokens: queue.SimpleQueue | None) -> None:
+    if tokens is not None:  # the window's tokens so far, as the model thread hands them on
+        if previous is not None:
+            await previous.wait()
+        while (rows := await anyio.to_thread.run_sync(tokens.get, abandon_on_cancel=True)) is not STEP_END:
+            await ctx.send(m.WindowTokens(step_id, rows))
+    done = await thread.result(future)
+    if previous is not None:
+        await previous.wait()
+    await ctx.send(done)
+    sent.set()

@@ -1,0 +1,176 @@
+"""A decode window's tokens handed on while it runs (execute.stream_interval_ms,
+stages/execute/streaming.py; Scheduler.on_window_tokens): the same tokens and finishes as
+at the window's end, the first of them sooner."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_lookahead import EOS, next_token
+
+import unikern
+from tests.conftest import SMALL_KV, compare_greedy, reference_greedy
+from unikern import messages as m
+from unikern.stages.execute.stage import MLXExecuteParams
+from unikern.stages.kv.blocks import BlockManager
+from unikern.stages.schedule.policy import Scheduler
+
+
+def drive(shown: list[float] | None):
+    """The policy's loop with lookahead windows; `shown`: for each window, WindowTokens
+    with that share of its steps come first (cycled; None: none come). The tokens in the
+    order they went out, each request's finish, and the tokens that went out early."""
+    blocks = BlockManager(64, 16)
+    sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64, eos_token_ids=[EOS],
+                      context_length=512, decode_lookahead=4, decode_lookahead_max=8)
+    for i in range(6):
+        sched.add(m.Tokenized(f"r{i}", tuple(range(5 + i, 25 + 3 * i)), m.SamplingParams(max_tokens=15 + 3 * i)))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(6)}
+    finished, early, windows = {}, 0, 0
+    while (step := sched.schedule()) is not None:
+        sampled = {}
+        for w in step.work:
+            if w.sample:
+                ctx, toks = list(sched.by_id[w.request_id].tokens), []
+                for _ in range(step.num_steps):
+                    toks.append(next_token(w.request_id, ctx))
+                    ctx.append(toks[-1])
+                sampled[w.request_id] = toks
+        if shown and step.num_steps > 1:
+            share = shown[windows % len(shown)]
+            windows += 1
+            for k in sorted({1, int(share * (step.num_steps - 1))}):  # two hand-ons at most
+                for t in sched.on_window_tokens(step, {r: s[:k] for r, s in sampled.items()}):
+                    assert not t.last and t.token_id != EOS  # a finish goes with the StepDone
+                    out[t.request_id].append(t.token_id)
+                    early += 1
+        outcome = sched.on_step_done(step, sampled)
+        for t in outcome.tokens:
+            out[t.request_id].append(t.token_id)
+        for f in outcome.finished:
+            finished[f.request_id] = (f.reason, f.usage.completion_tokens)
+    assert not sched.has_work() and blocks.num_used == 0
+    return out, finished, early
+
+
+def test_window_tokens_sent_early_change_no_token_and_no_finish():
+    base, base_finished, none_early = drive(None)
+    out, finished, early = drive([1.0, 0.5, 0.0])
+    assert none_early == 0 and early > 0
+    assert out == base and finished == base_finished
+    for rid, (_, count) in finished.items():
+        assert count == len(out[rid])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=5))
+def test_any_share_of_a_window_sent_early_gives_the_same_stream(shares):
+    base, base_finished, _ = drive(None)
+    out, finished, _ = drive(shares)
+    assert out == base and finished == base_finished
+
+
+def test_stream_interval_must_not_be_negative():
+    assert any("stream_interval_ms" in p for p in MLXExecuteParams(stream_interval_ms=-1).validate())
+    assert not MLXExecuteParams(stream_interval_ms=0).validate()
+
+
+PROMPT = [5, 6, 7, 8, 9]
+MAX_TOKENS = 24
+HOLD_S = 1.0  # how long the test keeps each window's StepDone back
+
+
+def engine(path: str, interval_ms: float | None):
+    return unikern.Engine.from_pipeline("generate", model=path, overrides={
+        **SMALL_KV, "schedule": {"decode_lookahead": 8, "decode_lookahead_max": 8},
+        "execute": {"stream_interval_ms": interval_ms}})
+
+
+async def arrivals(path: str, interval_ms: float | None) -> tuple[list[int], list[tuple[str, int]], dict]:
+    """A greedy request's tokens, and what happened in order: ("token", i) as the caller
+    got token i, ("window", n) as the model thread gave back a window of n steps, after
+    holding it HOLD_S past its last step."""
+    events: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    async with engine(path, interval_ms) as eng:
+        await eng.complete(prompt_tokens=PROMPT, max_tokens=1)  # the runner is made by then
+        runner = eng._router.stages["execute"].runner
+        execute = runner.execute
+
+        def held(step, seeds):
+            done = execute(step, seeds)
+            if step.num_steps > 1:
+                time.sleep(HOLD_S)
+                with lock:
+                    events.append(("window", step.num_steps))
+            return done
+
+        runner.execute = held
+        tokens = []
+        async for event in eng.generate(prompt_tokens=PROMPT, max_tokens=MAX_TOKENS):
+            if isinstance(event, m.TokenEvent):
+                with lock:
+                    events.append(("token", len(tokens)))
+                tokens.append(event.token_id)
+        return tokens, events, eng.stats()["window_tokens"]
+
+
+def tokens_before_their_window(events: list[tuple[str, int]]) -> int:
+    """Tokens the caller got before the model thread gave back the window that sampled
+    them: beyond what the windows given back before them sampled."""
+    early, delivered, windows_done = 0, 0, 0
+    for kind, n in events:
+        if kind == "window":
+            windows_done += n
+        else:
+            delivered += 1
+            # token 0 comes from the prompt's step; windows sample the ones after it
+            early += delivered - 1 > windows_done
+    return early
+
+
+@pytest.mark.anyio
+async def test_a_windows_tokens_reach_the_caller_while_it_still_runs(tiny_llama):
+    ref = reference_greedy(tiny_llama, PROMPT, MAX_TOKENS)
+    streamed, events, stats = await arrivals(tiny_llama, 0)
+    at_end, end_events, end_stats = await arrivals(tiny_llama, None)
+    assert compare_greedy(streamed, ref)[0] and streamed == at_end
+    assert ("window", 8) in events and stats["sent"] > 0 and end_stats["sent"] == 0
+    # held back, a window's StepDone lets nothing through before it; handed on, each of
+    # its steps but the last reaches the caller first
+    assert tokens_before_their_window(end_events) == 0
+    assert tokens_before_their_window(events) >= 7
+
+
+@pytest.mark.anyio
+async def test_an_interval_longer_than_the_window_sends_nothing_early(tiny_llama):
+    streamed, events, stats = await arrivals(tiny_llama, 60_000)
+    assert stats["sent"] == 0 and tokens_before_their_window(events) == 0
+    assert len(streamed) == MAX_TOKENS
+
+
+@pytest.mark.anyio
+async def test_requests_finishing_inside_windows_end_as_without_window_tokens(tiny_llama):
+    """Several rows, some ending inside a window (max_tokens): their streams and finishes as
+    at the window's end."""
+
+    async def run(interval_ms):
+        async with engine(tiny_llama, interval_ms) as eng:
+            results = [None] * 6
+
+            async def one(i):
+                results[i] = await eng.complete(prompt_tokens=[5, 6 + i, 7], max_tokens=9 + 5 * i)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(6):
+                    tg.start_soon(one, i)
+            return [(r.token_ids, r.finish_reason) for r in results], eng.stats()["window_tokens"]
+
+    streamed, stats = await run(0)
+    at_end, _ = await run(None)
+    assert streamed == at_end and stats["sent"] > 0
