@@ -173,16 +173,12 @@ class ModelRunner:
         return caches
 
     def _written(self) -> list:
-        """What a forward writes: the pool (both groups' pools when split) and, in
-        recurrent models, the state slots. Evaluating them all finishes the forward's
-        reads of the pool too: a recurrent layer after the last attention layer
-        (nemotron-h's M*M-) holds the attention's read of the pool in its state's pending
-        graph, which evaluating the pool alone leaves pending; the next write into a pool
-        array with a read pending is not done in place: MLX copies the whole array (on
-        cpu, the whole budget, committed). And the step's pool write kernel markers: the
-        kernel writes in place, unseen by MLX, so it runs only when something evaluated
-        takes its marker, and a chunk that samples nothing evaluates nothing else
-        (tests/test_pool_write_markers.py)."""
+        """What a forward writes, evaluated with it: the pool (both groups' pools when split);
+        in recurrent models the state slots, which can hold the attention's read of the pool
+        pending (nemotron-h's M*M-), and a write into a pool array with a read pending is not
+        done in place (MLX copies the whole array: on cpu the whole budget, committed); and
+        the step's pool write kernel markers: the kernel writes in place, unseen by MLX, so it
+        runs only when something evaluated takes its marker (tests/test_pool_write_markers.py)."""
         written: list = [self.pool.keys, self.pool.values, *self._writes]
         if self.window_pool is not None:
             written += [self.window_pool.keys, self.window_pool.values]
@@ -413,6 +409,8 @@ class ModelRunner:
                 split = DecodeWindow(self.window_pool, [(w.window_table, w.start_pos) for w in work], step.num_steps)
         sampled: list[mx.array] = []
         reported: list[tuple[mx.array, ...]] = []
+        stream = self.window_stream  # the tokens handed on while the window runs (log-probabilities: at its end)
+        reader = stream.reader(step.step_id, [w.request_id for w in work]) if stream and not batch.logprob_rows else None
         padding = window.rows_run - len(work) if compiled is not None else 0
         for i in range(step.num_steps):
             if compiled is not None:  # its rows padded to the window's bucket (layouts.row_bucket)
@@ -439,9 +437,11 @@ class ModelRunner:
                 reported.append(batch.logprobs(logits, inputs))
             mx.async_eval(inputs)
             sampled.append(inputs)
+            if reader is not None and self.kernels["enabled"]:  # the CPU kernels computed step i - 1 by now
+                reader.read_to(sampled, i)
         self._carried = (tuple(w.request_id for w in work), inputs)
-        if self.window_stream is not None and not reported:  # (log-probabilities: with the StepDone)
-            self.window_stream.follow(step.step_id, [w.request_id for w in work], sampled)
+        if reader is not None:  # each step but the last as it finishes (the last: with the StepDone)
+            reader.read_to(sampled, step.num_steps - 1)
         columns = mx.stack(sampled, axis=1)  # one sync for the window's tokens and writes
         mx.eval(columns, *(a for r in reported for a in r), *self._written())
         tokens = {w.request_id: row for row, w in zip(columns.tolist(), work, strict=True)}

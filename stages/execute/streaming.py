@@ -6,9 +6,10 @@ and its StepDone comes when the last step is done: 23 tokens a row arrived at on
 to 326 ms apart through `unikern serve` at the 8B shape on an H100
 (tools/bench/bench_http.py), where llama-server sends each token as it comes. Here the
 model thread reads each step's tokens as that step finishes (the steps were queued one
-`async_eval` each, so reading step i waits for step i alone) and, once `interval_s` has
-passed since the window began or since its last hand-on, puts every row's tokens so far
-on the step's queue, which the event loop sends on as WindowTokens. The interval bounds
+`async_eval` each, so reading step i waits for step i alone; with the CPU kernels, which
+compute each step as its graph is built, while the window is built) and, once
+`interval_s` has passed since the window began or since its last hand-on, puts every
+row's tokens so far on the step's queue, which the event loop sends on as WindowTokens. The interval bounds
 the rate of extra messages, whatever the step rate. The window's last step goes with its
 StepDone, as before."""
 
@@ -20,7 +21,6 @@ from collections.abc import Callable
 
 import anyio
 import anyio.to_thread
-import mlx.core as mx
 
 from unikern import messages as m
 from unikern.stage import StageContext
@@ -50,23 +50,35 @@ class WindowStream:
         if q is not None:
             q.put(STEP_END)
 
-    def follow(self, step_id: int, request_ids: list[str], sampled: list[mx.array]) -> None:
-        """Read `sampled` (one [rows] array per step, each already queued) step by step and
-        hand on each row's tokens so far whenever `interval_s` has passed; the last
-        step's are left to the StepDone. On the model thread."""
+    def reader(self, step_id: int, request_ids: list[str]) -> WindowReader | None:
+        """The hand-ons of the window `step_id` (None: it has no queue)."""
         q = self._queues.get(step_id)
-        if q is None or len(sampled) < 2:
-            return
-        rows: list[list[int]] = [[] for _ in request_ids]
-        last = time.perf_counter()
-        for tokens in sampled[:-1]:
-            for row, token in zip(rows, tokens.tolist(), strict=True):
+        return None if q is None else WindowReader(self, q, request_ids)
+
+
+class WindowReader:
+    """One window's hand-ons, on the model thread: its steps' tokens read in order
+    (`read_to`), each row's so far put on the step's queue whenever the stream's interval
+    has passed since the window began or since the last hand-on."""
+
+    def __init__(self, stream: WindowStream, q: queue.SimpleQueue, request_ids: list[str]) -> None:
+        self.stream, self.q, self.request_ids = stream, q, request_ids
+        self.rows: list[list[int]] = [[] for _ in request_ids]
+        self.read = 0  # steps read
+        self.last = time.perf_counter()
+
+    def read_to(self, sampled: list, n: int) -> None:
+        """Read steps up to `n` of `sampled` (one [rows] array per step, each already
+        queued: `tolist` waits for that step alone)."""
+        for tokens in sampled[self.read:n]:
+            for row, token in zip(self.rows, tokens.tolist(), strict=True):
                 row.append(token)
             now = time.perf_counter()
-            if now - last >= self.interval_s:
-                q.put(dict(zip(request_ids, [list(r) for r in rows], strict=True)))
-                self.sent += 1
-                last = now
+            if now - self.last >= self.stream.interval_s:
+                self.q.put(dict(zip(self.request_ids, [list(r) for r in self.rows], strict=True)))
+                self.stream.sent += 1
+                self.last = now
+        self.read = max(self.read, n)
 
 
 def run_step(stream: WindowStream, step_id: int, fn: Callable, *args):

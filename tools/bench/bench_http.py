@@ -328,7 +328,7 @@ def install_stand_in(setting: str, model: str) -> None:
 
     class Computed:
         """A step's tokens, there once the step's GPU time has passed (as an MLX array's
-        `tolist` waits for its step): what the runner's window stream reads step by step."""
+        `tolist` waits for its step): what the runner's window reader reads step by step."""
 
         def __init__(self, tokens: list[int]) -> None:
             self.tokens, self.waited = tokens, False
@@ -348,8 +348,9 @@ def install_stand_in(setting: str, model: str) -> None:
             while time.thread_time() < end:
                 pass
         steps = [Computed([tokens[w.request_id][i] for w in rows]) for i in range(step.num_steps)]
-        if self.window_stream is not None and step.num_steps > 1:
-            self.window_stream.follow(step.step_id, [w.request_id for w in rows], steps)
+        reader = self.window_stream.reader(step.step_id, [w.request_id for w in rows]) if self.window_stream else None
+        if reader is not None:
+            reader.read_to(steps, step.num_steps - 1)
         for computed in steps:
             computed.tolist()
         return m.StepDone(step.step_id, tokens)
