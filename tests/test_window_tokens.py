@@ -17,6 +17,7 @@ import unikern
 from tests.conftest import SMALL_KV, compare_greedy, reference_greedy
 from unikern import messages as m
 from unikern.stages.execute.stage import MLXExecuteParams
+from unikern.stages.execute.streaming import STEP_END, WindowStream
 from unikern.stages.kv.blocks import BlockManager
 from unikern.stages.schedule.policy import Scheduler
 
@@ -78,6 +79,50 @@ def test_any_share_of_a_window_sent_early_gives_the_same_stream(shares):
 def test_stream_interval_must_not_be_negative():
     assert any("stream_interval_ms" in p for p in MLXExecuteParams(stream_interval_ms=-1).validate())
     assert not MLXExecuteParams(stream_interval_ms=0).validate()
+
+
+class Step:
+    """A step's tokens, as an MLX array's `tolist` gives them."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def tolist(self) -> list[int]:
+        return self.tokens
+
+
+def drained(q) -> list:
+    items = []
+    while not q.empty():
+        items.append(q.get())
+    return items
+
+
+def test_the_reader_hands_on_each_rows_tokens_so_far_and_never_the_last_step():
+    steps = [Step([10 + i, 20 + i]) for i in range(5)]
+    every = WindowStream(0.0)
+    q = every.open(7)
+    reader = every.reader(7, ["a", "b"])
+    reader.read_to(steps, 2)
+    reader.read_to(steps, 2)  # nothing new
+    reader.read_to(steps, 4)
+    every.close(7)
+    assert drained(q) == [{"a": [10], "b": [20]}, {"a": [10, 11], "b": [20, 21]},
+                          {"a": [10, 11, 12], "b": [20, 21, 22]}, {"a": [10, 11, 12, 13], "b": [20, 21, 22, 23]},
+                          STEP_END]
+    assert every.sent == 4 and every.reader(7, ["a", "b"]) is None  # closed: nothing more goes on
+    rarely = WindowStream(3600.0)
+    q = rarely.open(1)
+    rarely.reader(1, ["a", "b"]).read_to(steps, 4)
+    assert q.empty() and rarely.sent == 0
+
+
+def test_stopping_ends_the_queues_of_steps_that_never_ran():
+    stream = WindowStream(0.0)
+    queues = [stream.open(i) for i in range(3)]
+    stream.close(1)
+    stream.close_all()
+    assert [drained(q) for q in queues] == [[STEP_END]] * 3
 
 
 PROMPT = [5, 6, 7, 8, 9]

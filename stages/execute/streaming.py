@@ -50,6 +50,12 @@ class WindowStream:
         if q is not None:
             q.put(STEP_END)
 
+    def close_all(self) -> None:
+        """End every queue still open: the stage stops, and steps it queued never ran (a
+        helper thread still waiting on one would keep the interpreter from exiting)."""
+        for step_id in list(self._queues):
+            self.close(step_id)
+
     def reader(self, step_id: int, request_ids: list[str]) -> WindowReader | None:
         """The hand-ons of the window `step_id` (None: it has no queue)."""
         q = self._queues.get(step_id)
@@ -111,6 +117,9 @@ async def serve_in_order(ctx: StageContext, thread: ModelThread, call, stream: W
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise
+    finally:
+        if stream is not None:
+            stream.close_all()
 
 
 async def _deliver(ctx: StageContext, thread: ModelThread, future, previous: anyio.Event | None,
