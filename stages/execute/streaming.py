@@ -9,9 +9,9 @@ model thread reads each step's tokens as that step finishes (the steps were queu
 `async_eval` each, so reading step i waits for step i alone; with the CPU kernels, which
 compute each step as its graph is built, while the window is built) and, once
 `interval_s` has passed since the window began or since its last hand-on, puts every
-row's tokens so far on the step's queue, which the event loop sends on as WindowTokens. The interval bounds
-the rate of extra messages, whatever the step rate. The window's last step goes with its
-StepDone, as before."""
+row's tokens so far on the step's queue, which the event loop sends on as WindowTokens.
+The interval bounds the rate of extra messages, whatever the step rate. The window's
+last step goes with its StepDone, as before."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from unikern import messages as m
 from unikern.stage import StageContext
 from unikern.stages.execute.thread import ModelThread
 
-# what the model thread puts after a step's last WindowTokens (stage.py's _deliver)
+# what the model thread puts on a step's queue after its last hand-on (_deliver stops there)
 STEP_END = object()
 
 
