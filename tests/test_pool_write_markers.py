@@ -69,7 +69,6 @@ def test_the_traced_prefill_hands_back_its_write_markers(monkeypatch):
     def write(keys, values, pool_k, pool_v, slots):
         return keys.reshape(-1)[:4] * 0 + values.reshape(-1)[:4] * 0 + 1
 
-    monkeypatch.setattr(paged_cache.pool_write, "write", write)  # what update_and_fetch calls
     monkeypatch.setattr(paged_cache, "pool_writer", lambda paged: write if paged == "kernel" else None)
     model = tiny("llama", hidden_size=128, intermediate_size=96)
     plain, geo = paged_runner(model)

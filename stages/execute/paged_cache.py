@@ -145,14 +145,15 @@ class PagedLayerCache:
         # those the ones its kernel reads (the kernel takes the write's marker, `after`)
         paged_read = self.paged is not None and T == 1 and self.window is None
         kernel_read = T == 1 and self._kernel_reads(D, keys.dtype)
-        if self._kernel_writes(keys) and (kernel_read or not paged_read):
+        write = self._kernel_writer(keys)
+        if write is not None and (kernel_read or not paged_read):
             # one kernel writes both in place (pool_write.write), where MLX's scatter would
             # be a kernel its CUDA backend compiles at run time (prompt chunks) or two
             # launches a layer (decode steps); the gathers below take its marker through
             # their slots (for a decode step: a call that falls back to them, attention
             # sinks, a layer whose SDPA is not routed), a fresh prompt's own keys take it
             # so that the write is evaluated with them
-            done = pool_write.write(keys, values, pool_k, pool_v, lay.write_slots)
+            done = write(keys, values, pool_k, pool_v, lay.write_slots)
             if self.writes is not None:
                 self.writes.append(done)
             if read is None:
@@ -200,12 +201,13 @@ class PagedLayerCache:
             return None
         return self.pool.keys[self.layer], self.pool.values[self.layer], self.layout.write_slots
 
-    def _kernel_writes(self, keys: mx.array) -> bool:
-        """Whether this step's keys and values go into the pool by unikern's write kernel
-        (cuda/pool_write.py): where the paged attention kernel is on (CUDA), in the pool's
-        dtype, with a slot per token."""
-        return (pool_writer(self.paged) is not None and self.layout.write_slots is not None
-                and self.pool.keys[self.layer].dtype == keys.dtype)
+    def _kernel_writer(self, keys: mx.array) -> SlotWrite | None:
+        """The write kernel (pool_writer: cuda/pool_write.py) if this step's keys and values
+        go into the pool by it: where the paged attention kernel is on (CUDA), in the
+        pool's dtype, with a slot per token; else None."""
+        if self.layout.write_slots is None or self.pool.keys[self.layer].dtype != keys.dtype:
+            return None
+        return pool_writer(self.paged)
 
     def _kernel_reads(self, head_dim: int, dtype: mx.Dtype, heads: int | None = None) -> bool:
         """Whether a decode step of this layer is one the paged attention kernel reads back
