@@ -76,6 +76,26 @@ def test_any_share_of_a_window_sent_early_gives_the_same_stream(shares):
     assert out == base and finished == base_finished
 
 
+def test_a_request_ended_inside_a_window_counts_the_tokens_it_was_sent():
+    """Aborted (the caller cancelled, a stop string matched) after some of a window's tokens
+    went out and before its StepDone: its usage counts what it was sent."""
+    blocks = BlockManager(64, 16)
+    sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64, eos_token_ids=[EOS],
+                      context_length=512, decode_lookahead=8, decode_lookahead_max=8)
+    sched.add(m.Tokenized("r", (5, 6, 7), m.SamplingParams(max_tokens=40)))
+    sent = 0
+    while True:
+        step = sched.schedule()
+        tokens = {"r": [11 + i for i in range(step.num_steps)]}
+        if step.num_steps > 1:
+            sent += len(sched.on_window_tokens(step, {"r": tokens["r"][:3]}))
+            finished = sched.abort("r", "cancelled")
+            break
+        sent += len(sched.on_step_done(step, tokens).tokens)
+    assert sent == 4 and finished.usage.completion_tokens == 4  # the prompt's token, then 3 of the window
+    assert sched.on_step_done(step, tokens).tokens == [] and blocks.num_used == 0
+
+
 def test_stream_interval_must_not_be_negative():
     assert any("stream_interval_ms" in p for p in MLXExecuteParams(stream_interval_ms=-1).validate())
     assert not MLXExecuteParams(stream_interval_ms=0).validate()

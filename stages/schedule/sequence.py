@@ -63,7 +63,8 @@ class Sequence:
 
     @property
     def usage(self) -> m.Usage:
-        return m.Usage(self.num_prompt_tokens, self.num_generated, self.cached_tokens or 0)
+        # tokens of a window in flight already sent out count too (the request ends before its StepDone)
+        return m.Usage(self.num_prompt_tokens, self.num_generated + self.streamed, self.cached_tokens or 0)
 
 
 @dataclass(frozen=True)
