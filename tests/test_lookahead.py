@@ -21,6 +21,15 @@ def next_token(request_id: str, context: list[int]) -> int:
     return EOS if token % 97 == 0 else token
 
 
+def window_tokens(request_id: str, context: list[int], steps: int) -> list[int]:
+    """What a row samples over `steps` decode steps after `context` (next_token's)."""
+    ctx, toks = list(context), []
+    for _ in range(steps):
+        toks.append(next_token(request_id, ctx))
+        ctx.append(toks[-1])
+    return toks
+
+
 def run(lookahead: int, num_blocks: int = 64, block_size: int = 16, lookahead_max: int | None = None,
         steps_seen: list[int] | None = None):
     blocks = BlockManager(num_blocks, block_size)
@@ -46,14 +55,8 @@ def run(lookahead: int, num_blocks: int = 64, block_size: int = 16, lookahead_ma
             seq = sched.by_id[w.request_id]
             # every position the run will write must already have a block
             assert blocks.blocks_needed(w.start_pos + len(w.token_ids) + step.num_steps - 1) <= len(w.block_table)
-            if not w.sample:
-                continue
-            ctx = list(seq.tokens)
-            toks = []
-            for _ in range(step.num_steps):
-                toks.append(next_token(w.request_id, ctx))
-                ctx.append(toks[-1])
-            sampled[w.request_id] = toks
+            if w.sample:
+                sampled[w.request_id] = window_tokens(w.request_id, seq.tokens, step.num_steps)
         outcome = sched.on_step_done(step, sampled)
         for t in outcome.tokens:
             out[t.request_id].append(t.token_id)

@@ -11,7 +11,7 @@ import anyio
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_lookahead import EOS, next_token
+from test_lookahead import EOS, window_tokens
 
 import unikern
 from tests.conftest import SMALL_KV, compare_greedy, reference_greedy
@@ -34,14 +34,8 @@ def drive(shown: list[float] | None):
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(6)}
     finished, early, windows = {}, 0, 0
     while (step := sched.schedule()) is not None:
-        sampled = {}
-        for w in step.work:
-            if w.sample:
-                ctx, toks = list(sched.by_id[w.request_id].tokens), []
-                for _ in range(step.num_steps):
-                    toks.append(next_token(w.request_id, ctx))
-                    ctx.append(toks[-1])
-                sampled[w.request_id] = toks
+        sampled = {w.request_id: window_tokens(w.request_id, sched.by_id[w.request_id].tokens, step.num_steps)
+                   for w in step.work if w.sample}
         if shown and step.num_steps > 1:
             share = shown[windows % len(shown)]
             windows += 1

@@ -202,6 +202,7 @@ class MLXExecuteStage(StageBase):
     provides = ("model",)
     uses = ("kv",)  # the pool, whose service starts after the model exists
     fuse_elementwise = True  # as prepare_model set it for the process (execute.fuse_elementwise)
+    stream: WindowStream | None = None  # decode windows' tokens while they run (execute.stream_interval_ms)
 
     async def run(self, ctx: StageContext, *, task_status) -> None:
         p = self.params
@@ -267,7 +268,7 @@ class MLXExecuteStage(StageBase):
                 if p.stream_interval_ms is not None:
                     self.stream = runner.window_stream = WindowStream(p.stream_interval_ms / 1e3)
                 await serve_in_order(ctx, thread, lambda step: (runner.execute, step, seeds_of(step)),
-                                     getattr(self, "stream", None))
+                                     self.stream)
             else:
                 await self._serve_world(ctx, handle, world)
         finally:
@@ -389,7 +390,7 @@ class MLXExecuteStage(StageBase):
                 "shapes": dict(traced.shapes) if traced else {},
             },
             "window_tokens": {"interval_ms": self.params.stream_interval_ms,
-                              "sent": self.stream.sent if getattr(self, "stream", None) else 0},
+                              "sent": self.stream.sent if self.stream else 0},
             "warmup": getattr(self, "warmup", {"ran": False}),
             **self._world_stats(),
         }
