@@ -126,6 +126,7 @@ class LoadedModel:
     dense_mma_layers: int = 0  # bf16 linear layers whose steps of 5-64 rows take the tensor-core kernel
     kernel_embeddings: int = 0  # embeddings whose lookups are unikern's row kernel (cuda/rows.py)
     split_ropes: int = 0  # RoPE modules whose many-row steps launch in parts on CUDA (ropes.py)
+    pitched_experts: int = 0  # expert projections whose sorted input is re-strided first (experts.py)
     # seconds per phase of load_model (stats.model.startup): build, fuse, read, geometry
     phases: dict[str, float] = field(default_factory=dict)
 
@@ -146,6 +147,8 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
     (dense_mma.py; one rank). `ahead`: the weights the command line read while it imported
     (platform/read_ahead.py), taken instead of reading the files (one rank only)."""
     from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    from unikern.stages.execute.experts import route_experts
 
     path = resolve_model_path(name)
     sharded = world is not None and world.size > 1
@@ -174,6 +177,8 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
     kernel_embeddings = route_embeddings(model) if paged_cache.uses_row_kernel() else 0
     # small heads' decode-step RoPE in launches MLX's CUDA kernel takes
     split_ropes = route_ropes(model) if cuda_is_default() else 0
+    # experts' sorted inputs with the row pitch MLX's CUDA grouped GEMM reads (every backend)
+    pitched_experts = route_experts(model)
     fused_groups = 0
     if fuse:
         from unikern.stages.execute.fused import fuse_projections
@@ -230,5 +235,6 @@ def load_model(name: str, world: Any = None, fuse: bool = False, fuse_quantized:
         dense_mma_layers=dense_mma_layers,
         kernel_embeddings=kernel_embeddings,
         split_ropes=split_ropes,
+        pitched_experts=pitched_experts,
         phases={**clock.phases, **taken},
     )
