@@ -5,6 +5,9 @@ the settings that lower what the engine asks for. Plain synchronous code."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import mlx.core as mx
 
 from unikern.errors import DeviceMemoryError
@@ -19,18 +22,20 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(mark in str(exc).lower() for mark in OUT_OF_MEMORY_MARKS)
 
 
-def device_memory_error(exc: BaseException, pool_bytes: int | None = None) -> DeviceMemoryError:
+def device_memory_error(exc: BaseException, pools: Iterable[Any] = ()) -> DeviceMemoryError:
     """`exc` (MLX's allocation failure in a step) as a DeviceMemoryError: MLX's active,
-    cached and peak bytes and its memory limit, the KV pool's committed bytes when known,
-    and what to change."""
+    cached and peak bytes and its memory limit, the committed bytes of the KV `pools` (a
+    mixed model's windowed layers keep a pool of their own; None entries are skipped), and
+    what to change."""
 
     def gib(value: float) -> str:
         return f"{value / GiB:.2f} GiB"
 
     held = [f"active {gib(mx.get_active_memory())}", f"cached {gib(mx.get_cache_memory())}",
             f"peak {gib(mx.get_peak_memory())}", f"limit {gib(mx.get_memory_limit())}"]
-    if pool_bytes is not None:
-        held.append(f"KV pool committed {gib(pool_bytes)}")
+    committed = [pool.resident_bytes for pool in pools if pool is not None]
+    if committed:
+        held.append(f"KV pool committed {gib(sum(committed))}")
     return DeviceMemoryError(
         f"the device ran out of memory in a model step ({exc}); MLX held {', '.join(held)}. "
         "Other processes on the same device count too (nvidia-smi lists them). To ask for less: "

@@ -241,7 +241,7 @@ class ModelRunner:
             return self._execute(step, seeds)
         except RuntimeError as exc:
             if is_out_of_memory(exc):
-                raise device_memory_error(exc, self.pool.resident_bytes) from exc
+                raise device_memory_error(exc, (self.pool, self.window_pool)) from exc
             raise
 
     def _execute(self, step: m.Step, seeds: dict[str, int]) -> m.StepDone:
