@@ -17,8 +17,8 @@ MLX's Metal backend read the same stride until 0.32.1 (ml-explore/mlx#3960).
 `route_experts(model)` gives every SwitchLinear a call whose sorted input is reshaped to
 [pairs, K] and back first: a view with canonical strides (pitch K), no copy, on every
 backend alike. Quantized experts (`QuantizedSwitchLinear`, `mx.gather_qmm`) are left as
-they are: MLX's CUDA gather_qmm takes its input as row-contiguous and never reads that
-stride."""
+they are: MLX's CUDA gather_qmm reads its input densely (its source: `ensure_row_contiguous`,
+then offsets of K), never by that stride."""
 
 from __future__ import annotations
 
@@ -45,4 +45,3 @@ def route_experts(model: nn.Module) -> int:
             module.__class__ = PitchedSwitchLinear
             routed += 1
     return routed
-
