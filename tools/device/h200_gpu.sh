@@ -26,7 +26,8 @@
 # through the library, greedy parity), startup-rows-off (a fresh start with MLX's gather for
 # unikern's row kernel), engine-tests (the runner's kernels on CUDA), qwen2-place (tiny-qwen2
 # with the engine's kernels off one at a time), q4-gemv (the 4-bit GEMV's variants,
-# tools/probe/bench_q4_gemv.py), parity-1b-cudnn (parity-1b with cuDNN's SDPA),
+# tools/probe/bench_q4_gemv.py), parity-1b-cudnn (parity-1b with cuDNN's SDPA), parity-1b-f32
+# (parity-1b on the same weights in float32 with TF32 off),
 # startup-probe (tools/probe/probe_startup.py),
 # ab-tree (this tree's engine against OLD_TREE's, interleaved), and h200_x2.sh's two-GPU steps:
 # nccl-tests, bench-tp-8b. The models a step needs are built first (bench_gpu.py models
@@ -150,6 +151,11 @@ fi
 if named parity-1b-cudnn; then  # with MLX's cuDNN SDPA for the prompts (mlx-lm's too: one process)
   TAIL=12 run_step parity-1b-cudnn $RES/parity-1b-cudnn.json 90 env MLX_CUDA_USE_CUDNN_SDPA=1 python3 -m \
     tools.check.parity_check --model $M/llama-1b --prompts 16 --max-tokens 32 --json $RES/parity-1b-cudnn.json
+fi
+if named parity-1b-f32; then  # the same weights in float32, TF32 off: no bf16 step to tie on
+  run_step models-1b-f32 $M/llama-1b-f32/config.json 90 python3 -m tools.bench.bench_gpu models --out $M --shapes 1b-f32
+  TAIL=12 run_step parity-1b-f32 $RES/parity-1b-f32.json 120 env MLX_ENABLE_TF32=0 python3 -m tools.check.parity_check \
+    --model $M/llama-1b-f32 --prompts 16 --max-tokens 32 ${PARITY_ARGS:-} --json $RES/parity-1b-f32.json
 fi
 if named parity-1b-nofuse; then
   TAIL=12 run_step parity-1b-nofuse $RES/parity-1b-nofuse.json 90 python3 -m tools.check.parity_check \
